@@ -1,0 +1,54 @@
+"""Megatron-style metadata: sentinel trimming, padded/unpadded rule, seq_idx."""
+
+import torch
+
+from vlm_pack import get_packed_seq_params, pack_batch_sequences
+from vlm_pack.packed_seq_params import seq_idx_from_cu_seqlens, trim_cu_seqlens
+
+
+def test_trim_at_argmin():
+    cu = torch.tensor([[0, 128, 256, 384, -1, -1]])
+    assert trim_cu_seqlens(cu, torch.tensor(4)).tolist() == [0, 128, 256, 384]
+
+
+def test_trim_at_first_sentinel_without_argmin():
+    assert trim_cu_seqlens(torch.tensor([[0, 5, 9, -1, -1]])).tolist() == [0, 5, 9]
+    assert trim_cu_seqlens(torch.tensor([0, 5, 9])).tolist() == [0, 5, 9]
+
+
+def test_seq_idx_from_total_tokens():
+    expected = [0] * 5 + [1] * 2 + [2] * 4 + [3] * 5
+    assert seq_idx_from_cu_seqlens(torch.tensor([0, 5, 7, 11]), 16).tolist() == expected
+    assert seq_idx_from_cu_seqlens(torch.tensor([0, 5, 7, 11, 16]), 16).tolist() == expected
+
+
+def test_dict_batch_without_unpadded_leaves_padded_fields_none():
+    batch = {"cu_seqlens": torch.tensor([[0, 128, 256, 384, -1, -1]]), "cu_seqlens_argmin": torch.tensor(4),
+             "max_seqlen": torch.tensor(128), "tokens": torch.zeros(1, 384, dtype=torch.long)}
+    p = get_packed_seq_params(batch)
+    assert p.qkv_format == "thd"
+    assert p.cu_seqlens_q.tolist() == p.cu_seqlens_kv.tolist() == [0, 128, 256, 384]
+    assert p.cu_seqlens_q.dtype == torch.int32
+    assert p.cu_seqlens_q_padded is None and p.cu_seqlens_kv_padded is None
+    assert p.max_seqlen_q == p.max_seqlen_kv == 128
+    assert p.total_tokens == 384 and p.seq_idx.tolist() == [0] * 128 + [1] * 128 + [2] * 128
+
+
+def test_dict_batch_with_unpadded_variant():
+    batch = {"cu_seqlens": torch.tensor([[0, 4, 12, -1]]), "cu_seqlens_unpadded": torch.tensor([[0, 3, 8, -1]]),
+             "cu_seqlens_unpadded_argmin": torch.tensor(3), "max_seqlen": 8}
+    p = get_packed_seq_params(batch)
+    assert p.cu_seqlens_q.tolist() == [0, 3, 8]
+    assert p.cu_seqlens_q_padded.tolist() == p.cu_seqlens_kv_padded.tolist() == [0, 4, 12]
+    assert p.seq_idx is None
+
+
+def test_from_packed_batch_aligned_and_not():
+    tokens = torch.tensor([[1, 2, 3, 0, 0], [4, 5, 6, 7, 8]])
+    aligned = get_packed_seq_params(pack_batch_sequences(tokens, pad_to_multiple_of=4))
+    assert aligned.cu_seqlens_q.tolist() == [0, 3, 8]
+    assert aligned.cu_seqlens_q_padded.tolist() == [0, 4, 12]
+    assert aligned.max_seqlen_q == 8 and aligned.total_tokens == 12
+    plain = get_packed_seq_params(pack_batch_sequences(tokens))
+    assert plain.cu_seqlens_q.tolist() == [0, 3, 8] and plain.cu_seqlens_q_padded is None
+    assert plain.seq_idx.tolist() == [0, 0, 0, 1, 1, 1, 1, 1]

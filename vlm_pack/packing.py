@@ -1,0 +1,250 @@
+"""In-batch packing: turn a padded micro-batch ``[B, S]`` into ONE packed row ``[1, T]`` with boundaries.
+
+A tiny pack of two samples (lengths 3 and 2) with ``pad_to_multiple_of=2``::
+
+    slot               0    1    2    3  |  4    5
+    tokens            a0   a1   a2  PAD  | b0   b1
+    labels            l0   l1   l2 -100  | m0   m1
+    loss_mask          1    1    1    0  |  1    1
+    position_ids       0    1    2    3  |  0    1      (alignment slots keep counting)
+    padding_mask       F    F    F    T  |  F    F
+    cu_seqlens        [0, 3, 5]                         (real tokens, logical offsets)
+    cu_seqlens_padded [0, 4, 6]                         (physical boundaries: what the kernel uses)
+    max_seqlen        4                                 (largest PADDED length)
+
+Attention kernels receive ``cu_seqlens_padded``: every slot belongs to exactly one segment, so no token
+attends across a boundary, and causal masking keeps real tokens from seeing their trailing alignment slots.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+__all__ = ["PackedBatch", "pack_batch_sequences", "pad_multiple"]
+
+IGNORE_INDEX = -100
+
+
+def pad_multiple(context_parallel_size: int = 1, tensor_parallel_size: int = 1, sequence_parallel: bool = False) -> int:
+    """Length every packed sequence must be a multiple of.
+
+    Context parallelism splits each sequence into ``2 * cp`` zigzag chunks; sequence parallelism splits the
+    whole row across ``cp * tp`` ranks. The lcm satisfies both.
+    """
+    if context_parallel_size < 1 or tensor_parallel_size < 1:
+        raise ValueError(
+            f"context_parallel_size={context_parallel_size} and tensor_parallel_size={tensor_parallel_size} "
+            "must both be >= 1"
+        )
+    cp_mult = 2 * context_parallel_size if context_parallel_size > 1 else 1
+    sp_mult = context_parallel_size * tensor_parallel_size if sequence_parallel and tensor_parallel_size > 1 else 1
+    return math.lcm(cp_mult, sp_mult)
+
+
+@dataclass
+class PackedBatch:
+    """One packed row and its THD boundary metadata (names follow Megatron-Core's ``PackedSeqParams``).
+
+    ``tokens``, ``labels``, ``loss_mask`` and ``padding_mask`` are ``[1, T]``; ``position_ids`` is ``[1, T]`` or
+    ``[C, 1, T]`` (mRoPE channels). ``labels`` stay aligned with ``tokens`` (unshifted, Hugging Face
+    convention); shift them inside each sample with ``vlm_pack.loss.shift_packed_labels``.
+    """
+
+    tokens: torch.Tensor
+    labels: torch.Tensor | None
+    loss_mask: torch.Tensor | None
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    max_seqlen: int
+    seq_lengths: torch.Tensor
+    padding_mask: torch.Tensor
+
+    @property
+    def num_sequences(self) -> int:
+        """Number of real sequences in the row (a trailing ``pad_to_length`` fill segment is not one)."""
+        return self.seq_lengths.shape[0]
+
+    def attention_kwargs(self) -> dict[str, torch.Tensor | int]:
+        """Forward kwargs Hugging Face varlen attention reads (physical boundaries, padded max length)."""
+        return {
+            "cu_seq_lens_q": self.cu_seqlens_padded,
+            "cu_seq_lens_k": self.cu_seqlens_padded,
+            "max_length_q": self.max_seqlen,
+            "max_length_k": self.max_seqlen,
+        }
+
+    def to_dict(self) -> dict[str, torch.Tensor | int | None]:
+        """Shallow dict of the fields (tensors are not copied)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _real_token_spans(
+    tokens: torch.Tensor, padding_mask: torch.Tensor | None, pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+    """Start and length of each row's real tokens, on device and (after one host transfer) on host."""
+    batch, width = tokens.shape
+    cols = torch.arange(width, device=tokens.device)
+    if padding_mask is not None:
+        real = padding_mask.bool()
+        lengths = real.sum(dim=1)
+        starts = torch.where(lengths > 0, real.int().argmax(dim=1), 0)
+        last = torch.where(real, cols, -1).amax(dim=1)
+        # A contiguous span has no hole: last - first + 1 equals the count.
+        bad = (lengths > 0) & (last - starts + 1 != lengths)
+    else:
+        not_pad = tokens != pad_token_id
+        lengths = torch.where(not_pad, cols + 1, 0).amax(dim=1)
+        starts = torch.zeros_like(lengths)
+        # A row that opens with pad ids yet has content later is almost surely LEFT padded.
+        bad = (lengths > 0) & ~not_pad[:, 0]
+    host = torch.stack([starts, lengths, bad.long()]).cpu().numpy()  # the one host sync
+    bad_rows = np.flatnonzero(host[2])
+    if bad_rows.size:
+        row = int(bad_rows[0])
+        if padding_mask is not None:
+            raise ValueError(
+                f"padding_mask row {row} is not contiguous (its real tokens have a hole); a row must be "
+                "left- or right-padded only. Fix the mask, or split the row into separate samples."
+            )
+        raise ValueError(
+            f"row {row} starts with pad_token_id={pad_token_id} but has real tokens later: it looks left-padded. "
+            "Pass padding_mask (or attention_mask) so real tokens are not misread, or right-pad the batch."
+        )
+    return starts, lengths, host[0], host[1]
+
+
+def _check_shape(name: str, value: torch.Tensor | None, shape: torch.Size) -> None:
+    if value is not None and value.shape[-2:] != shape:
+        raise ValueError(f"{name} has shape {tuple(value.shape)}; expected trailing dims {tuple(shape)} like tokens")
+
+
+def pack_batch_sequences(
+    tokens: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    loss_mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    *,
+    pad_token_id: int = 0,
+    pad_to_multiple_of: int = 1,
+    padding_mask: torch.Tensor | None = None,
+    pad_to_length: int | None = None,
+) -> PackedBatch:
+    """Pack the real tokens of each row of a ``[B, S]`` batch into one ``[1, T]`` row.
+
+    Real tokens are where ``padding_mask`` (or, if absent, the 2-D ``attention_mask``) is 1 — left or right
+    padding both work. Without a mask a row runs up to and including its last token != ``pad_token_id``.
+    Empty rows are dropped; row order is kept. Each sequence is padded to a multiple of
+    ``pad_to_multiple_of`` with pad id / -100 / 0 / continued positions. ``position_ids`` (``[B, S]`` or
+    ``[C, B, S]``) are gathered like tokens; ``None`` restarts them at 0 per sequence. ``pad_to_length`` fixes
+    the total width T for static shapes: the extra slots form one trailing fill segment.
+
+    Vectorised: exactly one device-to-host transfer (the row lengths, which decide the output shape).
+    """
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [B, S]; got shape {tuple(tokens.shape)}")
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be >= 1; got {pad_to_multiple_of}")
+    if padding_mask is None and attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise ValueError(
+                f"attention_mask must be a 2-D [B, S] padding mask; got shape {tuple(attention_mask.shape)}. "
+                "Pass 4-D masks to the model, not to the packer."
+            )
+        padding_mask = attention_mask
+    shape = tokens.shape
+    for name, value in (("labels", labels), ("loss_mask", loss_mask), ("padding_mask", padding_mask)):
+        _check_shape(name, value, shape)
+        if value is not None and value.dim() != 2:
+            raise ValueError(f"{name} must be [B, S]; got shape {tuple(value.shape)}")
+    if position_ids is not None:
+        _check_shape("position_ids", position_ids, shape)
+        if position_ids.dim() not in (2, 3):
+            raise ValueError(f"position_ids must be [B, S] or [C, B, S]; got shape {tuple(position_ids.shape)}")
+
+    device = tokens.device
+    batch, width = shape
+    starts, lengths, _, host_lengths = _real_token_spans(tokens, padding_mask, pad_token_id)
+
+    keep = host_lengths > 0
+    num_seqs = int(keep.sum())
+    if num_seqs == 0:
+        raise ValueError(
+            f"all {batch} rows are empty (no real tokens): nothing to pack. Check padding_mask / pad_token_id."
+        )
+    m = pad_to_multiple_of
+    host_real = host_lengths[keep]
+    host_padded = -(-host_real // m) * m
+    packed_width = int(host_padded.sum())
+    max_seqlen = int(host_padded.max())
+    total = packed_width
+    if pad_to_length is not None:
+        if pad_to_length < packed_width:
+            raise ValueError(
+                f"pad_to_length={pad_to_length} is smaller than the packed width {packed_width} "
+                f"({num_seqs} sequences aligned to multiples of {m}); raise pad_to_length or lower the batch size."
+            )
+        total = pad_to_length
+
+    # Device-side index construction (no further host sync): kept rows in order, then a source index per slot.
+    rows = torch.argsort((lengths == 0).to(torch.int8), stable=True)[:num_seqs]
+    seg_real = lengths[rows]
+    seg_padded = (seg_real + m - 1) // m * m
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    cu_real = torch.cat([zero, seg_real.cumsum(0)])
+    cu_padded = torch.cat([zero, seg_padded.cumsum(0)])
+    seg_of_slot = torch.repeat_interleave(
+        torch.arange(num_seqs, device=device), seg_padded, output_size=packed_width
+    )
+    offset = torch.arange(packed_width, device=device) - cu_padded[seg_of_slot]
+    slot_real = seg_real[seg_of_slot]
+    is_fill = offset >= slot_real
+    # Fill slots read the sequence's last real token; positions then add how far past it they are.
+    src = rows[seg_of_slot] * width + starts[rows][seg_of_slot] + torch.minimum(offset, slot_real - 1)
+    past_end = (offset - slot_real + 1).clamp_min(0)
+
+    extra = total - packed_width
+
+    def gather(value: torch.Tensor, fill: int) -> torch.Tensor:
+        out = value.reshape(-1)[src].masked_fill(is_fill, fill)
+        if extra:
+            out = torch.cat([out, out.new_full((extra,), fill)])
+        return out.unsqueeze(0)
+
+    if position_ids is None:
+        positions = offset
+        if extra:
+            positions = torch.cat([positions, torch.arange(extra, device=device)])
+        out_positions = positions.unsqueeze(0)
+    else:
+        channels = position_ids.reshape(-1, batch * width) if position_ids.dim() == 3 else position_ids.reshape(1, -1)
+        positions = channels[:, src] + past_end.to(position_ids.dtype)
+        if extra:
+            tail = torch.arange(extra, device=device, dtype=position_ids.dtype).expand(positions.shape[0], extra)
+            positions = torch.cat([positions, tail], dim=1)
+        out_positions = positions.unsqueeze(1) if position_ids.dim() == 3 else positions
+
+    fill_mask = is_fill
+    if extra:
+        fill_mask = torch.cat([fill_mask, torch.ones(extra, dtype=torch.bool, device=device)])
+        # The trailing fill forms its own segment of real length 0, so both cu_seqlens keep equal length.
+        cu_real = torch.cat([cu_real, cu_real[-1:]])
+        cu_padded = torch.cat([cu_padded, cu_padded.new_full((1,), total)])
+        max_seqlen = max(max_seqlen, extra)
+
+    return PackedBatch(
+        tokens=gather(tokens, pad_token_id),
+        labels=None if labels is None else gather(labels, IGNORE_INDEX),
+        loss_mask=None if loss_mask is None else gather(loss_mask, 0),
+        position_ids=out_positions,
+        cu_seqlens=cu_real.to(torch.int32),
+        cu_seqlens_padded=cu_padded.to(torch.int32),
+        max_seqlen=max_seqlen,
+        seq_lengths=seg_real.to(torch.int32),
+        padding_mask=fill_mask.unsqueeze(0),
+    )
