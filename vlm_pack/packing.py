@@ -85,24 +85,25 @@ class PackedBatch:
 
 def _real_token_spans(
     tokens: torch.Tensor, padding_mask: torch.Tensor | None, pad_token_id: int
-) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
-    """Start and length of each row's real tokens, on device and (after one host transfer) on host."""
-    batch, width = tokens.shape
+) -> tuple[np.ndarray, np.ndarray]:
+    """Length and start of each row's real tokens, brought to the host in the one device-to-host transfer."""
+    width = tokens.shape[1]
     cols = torch.arange(width, device=tokens.device)
     if padding_mask is not None:
-        real = padding_mask.bool()
+        real = padding_mask.long()
         lengths = real.sum(dim=1)
-        starts = torch.where(lengths > 0, real.int().argmax(dim=1), 0)
-        last = torch.where(real, cols, -1).amax(dim=1)
-        # A contiguous span has no hole: last - first + 1 equals the count.
-        bad = (lengths > 0) & (last - starts + 1 != lengths)
+        starts = real.argmax(dim=1)  # first real slot (0 for an empty row)
+        # n distinct columns whose smallest is s sum to n*s + n(n-1)/2 exactly when they are s..s+n-1, so this
+        # one reduction proves every row is a single contiguous run (left, right or both sides padded).
+        col_sum = torch.mv(real, cols) if real.is_cpu else (real * cols).sum(dim=1)
+        bad = col_sum != lengths * starts + lengths * (lengths - 1) // 2
     else:
         not_pad = tokens != pad_token_id
         lengths = torch.where(not_pad, cols + 1, 0).amax(dim=1)
         starts = torch.zeros_like(lengths)
         # A row that opens with pad ids yet has content later is almost surely LEFT padded.
         bad = (lengths > 0) & ~not_pad[:, 0]
-    host = torch.stack([starts, lengths, bad.long()]).cpu().numpy()  # the one host sync
+    host = torch.stack([lengths, starts, bad.long()]).cpu().numpy()
     bad_rows = np.flatnonzero(host[2])
     if bad_rows.size:
         row = int(bad_rows[0])
@@ -115,7 +116,7 @@ def _real_token_spans(
             f"row {row} starts with pad_token_id={pad_token_id} but has real tokens later: it looks left-padded. "
             "Pass padding_mask (or attention_mask) so real tokens are not misread, or right-pad the batch."
         )
-    return starts, lengths, host[0], host[1]
+    return host[0], host[1]
 
 
 def _check_shape(name: str, value: torch.Tensor | None, shape: torch.Size) -> None:
@@ -169,19 +170,22 @@ def pack_batch_sequences(
 
     device = tokens.device
     batch, width = shape
-    starts, lengths, _, host_lengths = _real_token_spans(tokens, padding_mask, pad_token_id)
+    all_lengths, all_starts = _real_token_spans(tokens, padding_mask, pad_token_id)
 
-    keep = host_lengths > 0
-    num_seqs = int(keep.sum())
+    # Plan on the host (cheap O(B) numpy), then gather on the device with a handful of O(T) kernels.
+    rows = np.flatnonzero(all_lengths)
+    num_seqs = rows.size
     if num_seqs == 0:
         raise ValueError(
             f"all {batch} rows are empty (no real tokens): nothing to pack. Check padding_mask / pad_token_id."
         )
     m = pad_to_multiple_of
-    host_real = host_lengths[keep]
-    host_padded = -(-host_real // m) * m
-    packed_width = int(host_padded.sum())
-    max_seqlen = int(host_padded.max())
+    seg_real = all_lengths[rows]
+    seg_padded = -(-seg_real // m) * m
+    cu_real = np.concatenate([[0], np.cumsum(seg_real)])
+    cu_padded = np.concatenate([[0], np.cumsum(seg_padded)])
+    packed_width = int(cu_padded[-1])
+    max_seqlen = int(seg_padded.max())
     total = packed_width
     if pad_to_length is not None:
         if pad_to_length < packed_width:
@@ -190,61 +194,80 @@ def pack_batch_sequences(
                 f"({num_seqs} sequences aligned to multiples of {m}); raise pad_to_length or lower the batch size."
             )
         total = pad_to_length
-
-    # Device-side index construction (no further host sync): kept rows in order, then a source index per slot.
-    rows = torch.argsort((lengths == 0).to(torch.int8), stable=True)[:num_seqs]
-    seg_real = lengths[rows]
-    seg_padded = (seg_real + m - 1) // m * m
-    zero = torch.zeros(1, dtype=torch.long, device=device)
-    cu_real = torch.cat([zero, seg_real.cumsum(0)])
-    cu_padded = torch.cat([zero, seg_padded.cumsum(0)])
-    seg_of_slot = torch.repeat_interleave(
-        torch.arange(num_seqs, device=device), seg_padded, output_size=packed_width
-    )
-    offset = torch.arange(packed_width, device=device) - cu_padded[seg_of_slot]
-    slot_real = seg_real[seg_of_slot]
-    is_fill = offset >= slot_real
-    # Fill slots read the sequence's last real token; positions then add how far past it they are.
-    src = rows[seg_of_slot] * width + starts[rows][seg_of_slot] + torch.minimum(offset, slot_real - 1)
-    past_end = (offset - slot_real + 1).clamp_min(0)
-
     extra = total - packed_width
+    if extra:
+        # The trailing fill forms its own segment of real length 0, so both cu_seqlens keep equal length.
+        cu_real = np.append(cu_real, cu_real[-1])
+        cu_padded = np.append(cu_padded, total)
+        max_seqlen = max(max_seqlen, extra)
 
-    def gather(value: torch.Tensor, fill: int) -> torch.Tensor:
-        out = value.reshape(-1)[src].masked_fill(is_fill, fill)
+    seg_src = rows * width + all_starts[rows]  # flat index of each sequence's first real token
+    gaps = seg_padded - seg_real
+    fill_seg = np.repeat(np.arange(num_seqs), gaps)
+    fill_step = np.arange(fill_seg.size) - np.repeat(np.cumsum(gaps) - gaps, gaps)  # 0, 1, .. within a gap
+    plan = torch.from_numpy(
+        np.concatenate([
+            seg_src - cu_padded[:num_seqs],  # slot t of sequence i reads flat index t + this
+            seg_padded,
+            cu_padded[:num_seqs],
+            (cu_padded[:num_seqs] + seg_real)[fill_seg] + fill_step,  # alignment slots
+            (seg_src + seg_real - 1)[fill_seg],  # ... and the last real token before each
+            fill_step + 1,
+            cu_real,
+            cu_padded,
+        ]).astype(np.int64)
+    ).to(device, non_blocking=True)
+    n_fill = fill_seg.size
+    shift, repeats, seg_start, fill_idx, fill_last, fill_offset, cu_real_t, cu_padded_t = plan.split(
+        [num_seqs, num_seqs, num_seqs, n_fill, n_fill, n_fill, cu_real.size, cu_padded.size]
+    )
+
+    src = torch.repeat_interleave(shift, repeats, output_size=packed_width)
+    src += torch.arange(packed_width, device=device)
+    if n_fill:
+        src.clamp_(max=batch * width - 1)  # alignment slots read anything in range, then get overwritten
+
+    def finish(out: torch.Tensor, fill: int) -> torch.Tensor:
         if extra:
-            out = torch.cat([out, out.new_full((extra,), fill)])
-        return out.unsqueeze(0)
+            out = torch.cat([out, out.new_full(out.shape[:-1] + (extra,), fill)], dim=-1)
+        return out.unsqueeze(-2)
+
+    def gather(value: torch.Tensor | None, fill: int) -> torch.Tensor | None:
+        if value is None:
+            return None
+        out = value.reshape(-1).index_select(0, src)
+        if n_fill:
+            out.index_fill_(0, fill_idx, fill)
+        return finish(out, fill)
 
     if position_ids is None:
-        positions = offset
-        if extra:
-            positions = torch.cat([positions, torch.arange(extra, device=device)])
-        out_positions = positions.unsqueeze(0)
+        positions = torch.arange(packed_width, device=device)
+        positions -= torch.repeat_interleave(seg_start, repeats, output_size=packed_width)
     else:
-        channels = position_ids.reshape(-1, batch * width) if position_ids.dim() == 3 else position_ids.reshape(1, -1)
-        positions = channels[:, src] + past_end.to(position_ids.dtype)
-        if extra:
-            tail = torch.arange(extra, device=device, dtype=position_ids.dtype).expand(positions.shape[0], extra)
-            positions = torch.cat([positions, tail], dim=1)
-        out_positions = positions.unsqueeze(1) if position_ids.dim() == 3 else positions
-
-    fill_mask = is_fill
+        flat_positions = position_ids.reshape(-1, batch * width)
+        positions = flat_positions.index_select(1, src)
+        if n_fill:
+            # Alignment slots keep counting from the sequence's last real position.
+            positions[:, fill_idx] = flat_positions[:, fill_last] + fill_offset.to(positions.dtype)
+        if position_ids.dim() == 2:
+            positions = positions[0]
     if extra:
-        fill_mask = torch.cat([fill_mask, torch.ones(extra, dtype=torch.bool, device=device)])
-        # The trailing fill forms its own segment of real length 0, so both cu_seqlens keep equal length.
-        cu_real = torch.cat([cu_real, cu_real[-1:]])
-        cu_padded = torch.cat([cu_padded, cu_padded.new_full((1,), total)])
-        max_seqlen = max(max_seqlen, extra)
+        tail = torch.arange(extra, device=device, dtype=positions.dtype).expand(*positions.shape[:-1], extra)
+        positions = torch.cat([positions, tail], dim=-1)
+
+    fill_mask = torch.zeros(total, dtype=torch.bool, device=device)
+    if n_fill:
+        fill_mask[fill_idx] = True
+    fill_mask[packed_width:] = True
 
     return PackedBatch(
         tokens=gather(tokens, pad_token_id),
-        labels=None if labels is None else gather(labels, IGNORE_INDEX),
-        loss_mask=None if loss_mask is None else gather(loss_mask, 0),
-        position_ids=out_positions,
-        cu_seqlens=cu_real.to(torch.int32),
-        cu_seqlens_padded=cu_padded.to(torch.int32),
+        labels=gather(labels, IGNORE_INDEX),
+        loss_mask=gather(loss_mask, 0),
+        position_ids=positions.unsqueeze(-2),
+        cu_seqlens=cu_real_t.to(torch.int32),
+        cu_seqlens_padded=cu_padded_t.to(torch.int32),
         max_seqlen=max_seqlen,
-        seq_lengths=seg_real.to(torch.int32),
+        seq_lengths=torch.from_numpy(seg_real.astype(np.int32)).to(device, non_blocking=True),
         padding_mask=fill_mask.unsqueeze(0),
     )
