@@ -120,8 +120,25 @@ def test_left_padding_without_mask_is_an_error():
 def test_non_contiguous_mask_rejected():
     tokens = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     mask = torch.tensor([[1, 1, 1, 1], [1, 0, 1, 0]])
-    with pytest.raises(ValueError, match="row 1 is not contiguous"):
+    with pytest.raises(ValueError, match="row 1 is not one contiguous run"):
         pack_batch_sequences(tokens, padding_mask=mask)
+
+
+@pytest.mark.parametrize(
+    "row",
+    [[0, 1, 1, 0, 1], [1, 0, 1, 1, 1], [0, 1, 1, 1, 0]],  # hole in a left-/right-padded row; padding on both sides
+)
+def test_other_mask_shapes_rejected(row):
+    tokens = torch.ones(2, 5, dtype=torch.long)
+    mask = torch.tensor([[1, 1, 1, 1, 1], row])
+    with pytest.raises(ValueError, match="row 1 is not one contiguous run"):
+        pack_batch_sequences(tokens, padding_mask=mask)
+
+
+def test_bool_mask_accepted():
+    tokens = torch.tensor([[0, 5, 6], [1, 2, 0]])
+    b = pack_batch_sequences(tokens, padding_mask=torch.tensor([[False, True, True], [True, True, False]]))
+    assert b.tokens.tolist() == [[5, 6, 1, 2]]
 
 
 def test_nonzero_pad_id():

@@ -92,11 +92,12 @@ def _real_token_spans(
     if padding_mask is not None:
         real = padding_mask.long()
         lengths = real.sum(dim=1)
-        starts = real.argmax(dim=1)  # first real slot (0 for an empty row)
-        # n distinct columns whose smallest is s sum to n*s + n(n-1)/2 exactly when they are s..s+n-1, so this
-        # one reduction proves every row is a single contiguous run (left, right or both sides padded).
+        right_padded = real[:, 0] != 0  # real run starts at column 0 (full rows count as right-padded)
+        starts = torch.where(right_padded, 0, width - lengths)
+        # n distinct columns >= s sum to n*s + n(n-1)/2 exactly when they are s..s+n-1, so one weighted sum
+        # proves each row is a single run starting at ``starts`` (left or right padding, no holes).
         col_sum = torch.mv(real, cols) if real.is_cpu else (real * cols).sum(dim=1)
-        bad = col_sum != lengths * starts + lengths * (lengths - 1) // 2
+        bad = (lengths > 0) & (col_sum != lengths * starts + lengths * (lengths - 1) // 2)
     else:
         not_pad = tokens != pad_token_id
         lengths = torch.where(not_pad, cols + 1, 0).amax(dim=1)
@@ -109,8 +110,9 @@ def _real_token_spans(
         row = int(bad_rows[0])
         if padding_mask is not None:
             raise ValueError(
-                f"padding_mask row {row} is not contiguous (its real tokens have a hole); a row must be "
-                "left- or right-padded only. Fix the mask, or split the row into separate samples."
+                f"padding_mask row {row} is not one contiguous run touching the row's left or right end (a hole, "
+                "or padding on both sides); a row must be left- or right-padded only. Fix the mask, or split "
+                "the row into separate samples."
             )
         raise ValueError(
             f"row {row} starts with pad_token_id={pad_token_id} but has real tokens later: it looks left-padded. "
