@@ -11,7 +11,7 @@ import yaml
 
 from .packing import pad_multiple
 
-__all__ = ["PackedSequenceSpecs", "PackingConfig", "load_yaml_section"]
+__all__ = ["PackedSequenceSpecs", "PackingConfig", "load_yaml_section", "reject_unknown_keys"]
 
 
 @dataclass
@@ -67,8 +67,8 @@ class PackingConfig:
         """Build from a plain mapping; unknown keys are errors (a typo must not silently disable packing)."""
         values = dict(values)
         specs = values.pop("packed_sequence_specs", None) or {}
-        _reject_unknown(cls, values, "packing")
-        _reject_unknown(PackedSequenceSpecs, specs, "packing.packed_sequence_specs")
+        reject_unknown_keys(cls, values, "packing")
+        reject_unknown_keys(PackedSequenceSpecs, specs, "packing.packed_sequence_specs")
         return cls(**values, packed_sequence_specs=PackedSequenceSpecs(**specs))
 
     @classmethod
@@ -156,7 +156,8 @@ def load_yaml_section(path: str | Path, section: str) -> dict[str, Any]:
     return value
 
 
-def _reject_unknown(cls: type, values: Mapping[str, Any], where: str) -> None:
+def reject_unknown_keys(cls: type, values: Mapping[str, Any], where: str) -> None:
+    """Raise naming the unknown keys of ``values`` for dataclass ``cls`` (a typo must never pass silently)."""
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
