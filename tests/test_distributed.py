@@ -1,0 +1,334 @@
+"""Context- and data-parallel training on packed batches over a real gloo process group.
+
+A tiny causal LM (embedding + learned positions -> one multi-head self-attention layer -> LM head) runs on
+CP-partitioned packed rows: each rank projects Q/K/V for its zigzag slice, all-gathers K/V across the CP
+group (autograd-aware), and attends with its queries' GLOBAL slots (same segment, key slot <= query slot).
+Loss and gradients, reduced with sums and counts over the DP x CP group, must equal the single-process
+packed result. World sizes 2 (cp=2) and 4 (cp=4, and dp=2 x cp=2); each world is spawned once.
+"""
+
+import dataclasses
+import math
+import socket
+import time
+import warnings
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from vlm_pack import pack_batch_sequences, pad_multiple
+from vlm_pack.context_parallel import (
+    context_parallel_all_gather,
+    partition_for_context_parallel,
+    segment_ids_of,
+    zigzag_indices,
+)
+from vlm_pack.distributed import (
+    all_reduce_gradients,
+    reduce_per_sample_mean_loss,
+    reduce_per_token_loss,
+)
+from vlm_pack.loss import (
+    loss_sum_and_count,
+    packed_cross_entropy,
+    per_sample_loss_sums,
+    sample_mean,
+    shift_packed_labels,
+)
+
+VOCAB, DIM, HEADS, MAX_POS = 40, 16, 2, 64
+RTOL, ATOL = 1e-4, 1e-6
+SPAWN_TIMEOUT_S = 90
+
+
+class TinyAttentionLM(nn.Module):
+    """Embedding + positions -> one causal multi-head attention block (residual) -> LM head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.pos = nn.Embedding(MAX_POS, DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.proj = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+        with torch.no_grad():
+            for param in self.parameters():
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+
+    def forward(self, tokens, position_ids, query_slots, cu_seqlens_padded, gather_kv=lambda t: t):
+        """``tokens``/``position_ids``/``query_slots`` ``[t]`` (this rank's slots); ``gather_kv`` -> global order."""
+        x = self.embed(tokens) + self.pos(position_ids)
+        q, k, v = self.qkv(x).view(-1, 3, HEADS, DIM // HEADS).unbind(1)
+        k, v = gather_kv(k), gather_kv(v)
+        key_slots = torch.arange(k.shape[0])
+        same_segment = segment_ids_of(query_slots, cu_seqlens_padded)[:, None] == segment_ids_of(
+            key_slots, cu_seqlens_padded
+        )
+        allowed = same_segment & (key_slots[None, :] <= query_slots[:, None])
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(DIM // HEADS)
+        attn = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        out = torch.einsum("hqk,khd->qhd", attn, v).reshape(-1, DIM)
+        return self.head(x + self.proj(out))
+
+
+def _batch(lengths, cp, seed, prompt=2):
+    """Packed row of random samples; the first ``prompt`` tokens of each sample carry no loss."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    tokens = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        tokens[row, :length] = torch.randint(1, VOCAB, (length,), generator=gen)
+        mask[row, :length] = 1
+    labels = tokens.masked_fill(mask == 0, -100)
+    labels[:, :prompt] = -100
+    return pack_batch_sequences(tokens, labels, padding_mask=mask, pad_to_multiple_of=pad_multiple(cp, 1, False))
+
+
+def _full_forward(model, batch):
+    """Single-process packed forward: logits ``[T, V]``."""
+    total = batch.tokens.shape[1]
+    return model(batch.tokens[0], batch.position_ids[0], torch.arange(total), batch.cu_seqlens_padded)
+
+
+def _grads(model):
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def _reference(batches, targets_per_batch, normalisation):
+    """Single-process packed loss and gradients over the global batch (all DP rows)."""
+    model = TinyAttentionLM()
+    sums, counts = [], []
+    for batch, targets in zip(batches, targets_per_batch):
+        logits = _full_forward(model, batch)
+        if normalisation == "token":
+            s, c = loss_sum_and_count(logits, targets)
+        else:
+            seg = segment_ids_of(torch.arange(logits.shape[0]), batch.cu_seqlens_padded)
+            s, c = per_sample_loss_sums(logits, targets, seg, batch.num_sequences)
+        sums.append(s.reshape(-1))
+        counts.append(c.reshape(-1).float())
+    sums, counts = torch.cat(sums), torch.cat(counts)
+    loss = sums.sum() / counts.sum().clamp_min(1) if normalisation == "token" else sample_mean(sums, counts)
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+def _cp_step(batch, targets, cp_group, reduce_group, normalisation, sample_offset=0, num_samples=None):
+    """This rank's CP forward/backward; loss reduced over ``reduce_group``, grads summed over it."""
+    cp, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    cu = batch.cu_seqlens_padded
+    # Labels are shifted on the GLOBAL row, then split like the tokens.
+    part = partition_for_context_parallel(dataclasses.replace(batch, labels=targets), cp, rank)
+    local_targets = part.labels
+    slots = zigzag_indices(cu, cp, rank)
+    model = TinyAttentionLM()
+
+    def gather_kv(t):
+        return context_parallel_all_gather(t, cu, cp_group)
+
+    logits = model(part.tokens[0], part.position_ids[0], slots, cu, gather_kv)
+    if normalisation == "token":
+        loss_sum, count = loss_sum_and_count(logits, local_targets)
+        reduced = reduce_per_token_loss(loss_sum, count, reduce_group)
+    else:
+        sums, counts = per_sample_loss_sums(logits, local_targets, segment_ids_of(slots, cu), batch.num_sequences)
+        pad = (sample_offset, num_samples - sample_offset - sums.numel())
+        reduced = reduce_per_sample_mean_loss(F.pad(sums, pad), F.pad(counts, pad), reduce_group)
+    reduced.loss.backward()
+    all_reduce_gradients(model.parameters(), reduce_group)
+    return reduced, _grads(model), int(count) if normalisation == "token" else None
+
+
+def _assert_matches(reduced, grads, ref_loss, ref_grads, what):
+    assert torch.isfinite(reduced.value), what
+    torch.testing.assert_close(reduced.value, ref_loss, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: loss {m}")
+    for name, ref in ref_grads.items():
+        assert torch.isfinite(grads[name]).all(), f"{what}: {name}"
+        torch.testing.assert_close(grads[name], ref, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: grad {name} {m}")
+
+
+def _check_cp_exact(cp_group, lengths, seed):
+    batch = _batch(lengths, dist.get_world_size(cp_group), seed)
+    targets = shift_packed_labels(batch.labels, batch.cu_seqlens_padded)
+    for normalisation in ("token", "sample"):
+        ref_loss, ref_grads = _reference([batch], [targets], normalisation)
+        reduced, grads, _ = _cp_step(batch, targets, cp_group, cp_group, normalisation, num_samples=batch.num_sequences)
+        _assert_matches(reduced, grads, ref_loss, ref_grads, f"cp exact {normalisation}")
+
+
+def _check_zero_token_rank(group):
+    """Rank 1's slice holds no loss token: its local mean would be 0/0, the reduction stays exact."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    batch = _batch([7, 12, 5], cp, seed=3)
+    cu = batch.cu_seqlens_padded
+    targets = shift_packed_labels(batch.labels, cu).clone()
+    targets[..., zigzag_indices(cu, cp, 1)] = -100
+    ref_loss, ref_grads = _reference([batch], [targets], "token")
+    reduced, grads, count = _cp_step(batch, targets, group, group, "token")
+    if rank == 1:
+        assert count == 0
+        assert torch.isnan(torch.tensor(0.0) / count)  # what a per-rank mean would feed the all-reduce
+        assert reduced.loss.item() == 0.0
+    _assert_matches(reduced, grads, ref_loss, ref_grads, "zero-token rank")
+    # No loss token anywhere: loss 0 and zero gradients, not NaN.
+    none = torch.full_like(targets, -100)
+    reduced, grads, _ = _cp_step(batch, none, group, group, "token")
+    assert reduced.value.item() == 0.0 and reduced.count.item() == 0
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads.values())
+    reduced, grads, _ = _cp_step(batch, none, group, group, "sample", num_samples=batch.num_sequences)
+    assert reduced.value.item() == 0.0 and all(torch.isfinite(g).all() for g in grads.values())
+
+
+def _check_matches_torch_all_gather(group):
+    """Our all-gather equals torch.distributed.nn.functional.all_gather + reordering, forward and backward."""
+    from torch.distributed.nn.functional import all_gather as torch_all_gather
+
+    from vlm_pack.context_parallel import gather_from_context_parallel
+
+    def all_gather(tensor, group):
+        with warnings.catch_warnings():  # deprecated in torch 2.14 in favour of functional collectives
+            warnings.simplefilter("ignore", FutureWarning)
+            return torch_all_gather(tensor, group=group)
+
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    cu = torch.tensor([0, 8, 24])
+    weights = torch.arange(24 * 3, dtype=torch.float32).view(24, 3)
+    start = torch.arange(24 * 3, dtype=torch.float32).view(24, 3) + 1
+    outs = []
+    for gather in (
+        lambda t: context_parallel_all_gather(t, cu, group),
+        lambda t: gather_from_context_parallel(all_gather(t, group=group), cu, dim=0),
+    ):
+        shard = start[zigzag_indices(cu, cp, rank)].requires_grad_()
+        full = gather(shard)
+        (full * weights).sum().backward()
+        outs.append((full.detach(), shard.grad))
+    torch.testing.assert_close(outs[0][0], outs[1][0])
+    torch.testing.assert_close(outs[0][1], outs[1][1])
+    # Every rank back-propagates the same weights, so a slot's gradient is cp * its weight.
+    torch.testing.assert_close(outs[0][1], cp * weights[zigzag_indices(cu, cp, rank)])
+
+
+def _check_dp_cp(world_rank):
+    """dp=2 x cp=2: each DP pair packs different samples; loss and grads reduced over all 4 ranks."""
+    cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_rank, cp_group = world_rank // 2, cp_groups[world_rank // 2]
+    batches = [_batch([6, 11, 3], 2, seed=10), _batch([9, 4], 2, seed=11)]
+    targets = [shift_packed_labels(b.labels, b.cu_seqlens_padded) for b in batches]
+    offsets = [0, batches[0].num_sequences]
+    total_samples = sum(b.num_sequences for b in batches)
+    for normalisation in ("token", "sample"):
+        ref_loss, ref_grads = _reference(batches, targets, normalisation)
+        reduced, grads, _ = _cp_step(
+            batches[dp_rank], targets[dp_rank], cp_group, None, normalisation, offsets[dp_rank], total_samples
+        )
+        _assert_matches(reduced, grads, ref_loss, ref_grads, f"dp2 x cp2 {normalisation}")
+
+
+def _worker(rank, world_size, port):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=30)
+    )
+    try:
+        world = dist.group.WORLD
+        _check_cp_exact(world, [7, 13, 4, 9], seed=world_size)
+        _check_matches_torch_all_gather(world)
+        if world_size == 2:
+            _check_zero_token_rank(world)
+        else:
+            _check_dp_cp(rank)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn(world_size):
+    context = mp.start_processes(
+        _worker, args=(world_size, _free_port()), nprocs=world_size, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    # join() re-raises a worker's exception (with its traceback) as ProcessRaisedException.
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"distributed test with world_size={world_size} hung for {SPAWN_TIMEOUT_S}s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_context_parallel_training_matches_single_process(world_size):
+    _spawn(world_size)
+
+
+def test_packed_reference_equals_unpacked_samples():
+    """The single-process reference itself is right: packed logits equal each sample run alone."""
+    model = TinyAttentionLM()
+    lengths = [7, 13, 4]
+    batch = _batch(lengths, 2, seed=5)
+    logits = _full_forward(model, batch)
+    cu = batch.cu_seqlens_padded.tolist()
+    for i, length in enumerate(lengths):
+        start = cu[i]
+        alone = model(
+            batch.tokens[0, start : start + length],
+            torch.arange(length),
+            torch.arange(length),
+            torch.tensor([0, length]),
+        )
+        torch.testing.assert_close(logits[start : start + length], alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        packed_cross_entropy(logits, batch.labels, batch.cu_seqlens_padded),
+        _reference([batch], [shift_packed_labels(batch.labels, batch.cu_seqlens_padded)], "token")[0],
+    )
+
+
+def test_reductions_without_a_process_group():
+    """Single process (no init): per-token and per-sample reductions equal the packed losses; 0 not NaN."""
+    batch = _batch([7, 13, 4], 1, seed=6)
+    model = TinyAttentionLM()
+    logits = _full_forward(model, batch)
+    targets = shift_packed_labels(batch.labels, batch.cu_seqlens_padded)
+    reduced = reduce_per_token_loss(*loss_sum_and_count(logits, targets))
+    torch.testing.assert_close(reduced.loss, packed_cross_entropy(logits, batch.labels, batch.cu_seqlens_padded))
+    seg = segment_ids_of(torch.arange(logits.shape[0]), batch.cu_seqlens_padded)
+    per_sample = reduce_per_sample_mean_loss(*per_sample_loss_sums(logits, targets, seg, 3))
+    torch.testing.assert_close(
+        per_sample.loss, packed_cross_entropy(logits, batch.labels, batch.cu_seqlens_padded, reduction="sample")
+    )
+    assert per_sample.count.item() == 3
+    empty = reduce_per_token_loss(torch.tensor(0.0, requires_grad=True), 0)
+    assert empty.loss.item() == 0.0 and empty.value.item() == 0.0
+    skipped = reduce_per_sample_mean_loss(torch.tensor([2.0, 0.0, 3.0]), torch.tensor([4.0, 0.0, 1.0]))
+    assert skipped.value.item() == pytest.approx((2.0 / 4 + 3.0 / 1) / 2)
+    scaled = reduce_per_token_loss(torch.tensor(6.0), torch.tensor(3), grad_sync="mean")
+    assert scaled.loss.item() == 2.0  # group size 1
+
+
+def test_reduction_input_errors():
+    with pytest.raises(ValueError, match="0-dim tensor"):
+        reduce_per_token_loss(torch.ones(3), 3)
+    with pytest.raises(ValueError, match="token_count must be a scalar"):
+        reduce_per_token_loss(torch.tensor(1.0), torch.ones(2))
+    with pytest.raises(ValueError, match="grad_sync must be 'sum' or 'mean'"):
+        reduce_per_token_loss(torch.tensor(1.0), 1, grad_sync="avg")
+    with pytest.raises(ValueError, match="1-D \\[G\\] of equal length"):
+        reduce_per_sample_mean_loss(torch.ones(3), torch.ones(2))
+    with pytest.raises(ValueError, match="not initialised"):
+        reduce_per_token_loss(torch.tensor(1.0), 1, group=object())
+    with pytest.raises(ValueError, match="needs an initialised"):
+        context_parallel_all_gather(torch.ones(4), torch.tensor([0, 8]))
