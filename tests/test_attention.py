@@ -1,0 +1,344 @@
+"""varlen_attention: every backend on this machine against a naive masked-attention reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import flex_attention
+
+from vlm_pack import attention
+from vlm_pack.attention import (
+    BACKENDS,
+    available_backends,
+    dense_attention,
+    document_block_mask,
+    select_backend,
+    varlen_attention,
+)
+
+ATOL = 1e-5
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+@pytest.fixture(autouse=True)
+def eager_flex(monkeypatch):
+    """Run flex uncompiled: the same math, without ~30 s of CPU compilation per process (the benchmark
+    exercises the compiled kernel)."""
+    monkeypatch.setattr(attention, "_flex_kernel", lambda device_type: flex_attention)
+
+
+def cu_of(lengths) -> torch.Tensor:
+    return torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+
+
+def allowed_pairs(cu_q, cu_k, causal, window) -> torch.Tensor:
+    """Dense [Tq, Tk] truth table written from the definition, one segment at a time."""
+    left, right = (-1, -1) if window is None else window
+    right = 0 if causal else right
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    allowed = torch.zeros(cq[-1], ck[-1], dtype=torch.bool)
+    for s in range(len(cq) - 1):
+        lq, lk = cq[s + 1] - cq[s], ck[s + 1] - ck[s]
+        i = torch.arange(lq).unsqueeze(1) + (lk - lq)  # bottom-right aligned query position
+        j = torch.arange(lk).unsqueeze(0)
+        ok = torch.ones(lq, lk, dtype=torch.bool)
+        if right >= 0:
+            ok &= j <= i + right
+        if left >= 0:
+            ok &= j >= i - left
+        allowed[cq[s]:cq[s + 1], ck[s]:ck[s + 1]] = ok
+    return allowed
+
+
+def reference(q, k, v, cu_q, cu_k, *, causal, window=None, scale=None):
+    """Naive masked attention in float64 over the whole row; rows with no key give 0."""
+    allowed = allowed_pairs(cu_q, cu_k, causal, window)
+    rep = q.shape[1] // k.shape[1]
+    q64, k64, v64 = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    scores = torch.einsum("qhd,khd->hqk", q64, k64) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.einsum("hqk,khd->qhd", probs, v64)
+
+
+def cpu_backends() -> list[str]:
+    status = available_backends()
+    return [name for name in BACKENDS if status[name].available]
+
+
+def random_qkv(tq, tk, hq, hkv, d, seed, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(tq, hq, d, generator=g), torch.randn(tk, hkv, d, generator=g),
+               torch.randn(tk, hkv, d, generator=g)]
+    return [t.requires_grad_(requires_grad) for t in tensors]
+
+
+def zipf_lengths(n, max_len, seed) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.minimum(rng.zipf(1.5, size=n), max_len)
+
+
+# (name, segment lengths): 1..64 segments, lengths 1..2048; totals kept <= ~4k so the reference stays fast.
+PACKS = [
+    ("one_long", [2048]),
+    ("two", [1, 777]),
+    ("ones", [1] * 64),
+    ("64_zipf", zipf_lengths(64, 512, seed=1).tolist()),
+    ("7_mixed", [3, 2048, 1, 130, 128, 127, 5]),
+    ("equal_groups", [64, 64, 3, 64, 3, 200, 200]),
+]
+
+
+# Flex runs eagerly here (seconds per 2k-token case), so it gets half of the grid: causal + GQA, full + MHA.
+@pytest.mark.parametrize("causal,hkv", [(True, 1), (False, 2), (True, 2), (False, 1)],
+                         ids=["causal-gqa2", "full-mha", "causal-mha", "full-gqa2"])
+@pytest.mark.parametrize("name,lengths", PACKS, ids=[p[0] for p in PACKS])
+def test_forward_matches_reference(name, lengths, causal, hkv):
+    cu = cu_of(lengths)
+    q, k, v = random_qkv(int(cu[-1]), int(cu[-1]), 2, hkv, 8, seed=len(lengths))
+    expected = reference(q, k, v, cu, cu, causal=causal)
+    backends = cpu_backends() if causal == (hkv == 1) else ["sdpa_segments"]
+    for backend in backends:
+        out = varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal, backend=backend)
+        assert out.shape == q.shape
+        torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0, msg=lambda m: f"{backend}: {m}")
+
+
+@pytest.mark.parametrize(
+    "name,lengths,causal",
+    [("7_mixed", PACKS[4][1], True), ("64_zipf", PACKS[3][1], False), ("two", PACKS[1][1], False)],
+    ids=["7_mixed-causal", "64_zipf-full", "two-full"],
+)
+def test_backward_matches_reference(name, lengths, causal):
+    """Gradients of q, k, v (GQA 4:2) agree with autograd through the reference."""
+    cu = cu_of(lengths)
+    t = int(cu[-1])
+    q, k, v = random_qkv(t, t, 4, 2, 8, seed=7, requires_grad=True)
+    grad_out = torch.randn(t, 4, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    expected = torch.autograd.grad((reference(q, k, v, cu, cu, causal=causal) * grad_out).sum(), (q, k, v))
+    out = varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal, backend="sdpa_segments")
+    got = torch.autograd.grad((out.double() * grad_out).sum(), (q, k, v))
+    for name_, g, e in zip("qkv", got, expected):
+        torch.testing.assert_close(g.double(), e.double(), atol=ATOL, rtol=0, msg=lambda m: f"d{name_}: {m}")
+
+
+def test_flex_has_no_cpu_backward_and_says_so():
+    cu = cu_of([3, 5])
+    q, k, v = random_qkv(8, 8, 2, 2, 8, seed=0, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="sdpa_segments"):
+        varlen_attention(q, k, v, cu, cu, 5, 5, backend="flex")
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lengths_q=st.lists(st.integers(0, 40), min_size=1, max_size=10),
+    data=st.data(),
+    hkv=st.sampled_from([1, 2, 4]),
+    causal=st.booleans(),
+    window=st.sampled_from([None, (0, 0), (3, 2), (-1, 4), (5, -1)]),
+)
+def test_random_packs_with_cross_lengths_and_windows(lengths_q, data, hkv, causal, window):
+    """Empty segments, Lq != Lk (bottom-right causal), sliding windows, rows with no key at all."""
+    self_attention = data.draw(st.booleans())
+    lengths_k = lengths_q if self_attention else data.draw(
+        st.lists(st.integers(0, 40), min_size=len(lengths_q), max_size=len(lengths_q)))
+    cu_q, cu_k = cu_of(lengths_q), cu_of(lengths_k)
+    q, k, v = random_qkv(int(cu_q[-1]), int(cu_k[-1]), 4, hkv, 8, seed=sum(lengths_q))
+    expected = reference(q, k, v, cu_q, cu_k, causal=causal, window=window, scale=0.3)
+    for backend in cpu_backends():
+        out = varlen_attention(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+                               window=window, softmax_scale=0.3, backend=backend)
+        torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0, msg=lambda m: f"{backend}: {m}")
+
+
+def test_window_backward_with_empty_rows_is_finite_and_exact():
+    cu_q, cu_k = cu_of([6, 4, 3]), cu_of([2, 0, 9])
+    q, k, v = random_qkv(13, 11, 2, 1, 8, seed=5, requires_grad=True)
+    expected = torch.autograd.grad(reference(q, k, v, cu_q, cu_k, causal=True, window=(1, 0)).sum(), (q, k, v))
+    out = varlen_attention(q, k, v, cu_q, cu_k, 6, 9, causal=True, window=(1, 0), backend="sdpa_segments")
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    for g, e in zip(got, expected):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g.double(), e.double(), atol=ATOL, rtol=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths_q=st.lists(st.integers(0, 30), min_size=1, max_size=8),
+    data=st.data(),
+    causal=st.booleans(),
+    window=st.sampled_from([None, (3, 2), (0, -1), (-1, 5), (7, 0)]),
+)
+def test_document_block_mask_skips_only_empty_blocks(lengths_q, data, causal, window):
+    """Eager flex ignores block sparsity, so check the BlockMask itself: every allowed pair lies in a kept block,
+    every block marked full is fully allowed, and mask_mod equals the definition."""
+    lengths_k = data.draw(st.one_of(st.just(lengths_q), st.lists(st.integers(0, 30), min_size=len(lengths_q),
+                                                                 max_size=len(lengths_q))))
+    cu_q, cu_k = cu_of(lengths_q), cu_of(lengths_k)
+    tq, tk, b = int(cu_q[-1]), int(cu_k[-1]), 4
+    if tq == 0 or tk == 0:
+        return
+    mask = document_block_mask(cu_q, cu_k, tq, tk, causal=causal, window=window, block_size=b)
+    truth = allowed_pairs(cu_q, cu_k, causal, window)
+    nq, nk = -(-tq // b), -(-tk // b)
+    padded = torch.zeros(nq * b, nk * b, dtype=torch.bool)
+    padded[:tq, :tk] = truth
+    inside = torch.zeros_like(padded)
+    inside[:tq, :tk] = True
+    any_allowed = padded.view(nq, b, nk, b).any(dim=(1, 3))
+    all_allowed = (padded | ~inside).view(nq, b, nk, b).all(dim=(1, 3))
+    kept = mask.to_dense()[0, 0].bool()
+    assert (kept | ~any_allowed).all(), "a block holding an allowed pair was skipped"
+    full = torch.zeros(nq, nk, dtype=torch.bool)
+    for i in range(nq):
+        full[i, mask.full_kv_indices[0, 0, i, :mask.full_kv_num_blocks[0, 0, i]].long()] = True
+    assert (all_allowed | ~full).all(), "a block marked full holds a masked pair"
+    assert torch.equal(mask.mask_mod(0, 0, torch.arange(tq)[:, None], torch.arange(tk)[None]), truth)
+
+
+def test_document_block_mask_is_sparse():
+    """Causal packs of 8 x 512 tokens keep ~1/16 of the 4096^2 pairs' blocks, not all of them."""
+    cu = cu_of([512] * 8)
+    mask = document_block_mask(cu, cu, 4096, 4096, causal=True)
+    kept = mask.to_dense().sum().item()
+    assert kept == 8 * (4 * 5 // 2)  # 4 blocks per segment, lower triangle incl. diagonal
+
+
+def test_sdpa_segments_syncs_once_and_batches_equal_lengths(monkeypatch):
+    """One host read of cu_seqlens per call; one SDPA call per distinct segment length."""
+    lengths = [5, 9, 5, 5, 9, 1] * 10
+    cu = cu_of(lengths)
+    q, k, v = random_qkv(int(cu[-1]), int(cu[-1]), 2, 2, 8, seed=0)
+    tolist, sdpa = torch.Tensor.tolist, F.scaled_dot_product_attention
+    calls = {"tolist": 0, "sdpa": 0}
+
+    def counting_tolist(self):
+        calls["tolist"] += 1
+        return tolist(self)
+
+    def counting_sdpa(*args, **kwargs):
+        calls["sdpa"] += 1
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counting_sdpa)
+    out = varlen_attention(q, k, v, cu, cu, 9, 9, backend="sdpa_segments")
+    assert calls == {"tolist": 1, "sdpa": 3}
+    monkeypatch.undo()
+    torch.testing.assert_close(out.double(), reference(q, k, v, cu, cu, causal=True), atol=ATOL, rtol=0)
+
+
+def test_dense_attention_is_bottom_right_causal():
+    """A 3-token query chunk over 7 cached keys sees keys 0..4, 0..5, 0..6 (like one varlen segment)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 4, 3, 8, generator=g), torch.randn(2, 2, 7, 8, generator=g), torch.randn(2, 2, 7, 8,
+                                                                                                      generator=g)
+    out = dense_attention(q, k, v, causal=True)
+    for row in range(2):
+        expected = reference(q[row].transpose(0, 1), k[row].transpose(0, 1), v[row].transpose(0, 1), cu_of([3]),
+                             cu_of([7]), causal=True)
+        torch.testing.assert_close(out[row].transpose(0, 1).double(), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(cu_k=cu_of([3, 4])), "PHYSICAL"),  # logical offsets that stop short of T
+        (dict(q=torch.zeros(1, 10, 2, 8)), r"THD"),
+        (dict(k=torch.zeros(10, 3, 8), v=torch.zeros(10, 3, 8)), "multiple"),
+        (dict(cu_k=cu_of([4, 6])[None]), "1-D"),
+        (dict(window=(2,)), "window"),
+    ],
+    ids=["logical_cu", "4d", "heads", "2d_cu", "window"],
+)
+def test_bad_inputs_raise_clear_errors(bad, match):
+    args = dict(q=torch.zeros(10, 4, 8), k=torch.zeros(10, 2, 8), v=torch.zeros(10, 2, 8), cu_q=cu_of([4, 6]),
+                cu_k=cu_of([4, 6]), window=None)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        varlen_attention(args["q"], args["k"], args["v"], args["cu_q"], args["cu_k"], 6, 6, window=args["window"],
+                         backend="sdpa_segments")
+
+
+def test_unknown_and_unavailable_backends(monkeypatch):
+    q, cu = torch.zeros(4, 2, 8), cu_of([4])
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        varlen_attention(q, q, q, cu, cu, 4, 4, backend="xformers")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="torch_varlen.*CUDA"):
+        varlen_attention(q, q, q, cu, cu, 4, 4, backend="torch_varlen")
+
+
+def fake_machine(monkeypatch, *, cuda: bool, installed: set[str], torch_varlen: bool = True):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(attention, "_has_module", lambda name: name in installed)
+    monkeypatch.setattr(attention, "_has_torch_varlen", lambda: torch_varlen)
+
+
+@pytest.mark.parametrize(
+    "cuda,installed,torch_varlen,dtype,expected",
+    [
+        (False, {"flash_attn", "transformer_engine"}, True, torch.bfloat16, "sdpa_segments"),  # no CUDA
+        (True, {"flash_attn", "transformer_engine"}, True, torch.bfloat16, "flash_attn"),
+        (True, {"transformer_engine"}, True, torch.float16, "torch_varlen"),  # no flash-attn
+        (True, {"transformer_engine"}, False, torch.bfloat16, "transformer_engine"),
+        (True, set(), False, torch.bfloat16, "sdpa_segments"),
+        (True, {"flash_attn"}, True, torch.float32, "sdpa_segments"),  # fp32: the exact path
+    ],
+)
+def test_backend_selection(monkeypatch, cuda, installed, torch_varlen, dtype, expected):
+    fake_machine(monkeypatch, cuda=cuda, installed=installed, torch_varlen=torch_varlen)
+    assert select_backend("cuda", dtype) == expected
+    assert select_backend("cpu", dtype) == "sdpa_segments"
+
+
+def test_available_backends_explain_why_not(monkeypatch):
+    fake_machine(monkeypatch, cuda=False, installed=set())
+    status = available_backends()
+    assert set(status) == set(BACKENDS)
+    assert status["flash_attn"] == (False, "flash-attn is not installed (pip install flash-attn)")
+    assert not status["torch_varlen"].available and "CUDA" in status["torch_varlen"].reason
+    assert status["sdpa_segments"].available and status["flex"].available
+
+
+def test_auto_on_cpu_is_the_exact_segment_path(monkeypatch):
+    seen = []
+    monkeypatch.setattr(attention, "_sdpa_segments", lambda *a: seen.append("sdpa_segments") or a[0])
+    q, cu = torch.zeros(4, 2, 8), cu_of([4])
+    varlen_attention(q, q, q, cu, cu, 4, 4)
+    assert seen == ["sdpa_segments"]
+
+
+# ----------------------------------------------------------------------------------------- GPU only
+
+
+def gpu_backends() -> list[str]:
+    status = available_backends()
+    return [name for name in BACKENDS if status[name].available and name != "sdpa_segments"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gpu_backends_match_reference_bf16(monkeypatch, causal):
+    """Every CUDA kernel (torch_varlen, flash_attn, TE, compiled flex) vs the reference, forward and backward."""
+    monkeypatch.setattr(attention, "_flex_kernel", attention._compiled_flex)
+    lengths = [3, 2048, 1, 130, 128, 127, 5] + [1] * 20
+    cu = cu_of(lengths).cuda()
+    t = int(cu[-1])
+    q, k, v = (x.cuda().bfloat16().requires_grad_() for x in random_qkv(t, t, 8, 2, 64, seed=0))
+    grad_out = torch.randn(t, 8, 64, device="cuda", dtype=torch.bfloat16)
+    ref_q, ref_k, ref_v = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
+    expected = reference(ref_q, ref_k, ref_v, cu.cpu(), cu.cpu(), causal=causal)
+    ref_grads = torch.autograd.grad((expected * grad_out.cpu().double()).sum(), (ref_q, ref_k, ref_v))
+    assert gpu_backends(), "a CUDA machine should at least have torch_varlen or flex"
+    for backend in gpu_backends():
+        out = varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal, backend=backend)
+        torch.testing.assert_close(out.double().cpu(), expected.detach(), atol=2e-2, rtol=2e-2,
+                                   msg=lambda m: f"{backend}: {m}")
+        grads = torch.autograd.grad((out * grad_out).sum(), (q, k, v))
+        for g, e in zip(grads, ref_grads):
+            torch.testing.assert_close(g.double().cpu(), e, atol=5e-2, rtol=5e-2, msg=lambda m: f"{backend}: {m}")

@@ -1,0 +1,439 @@
+"""Variable-length (packed, THD) attention: one entry point routed to the best kernel available.
+
+A packed row holds several samples back to back; ``cu_seqlens`` (int32 ``[N+1]``, physical boundaries) tells
+the kernel where each one starts, so attention never crosses a boundary and costs ``sum(s_i^2)``.
+
+Semantics shared by every backend (those of ``flash_attn_varlen_func``):
+
+* layout THD: ``q [Tq, Hq, D]``, ``k [Tk, Hkv, D]``, ``v [Tk, Hkv, Dv]``; grouped-query attention when
+  ``Hkv < Hq`` (``Hq % Hkv == 0``, query head ``h`` reads KV head ``h // (Hq // Hkv)``);
+* ``causal`` is aligned to the bottom-right corner of each segment's ``Lq x Lk`` block (they coincide
+  for self-attention, ``Lq == Lk``);
+* ``window=(left, right)`` keeps key ``j`` for query ``i`` when ``i' - left <= j <= i' + right`` with
+  ``i' = i + Lk - Lq``; ``-1`` means unbounded, and ``causal`` forces ``right = 0``;
+* a query row with no key to attend to (empty key segment, or a window that excludes every key) outputs 0.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from functools import lru_cache
+from typing import Callable, NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "BACKENDS",
+    "BackendStatus",
+    "available_backends",
+    "dense_attention",
+    "document_block_mask",
+    "segment_ids",
+    "select_backend",
+    "varlen_attention",
+]
+
+BACKENDS: tuple[str, ...] = ("flash_attn", "torch_varlen", "transformer_engine", "flex", "sdpa_segments")
+"""Every backend name ``varlen_attention`` accepts (besides ``"auto"``)."""
+
+_CUDA_PREFERENCE: tuple[str, ...] = ("flash_attn", "torch_varlen", "transformer_engine")
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_FLEX_BLOCK = 128
+
+
+class BackendStatus(NamedTuple):
+    """Whether a backend can run on this machine, and why (not)."""
+
+    available: bool
+    reason: str
+
+
+def _has_module(name: str) -> bool:
+    """True when ``name`` is importable (checked without importing it)."""
+    return importlib.util.find_spec(name) is not None
+
+
+def _has_torch_varlen() -> bool:
+    """True when this torch build ships ``torch.nn.attention.varlen.varlen_attn``."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _has_flex() -> bool:
+    """True when this torch build ships FlexAttention."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def available_backends() -> dict[str, BackendStatus]:
+    """Probe every backend on this machine: ``{name: BackendStatus(available, reason)}``."""
+    cuda = torch.cuda.is_available()
+    no_cuda = "needs a CUDA device (torch.cuda.is_available() is False)"
+    status: dict[str, BackendStatus] = {}
+    if not _has_module("flash_attn"):
+        status["flash_attn"] = BackendStatus(False, "flash-attn is not installed (pip install flash-attn)")
+    else:
+        status["flash_attn"] = BackendStatus(cuda, "flash_attn_varlen_func" if cuda else no_cuda)
+    if not _has_torch_varlen():
+        status["torch_varlen"] = BackendStatus(False, "this torch build has no torch.nn.attention.varlen")
+    else:
+        status["torch_varlen"] = BackendStatus(cuda, "torch.nn.attention.varlen.varlen_attn" if cuda else no_cuda)
+    if not _has_module("transformer_engine"):
+        status["transformer_engine"] = BackendStatus(False, "transformer-engine is not installed")
+    else:
+        status["transformer_engine"] = BackendStatus(cuda, "DotProductAttention(qkv_format='thd')" if cuda else no_cuda)
+    if not _has_flex():
+        status["flex"] = BackendStatus(False, "this torch build has no torch.nn.attention.flex_attention")
+    else:
+        status["flex"] = BackendStatus(
+            True, "FlexAttention document mask (compiled on first use; forward only on CPU: no CPU backward)"
+        )
+    status["sdpa_segments"] = BackendStatus(True, "exact per-segment SDPA (one host sync per call)")
+    return status
+
+
+def select_backend(device: torch.device | str, dtype: torch.dtype) -> str:
+    """The backend ``"auto"`` resolves to for tensors on ``device`` with ``dtype``.
+
+    CUDA with fp16/bf16: flash_attn > torch_varlen > transformer_engine (the first available); everything
+    else (CPU, fp32, no CUDA kernel installed): the exact per-segment SDPA path.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and dtype in _HALF_DTYPES:
+        status = available_backends()
+        for name in _CUDA_PREFERENCE:
+            if status[name].available:
+                return name
+    return "sdpa_segments"
+
+
+@lru_cache(maxsize=16)
+def _auto_backend(device_type: str, dtype: torch.dtype) -> str:
+    """Cached ``select_backend`` (probing imports on every layer call would be wasteful)."""
+    return select_backend(device_type, dtype)
+
+
+def _check_window(window: tuple[int, int] | None) -> None:
+    """``window`` is None or ``(left, right)`` with ``-1`` meaning unbounded."""
+    if window is not None and (len(window) != 2 or any(int(w) < -1 for w in window)):
+        raise ValueError(f"window must be (left, right) with -1 meaning unbounded; got {window!r}")
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                  window: tuple[int, int] | None) -> None:
+    """Shape checks that need no device sync."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"varlen_attention takes THD tensors [T, H, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}. Flatten a [1, T, H, D] packed row with .squeeze(0)."
+        )
+    if k.shape[:2] != v.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"k and v must share [T, H] and q, k the head dim; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}"
+        )
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]}) for grouped-query "
+            "attention"
+        )
+    if cu_q.dim() != 1 or cu_k.dim() != 1 or cu_q.shape != cu_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must be 1-D with the same number of entries [N+1]; got "
+            f"{tuple(cu_q.shape)} and {tuple(cu_k.shape)}. Trim -1 sentinels / a leading batch dim first."
+        )
+    _check_window(window)
+
+
+def _effective_window(causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
+    """(left, right) bounds with -1 = unbounded; causal forces right = 0 (flash-attn semantics)."""
+    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+    return left, 0 if causal else right
+
+
+def _host_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int, tk: int) -> tuple[np.ndarray, np.ndarray]:
+    """Both cu_seqlens on the host with ONE device sync, validated against the token counts."""
+    if cu_q is cu_k:
+        host = np.asarray(cu_q.tolist(), dtype=np.int64)
+        offs_q = offs_k = host
+    else:
+        both = np.asarray(torch.stack([cu_q.to(torch.int64), cu_k.to(torch.int64)]).tolist(), dtype=np.int64)
+        offs_q, offs_k = both[0], both[1]
+    for name, offs, total in (("cu_seqlens_q", offs_q, tq), ("cu_seqlens_k", offs_k, tk)):
+        if offs.size == 0 or offs[0] != 0 or np.any(np.diff(offs) < 0):
+            raise ValueError(f"{name} must start at 0 and be non-decreasing; got {offs.tolist()}")
+        if offs[-1] != total:
+            raise ValueError(
+                f"{name}[-1] = {int(offs[-1])} but the tensor holds {total} tokens: pass the PHYSICAL boundaries "
+                "(PackedBatch.cu_seqlens_padded, ending at T), not the logical cu_seqlens"
+            )
+    return offs_q, offs_k
+
+
+def _segment_mask(lq: int, lk: int, left: int, right: int, device: torch.device) -> torch.Tensor:
+    """Boolean ``[Lq, Lk]`` mask of allowed (query, key) pairs, bottom-right aligned."""
+    qpos = torch.arange(lq, device=device).unsqueeze(1) + (lk - lq)
+    kpos = torch.arange(lk, device=device).unsqueeze(0)
+    allowed = torch.ones(lq, lk, dtype=torch.bool, device=device)
+    if right >= 0:
+        allowed &= kpos <= qpos + right
+    if left >= 0:
+        allowed &= kpos >= qpos - left
+    return allowed
+
+
+def _sdpa_group(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, left: int, right: int,
+                scale: float | None) -> torch.Tensor:
+    """SDPA over ``n`` equal-length segments batched as ``[n, H, L, D]``; returns ``[n, H, Lq, Dv]``."""
+    lq, lk = qg.shape[2], kg.shape[2]
+    gqa = qg.shape[1] != kg.shape[1]
+    if left < 0 and right < 0:
+        return F.scaled_dot_product_attention(qg, kg, vg, scale=scale, enable_gqa=gqa)
+    if left < 0 and right == 0 and lq == lk:
+        return F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=gqa)
+    allowed = _segment_mask(lq, lk, left, right, qg.device)
+    has_key = allowed.any(dim=1, keepdim=True)
+    # Rows with no key would give NaN (and NaN grads); let them attend anywhere, then zero their output.
+    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=allowed | ~has_key, scale=scale, enable_gqa=gqa)
+    return out * has_key.to(out.dtype).view(1, 1, lq, 1)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                    softmax_scale: float | None = None, window: tuple[int, int] | None = None) -> torch.Tensor:
+    """Unpacked ``[B, H, S, D]`` attention (one sequence per row) with ``varlen_attention``'s semantics.
+
+    Causal masking is bottom-right aligned, so a query chunk attending to a longer cached key range is right.
+    """
+    _check_window(window)
+    left, right = _effective_window(causal, window)
+    return _sdpa_group(q, k, v, left, right, softmax_scale)
+
+
+def _sdpa_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                   causal: bool, scale: float | None, window: tuple[int, int] | None) -> torch.Tensor:
+    """Exact per-segment SDPA: segments of equal (Lq, Lk) are batched into one SDPA call.
+
+    Cost is one host sync (reading cu_seqlens) and two host-to-device index copies per call, never one per
+    segment; attention work is ``sum(Lq_i * Lk_i)`` (a block-diagonal dense mask would pay ``Tq * Tk``).
+    """
+    left, right = _effective_window(causal, window)
+    offs_q, offs_k = _host_offsets(cu_q, cu_k, q.shape[0], k.shape[0])
+    len_q, len_k = np.diff(offs_q), np.diff(offs_k)
+    work = np.flatnonzero((len_q > 0) & (len_k > 0))
+    if work.size == 0:
+        return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    keys = len_q[work] * (int(len_k.max()) + 1) + len_k[work]
+    _, group_of = np.unique(keys, return_inverse=True)
+    order = np.argsort(group_of, kind="stable")
+    groups = np.split(work[order], np.flatnonzero(np.diff(group_of[order])) + 1)
+
+    # Token indices of every group, concatenated: one host-to-device copy for q, one for k.
+    idx_q = np.concatenate([(offs_q[g][:, None] + np.arange(len_q[g[0]])).ravel() for g in groups])
+    idx_k = np.concatenate([(offs_k[g][:, None] + np.arange(len_k[g[0]])).ravel() for g in groups])
+    dev_q = torch.from_numpy(idx_q).to(q.device, non_blocking=True)
+    dev_k = torch.from_numpy(idx_k).to(q.device, non_blocking=True)
+
+    pieces, start_q, start_k = [], 0, 0
+    for g in groups:
+        n, lq, lk = len(g), int(len_q[g[0]]), int(len_k[g[0]])
+        if n == 1:  # a lone segment is a view: no gather copy
+            sq, sk = int(offs_q[g[0]]), int(offs_k[g[0]])
+            qs, ks, vs = q.narrow(0, sq, lq), k.narrow(0, sk, lk), v.narrow(0, sk, lk)
+        else:
+            iq, ik = dev_q[start_q:start_q + n * lq], dev_k[start_k:start_k + n * lk]
+            qs, ks, vs = q.index_select(0, iq), k.index_select(0, ik), v.index_select(0, ik)
+        qg = qs.reshape(n, lq, q.shape[1], q.shape[2]).transpose(1, 2)
+        kg = ks.reshape(n, lk, k.shape[1], k.shape[2]).transpose(1, 2)
+        vg = vs.reshape(n, lk, v.shape[1], v.shape[2]).transpose(1, 2)
+        out = _sdpa_group(qg, kg, vg, left, right, scale)
+        pieces.append(out.transpose(1, 2).reshape(n * lq, q.shape[1], v.shape[-1]))
+        start_q, start_k = start_q + n * lq, start_k + n * lk
+
+    if len(groups) == 1 and len(groups[0]) == 1 and len_q[groups[0][0]] == q.shape[0]:
+        return pieces[0]
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    return out.index_put((dev_q,), torch.cat(pieces))
+
+
+def segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Segment index of each of ``total`` tokens (``N`` past ``cu_seqlens[-1]``), on device without a sync."""
+    positions = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
+
+
+def document_block_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int, tk: int, *, causal: bool,
+                        window: tuple[int, int] | None = None,
+                        block_size: int = _FLEX_BLOCK) -> "torch.nn.attention.flex_attention.BlockMask":
+    """FlexAttention ``BlockMask`` for a packed row, built from block-level segment ranges (no ``T x T`` eval).
+
+    Blocks where every (query, key) pair is allowed are marked full (no ``mask_mod`` call); blocks that may hold
+    an allowed pair are partial; all others are skipped. All on device, no host sync.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    left, right = _effective_window(causal, window)
+    cu_q, cu_k = cu_q.to(torch.int64), cu_k.to(torch.int64)
+    n_seg = cu_q.numel() - 1
+    seg_q, seg_k = segment_ids(cu_q, tq), segment_ids(cu_k, tk)
+    shift = torch.cat([cu_k.diff() - cu_q.diff(), cu_k.new_zeros(1)])
+    # Positions inside the segment; queries in key coordinates (bottom-right alignment).
+    pos_q = torch.arange(tq, device=cu_q.device) - cu_q[seg_q] + shift[seg_q]
+    pos_k = torch.arange(tk, device=cu_k.device) - cu_k[seg_k]
+    seg_k = torch.where(seg_k == n_seg, -1, seg_k)  # keys past the end match no query
+
+    def mask_mod(b, h, qi, ki):
+        allowed = seg_q[qi] == seg_k[ki]
+        if right >= 0:
+            allowed = allowed & (pos_k[ki] <= pos_q[qi] + right)
+        if left >= 0:
+            allowed = allowed & (pos_k[ki] >= pos_q[qi] - left)
+        return allowed
+
+    def block_stats(x: torch.Tensor, total: int, fill_lo: int, fill_hi: int):
+        """Per-block (min, max) of ``x``, padding the last block with values that never widen the range."""
+        n_blocks = -(-total // block_size)
+        pad = n_blocks * block_size - total
+        lo = F.pad(x, (0, pad), value=fill_lo).view(n_blocks, block_size)
+        hi = F.pad(x, (0, pad), value=fill_hi).view(n_blocks, block_size)
+        return hi.amin(1), lo.amax(1), pad
+
+    big = max(tq, tk) + n_seg + 2
+    sq_min, sq_max, _ = block_stats(seg_q, tq, -big, big)
+    sk_min, sk_max, pad_k = block_stats(seg_k, tk, -big, big)
+    pq_min, pq_max, _ = block_stats(pos_q, tq, -big, big)
+    pk_min, pk_max, _ = block_stats(pos_k, tk, -big, big)
+    col = (slice(None), None)
+    row = (None, slice(None))
+    maybe = (sq_min[col] <= sk_max[row]) & (sk_min[row] <= sq_max[col])
+    full = (sq_min[col] == sq_max[col]) & (sk_min[row] == sk_max[row]) & (sq_min[col] == sk_min[row])
+    full &= sq_min[col] < n_seg
+    if pad_k:  # the padded tail of the last key block is masked, so that block cannot be full
+        full[:, -1] = False
+    if right >= 0:
+        maybe &= pk_min[row] <= pq_max[col] + right
+        full &= pk_max[row] <= pq_min[col] + right
+    if left >= 0:
+        maybe &= pk_max[row] >= pq_min[col] - left
+        full &= pk_min[row] >= pq_max[col] - left
+    partial = maybe & ~full
+
+    def to_blocks(m: torch.Tensor):
+        order = torch.argsort((~m).to(torch.int8), dim=1, stable=True)
+        return m.sum(1).to(torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+    kv_num, kv_idx = to_blocks(partial)
+    full_num, full_idx = to_blocks(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+                                    mask_mod=mask_mod, seq_lengths=(tq, tk))
+
+
+@lru_cache(maxsize=4)
+def _compiled_flex(device_type: str) -> Callable:
+    """``torch.compile(flex_attention)``, built once per device type (eager flex materialises T x T scores).
+
+    Dynamic shapes on CUDA; static on CPU, where inductor's CPU flex template fails to compile dynamic shapes
+    (torch 2.14: "cur_qSplitSize1 was not declared"), so each new row length recompiles there.
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=device_type != "cpu")
+
+
+def _flex_kernel(device_type: str) -> Callable:
+    """The flex entry point: compiled, unless we are already inside a compiled region."""
+    if torch.compiler.is_compiling():
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention
+    return _compiled_flex(device_type)
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+          causal: bool, scale: float | None, window: tuple[int, int] | None) -> torch.Tensor:
+    """FlexAttention with a document mask built from cu_seqlens (forward only on CPU)."""
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError(
+            "backend='flex' has no backward on CPU in this torch build; use backend='sdpa_segments' for "
+            "CPU training (or run flex under torch.no_grad())"
+        )
+    block_mask = document_block_mask(cu_q, cu_k, q.shape[0], k.shape[0], causal=causal, window=window)
+    q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # THD -> [1, H, T, D]
+    out = _flex_kernel(q.device.type)(q4, k4, v4, block_mask=block_mask, scale=scale,
+                                      enable_gqa=q.shape[1] != k.shape[1])
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window) -> torch.Tensor:
+    """flash_attn_varlen_func (GQA native)."""
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
+                                  dropout_p=0.0, softmax_scale=scale, causal=causal,
+                                  window_size=_effective_window(causal, window))
+
+
+def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window) -> torch.Tensor:
+    """torch.nn.attention.varlen.varlen_attn (FlashAttention-2 / cuDNN inside torch; fp16/bf16, CUDA)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    if q.dtype not in _HALF_DTYPES:
+        raise ValueError(f"backend='torch_varlen' needs fp16/bf16 tensors, got {q.dtype}; cast q/k/v or use "
+                         "backend='sdpa_segments'")
+    return varlen_attn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, scale=scale,
+                       window_size=_effective_window(causal, window), enable_gqa=q.shape[1] != k.shape[1])
+
+
+@lru_cache(maxsize=32)
+def _te_module(num_heads: int, head_dim: int, num_kv_heads: int, scale: float | None):
+    """A parameter-free TransformerEngine DotProductAttention for THD inputs (cached per shape)."""
+    from transformer_engine.pytorch import DotProductAttention
+
+    return DotProductAttention(num_heads, head_dim, num_gqa_groups=num_kv_heads, attention_dropout=0.0,
+                               qkv_format="thd", softmax_scale=scale)
+
+
+def _transformer_engine(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window) -> torch.Tensor:
+    """TransformerEngine fused attention, THD format (thin wrapper; TE picks its own kernel)."""
+    if q.shape[-1] != v.shape[-1]:
+        raise NotImplementedError("backend='transformer_engine' wrapper needs equal q/v head dims")
+    module = _te_module(q.shape[1], q.shape[2], k.shape[1], scale)
+    out = module(q, k, v, qkv_format="thd", cu_seqlens_q=cu_q.to(torch.int32), cu_seqlens_kv=cu_k.to(torch.int32),
+                 max_seqlen_q=max_q, max_seqlen_kv=max_k,
+                 attn_mask_type="padding_causal_bottom_right" if causal else "padding",
+                 window_size=_effective_window(causal, window))
+    return out.view(q.shape[0], q.shape[1], v.shape[-1])
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = True,
+                     softmax_scale: float | None = None, window: tuple[int, int] | None = None,
+                     backend: str = "auto") -> torch.Tensor:
+    """Attention over a packed THD row, never across a ``cu_seqlens`` boundary; returns ``[Tq, Hq, Dv]``.
+
+    ``cu_seqlens_*`` are the PHYSICAL boundaries and end at ``T`` (the host paths check it; GPU kernels trust
+    it). ``max_seqlen_*`` should be Python ints (a tensor costs a device sync). ``backend="auto"`` uses
+    ``select_backend``; name one of ``BACKENDS`` to force it (``available_backends()`` says what runs here).
+    """
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, window)
+    if q.shape[0] == 0 or k.shape[0] == 0:  # nothing to attend to: every row outputs 0
+        return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    name = _auto_backend(q.device.type, q.dtype) if backend == "auto" else backend
+    if name in ("sdpa_segments", "flex"):
+        fn = _sdpa_segments if name == "sdpa_segments" else _flex
+        return fn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window)
+    kernels = {"flash_attn": _flash_attn, "torch_varlen": _torch_varlen, "transformer_engine": _transformer_engine}
+    if name not in kernels:
+        raise ValueError(f"unknown attention backend {backend!r}; choose 'auto' or one of {BACKENDS}")
+    status = available_backends()[name]
+    if not status.available:
+        raise RuntimeError(f"attention backend {name!r} is not available here: {status.reason}")
+    return kernels[name](q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal,
+                         softmax_scale, window)

@@ -1,0 +1,162 @@
+"""Hugging Face integration: packed rows through any AttentionInterface model, no monkey-patching.
+
+``enable_packing(model)`` registers our attention under ``ATTN_IMPLEMENTATION`` and switches the model to it.
+Then a packed forward is ``model(input_ids=..., position_ids=..., use_cache=False, **batch.attention_kwargs())``:
+the layers receive ``cu_seq_lens_q/k`` / ``max_length_q/k`` as kwargs and we call ``varlen_attention``.
+Calls without boundaries (vision towers run once per image, non-causal; ordinary unpacked batches) go to dense
+SDPA honouring ``is_causal`` and any mask. A packed row sent with position ids but no ``cu_seq_lens_*`` (e.g.
+``DataCollatorWithFlattening`` defaults) is still exact: boundaries are read from the position ids, once per
+forward (one device sync), with a one-time warning.
+
+Where flash-attn is installed, ``attn_implementation="flash_attention_2"`` consumes the same ``cu_seq_lens_*``
+kwargs natively (tested on GPU in tests/test_hf_integration.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .attention import dense_attention, varlen_attention
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "enable_packing",
+    "packing_attention_forward",
+    "packing_mask",
+    "register_attention",
+]
+
+ATTN_IMPLEMENTATION = "vlm_pack_varlen"
+"""The name our implementation is registered under (no "flash" in it: see DESIGN.md)."""
+
+logger = logging.getLogger(__name__)
+_warned_position_ids = False
+# Boundaries inferred from the last position_ids tensor seen: every layer of one forward shares that tensor.
+_position_cache: tuple[weakref.ref, int, tuple[torch.Tensor, int] | None] | None = None
+
+
+def packing_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """Mask function for our name: None (a varlen kernel needs no T x T mask) unless real padding is present.
+
+    A 2-D mask with padding (an ordinary padded, unpacked batch) is expanded like sdpa's, so that batch stays
+    exact on the dense path. An all-ones mask is dropped, so it can never hide packed boundaries.
+    """
+    if attention_mask is None or (attention_mask.dim() == 2 and bool(attention_mask.all())):
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def _boundaries_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """(cu_seqlens, max_seqlen) where a ``[1, S]`` row's position ids restart; None for a single sequence."""
+    global _position_cache, _warned_position_ids
+    if _position_cache is not None:
+        ref, version, result = _position_cache
+        if ref() is position_ids and version == position_ids._version:
+            return result
+    row = position_ids.reshape(-1)
+    starts = torch.nonzero(row[1:] != row[:-1] + 1).flatten() + 1
+    result = None
+    if starts.numel() > 0:  # the host sync happens here, once per forward
+        zero = starts.new_zeros(1)
+        cu = torch.cat([zero, starts, starts.new_full((1,), row.numel())]).to(torch.int32)
+        result = (cu, int(cu.diff().max()))
+        if not _warned_position_ids:
+            logger.warning(
+                "vlm_pack: packed boundaries inferred from position_ids (one device sync per forward); pass "
+                "cu_seq_lens_q/k and max_length_q/k (PackedBatch.attention_kwargs()) to avoid it"
+            )
+            _warned_position_ids = True
+    _position_cache = (weakref.ref(position_ids), position_ids._version, result)
+    return result
+
+
+def _as_int(value, cu: torch.Tensor) -> int:
+    """A max length as a Python int (derived from ``cu`` when missing; a tensor costs one sync)."""
+    if value is None:
+        return int(cu.diff().max())
+    return int(value)
+
+
+def packing_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """AttentionInterface function: query ``[B, Hq, S, D]``, key/value ``[B, Hkv, S_k, D]`` -> ``[B, S, Hq, Dv]``."""
+    if dropout:
+        raise NotImplementedError(
+            f"{ATTN_IMPLEMENTATION} has no attention dropout (got {dropout}); set config.attention_dropout=0"
+        )
+    if softcap is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError(f"{ATTN_IMPLEMENTATION} supports neither logit softcapping nor attention sinks")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    window = None if sliding_window is None else (sliding_window - 1, sliding_window - 1)
+    batch, heads, q_len, _ = query.shape
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if (cu_q is None and attention_mask is None and causal and batch == 1 and q_len > 1
+            and key.shape[2] == q_len and kwargs.get("position_ids") is not None):
+        inferred = _boundaries_from_position_ids(kwargs["position_ids"])
+        if inferred is not None:
+            cu_q, max_q = inferred
+    if cu_q is not None:
+        if attention_mask is not None:
+            raise ValueError(
+                "a packed row got both cu_seq_lens_q and a padding attention_mask: drop attention_mask (packed "
+                "rows carry their boundaries in cu_seq_lens_*; padding slots belong to a fill segment)"
+            )
+        cu_k = cu_q if cu_k is None else cu_k
+        max_q = _as_int(max_q, cu_q)
+        max_k = max_q if max_k is None and cu_k is cu_q else _as_int(max_k, cu_k)
+        out = varlen_attention(
+            query.transpose(1, 2).reshape(-1, heads, query.shape[-1]),
+            key.transpose(1, 2).reshape(-1, key.shape[1], key.shape[-1]),
+            value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[-1]),
+            cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=scaling, window=window,
+        )
+        return out.view(batch, q_len, heads, value.shape[-1]), None
+
+    if attention_mask is not None:  # a complete mask built by transformers (padding, causal, window)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                             enable_gqa=query.shape[1] != key.shape[1])
+    else:
+        out = dense_attention(query, key, value, causal=causal, softmax_scale=scaling, window=window)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention(name: str = ATTN_IMPLEMENTATION) -> str:
+    """Register the packing attention and its mask function with transformers under ``name``; returns it."""
+    if "flash" in name.lower():
+        raise ValueError(
+            f"attention implementation name {name!r} contains 'flash': transformers would then demand flash-attn "
+            "at model construction; pick another name (default 'vlm_pack_varlen')"
+        )
+    AttentionInterface.register(name, packing_attention_forward)
+    AttentionMaskInterface.register(name, packing_mask)
+    return name
+
+
+def enable_packing(model, name: str = ATTN_IMPLEMENTATION):
+    """Register the implementation and switch ``model`` (and its sub-models, e.g. a vision tower) to it in place.
+
+    Returns the model. Call packed rows with ``use_cache=False`` and ``**batch.attention_kwargs()``, never with
+    an ``attention_mask``.
+    """
+    register_attention(name)
+    model.set_attn_implementation(name)
+    return model
