@@ -207,25 +207,33 @@ def pack_batch_sequences(
     gaps = seg_padded - seg_real
     fill_seg = np.repeat(np.arange(num_seqs), gaps)
     fill_step = np.arange(fill_seg.size) - np.repeat(np.cumsum(gaps) - gaps, gaps)  # 0, 1, .. within a gap
+    # Every per-slot index is a ramp that restarts at each sequence start: ones, a jump at each start, cumsum.
+    src_jump = seg_src - np.concatenate([[0], seg_src[:-1] + seg_padded[:-1] - 1])
+    pos_jump = 1 - np.concatenate([[1], seg_padded[:-1]])
     plan = torch.from_numpy(
         np.concatenate([
-            seg_src - cu_padded[:num_seqs],  # slot t of sequence i reads flat index t + this
-            seg_padded,
             cu_padded[:num_seqs],
+            src_jump,  # slot t of sequence i reads flat index seg_src[i] + t - cu_padded[i]
+            pos_jump,
             (cu_padded[:num_seqs] + seg_real)[fill_seg] + fill_step,  # alignment slots
             (seg_src + seg_real - 1)[fill_seg],  # ... and the last real token before each
             fill_step + 1,
             cu_real,
             cu_padded,
+            seg_real,
         ]).astype(np.int64)
     ).to(device, non_blocking=True)
     n_fill = fill_seg.size
-    shift, repeats, seg_start, fill_idx, fill_last, fill_offset, cu_real_t, cu_padded_t = plan.split(
-        [num_seqs, num_seqs, num_seqs, n_fill, n_fill, n_fill, cu_real.size, cu_padded.size]
-    )
+    (seg_start, src_jump_t, pos_jump_t, fill_idx, fill_last, fill_offset, cu_real_t, cu_padded_t,
+     seg_real_t) = plan.split([num_seqs, num_seqs, num_seqs, n_fill, n_fill, n_fill, cu_real.size, cu_padded.size,
+                               num_seqs])
 
-    src = torch.repeat_interleave(shift, repeats, output_size=packed_width)
-    src += torch.arange(packed_width, device=device)
+    def ramp(jumps: torch.Tensor) -> torch.Tensor:
+        steps = torch.ones(packed_width, dtype=torch.long, device=device)
+        steps[seg_start] = jumps
+        return steps.cumsum_(0)
+
+    src = ramp(src_jump_t)
     if n_fill:
         src.clamp_(max=batch * width - 1)  # alignment slots read anything in range, then get overwritten
 
@@ -243,8 +251,7 @@ def pack_batch_sequences(
         return finish(out, fill)
 
     if position_ids is None:
-        positions = torch.arange(packed_width, device=device)
-        positions -= torch.repeat_interleave(seg_start, repeats, output_size=packed_width)
+        positions = ramp(pos_jump_t)
     else:
         flat_positions = position_ids.reshape(-1, batch * width)
         positions = flat_positions.index_select(1, src)
@@ -270,6 +277,6 @@ def pack_batch_sequences(
         cu_seqlens=cu_real_t.to(torch.int32),
         cu_seqlens_padded=cu_padded_t.to(torch.int32),
         max_seqlen=max_seqlen,
-        seq_lengths=torch.from_numpy(seg_real.astype(np.int32)).to(device, non_blocking=True),
+        seq_lengths=seg_real_t.to(torch.int32),
         padding_mask=fill_mask.unsqueeze(0),
     )
