@@ -1,0 +1,305 @@
+"""Chat examples -> token ids with assistant-only labels.
+
+Label masking uses Hugging Face's own machinery: the chat template wraps each assistant turn in
+``{% generation %} ... {% endgeneration %}``, ``apply_chat_template(return_assistant_tokens_mask=True)``
+records those character spans, shifts them past the image-token expansion and maps them onto tokens through
+the fast tokenizer's offsets. No string search on decoded text, no per-turn re-tokenisation (which can
+tokenise differently at turn boundaries).
+
+Accepted example forms (``messages`` may also be given as the example itself, a list of turns)::
+
+    {"messages": [{"role": "user", "content": [{"type": "image", "image": <PIL | path | bytes | array>},
+                                                {"type": "text", "text": "What is this?"}]},
+                  {"role": "assistant", "content": "A cat."}]}
+    {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "..."}]}, ...],
+     "images": [<image>]}                                   # image slots filled from "images", in order
+    {"messages": [{"role": "user", "content": "<image>What is this?"}, ...], "images": [<image>]}
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+__all__ = [
+    "CHATML_TEMPLATE",
+    "IGNORE_INDEX",
+    "IMAGE_PLACEHOLDER",
+    "encode_conversations",
+    "load_image",
+    "normalize_example",
+    "resolve_chat_template",
+]
+
+IGNORE_INDEX = -100
+# Placeholder for an image inside plain-string content (LLaVA / TRL convention), filled from example["images"].
+IMAGE_PLACEHOLDER = "<image>"
+# Keys an image part may carry its payload under (HF chat-template conventions plus raw bytes).
+_IMAGE_KEYS = ("image", "url", "path", "bytes")
+
+# ChatML with Qwen-VL vision markers; assistant turns (content + <|im_end|>) sit inside a generation block so
+# that they, and only they, get labels. Newlines are emitted as expressions because HF renders templates with
+# trim_blocks=True, which would eat a literal newline that follows a tag.
+CHATML_TEMPLATE = (
+    "{%- macro render(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- else -%}{%- for part in content -%}"
+    "{%- if part['type'] == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{% generation %}{{ render(message['content']) }}{{ '<|im_end|>' }}{% endgeneration %}"
+    "{%- else -%}{{ render(message['content']) }}{{ '<|im_end|>' }}"
+    "{%- endif -%}"
+    "{{ '\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
+
+# The jinja tag HF uses to record assistant spans ("add_generation_prompt" must not count).
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def resolve_chat_template(processor: Any, chat_template: str | None) -> str:
+    """The template to render with: the caller's, else the processor's if it marks assistant spans, else ChatML.
+
+    Label masking needs ``{% generation %}`` blocks. Falling back to our ChatML template is only done for
+    ChatML tokenizers (they know ``<|im_start|>``); anything else must bring its own marked template.
+    """
+    if chat_template is not None:
+        template = chat_template
+    else:
+        own = getattr(processor, "chat_template", None)
+        if isinstance(own, str) and _GENERATION_TAG.search(own):
+            return own
+        tokenizer = getattr(processor, "tokenizer", processor)
+        if tokenizer.convert_tokens_to_ids("<|im_start|>") in (None, tokenizer.unk_token_id):
+            raise ValueError(
+                "the processor's chat template has no {% generation %} block, so assistant turns cannot be "
+                "located for label masking, and the tokenizer is not ChatML. Pass chat_template=... with the "
+                "assistant content wrapped in {% generation %}...{% endgeneration %}."
+            )
+        return CHATML_TEMPLATE
+    if not _GENERATION_TAG.search(template):
+        raise ValueError(
+            "chat_template has no {% generation %} block: wrap each assistant turn's content (and its end token) "
+            "in {% generation %}...{% endgeneration %} so labels can be set on assistant tokens only."
+        )
+    return template
+
+
+def load_image(value: Any, where: str) -> Image.Image:
+    """Decode an image given as PIL image, path, bytes, ``{"bytes"|"path": ...}`` or HxWxC array, as RGB."""
+    try:
+        if isinstance(value, Image.Image):
+            image = value
+        elif isinstance(value, (str, os.PathLike)):
+            image = Image.open(pathlib.Path(value))
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            image = Image.open(io.BytesIO(value))
+        elif isinstance(value, Mapping) and (value.get("bytes") or value.get("path")):
+            source = value.get("bytes") or value["path"]
+            return load_image(source, where)
+        elif isinstance(value, (np.ndarray, torch.Tensor)):
+            array = np.asarray(value)
+            if array.dtype != np.uint8:
+                array = np.clip(array * (255.0 if array.max() <= 1.0 else 1.0), 0, 255).astype(np.uint8)
+            image = Image.fromarray(array)
+        else:
+            raise TypeError(f"unsupported image type {type(value).__name__}")
+        image.load()
+        return image.convert("RGB")
+    except Exception as exc:  # PIL raises many types (OSError, SyntaxError, ...); report them all the same way
+        raise ValueError(
+            f"{where}: image could not be read ({type(exc).__name__}: {exc}). Give a PIL image, an existing "
+            "file path, encoded bytes (PNG/JPEG/...) or an HxWxC uint8 array."
+        ) from exc
+
+
+def _as_messages(example: Any, index: int) -> tuple[list[Mapping], list[Any] | None]:
+    if isinstance(example, Mapping):
+        messages = example.get("messages", example.get("conversations"))
+        images = example.get("images")
+        if images is not None and not isinstance(images, Sequence):
+            images = [images]
+    else:
+        messages, images = example, None
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
+        raise ValueError(
+            f"sample {index}: expected {{'messages': [{{'role': ..., 'content': ...}}, ...]}} (a non-empty list of "
+            f"turns); got {type(messages).__name__}"
+        )
+    return list(messages), None if images is None else list(images)
+
+
+def normalize_example(
+    example: Any, index: int, *, reserved_tokens: Sequence[str] = (), allow_images: bool = True
+) -> list[dict]:
+    """Validate one example and return its turns with list content and decoded PIL images, ready to render.
+
+    Errors name the sample (``index``) and the turn. Checks: roles and content types, at least one assistant
+    turn with content, image slots == images given, images decodable, no ``reserved_tokens`` (the processor's
+    image/video placeholder tokens) typed inside text, where they would silently add image slots.
+    """
+    messages, extra_images = _as_messages(example, index)
+    pending = list(extra_images or [])
+    slots = 0  # payload-less image parts, filled from example["images"] in order
+    turns: list[dict] = []
+    has_answer = False
+    for turn_index, message in enumerate(messages):
+        where = f"sample {index}, turn {turn_index}"
+        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+            raise ValueError(f"{where}: each turn needs 'role' and 'content' keys; got {message!r:.120}")
+        content = message["content"]
+        if isinstance(content, str):
+            content = _split_placeholders(content) if extra_images is not None else [{"type": "text", "text": content}]
+        elif not isinstance(content, Sequence):
+            raise ValueError(f"{where}: content must be a string or a list of parts; got {type(content).__name__}")
+        parts = [_normalize_part(part, where, reserved_tokens, allow_images) for part in content]
+        for part in parts:
+            if part["type"] == "image" and part["image"] is None:
+                slots += 1
+                part["image"] = pending.pop(0) if pending else None
+        if message["role"] == "assistant" and any(p["type"] == "image" or p["text"].strip() for p in parts):
+            has_answer = True
+        turns.append({"role": message["role"], "content": parts})
+    given = len(extra_images or [])
+    if slots != given:
+        raise ValueError(
+            f"sample {index}: {slots} image placeholders but {given} images in 'images'; give exactly one image per "
+            f"{IMAGE_PLACEHOLDER!r} / payload-less {{'type': 'image'}} part."
+        )
+    if not has_answer:
+        raise ValueError(
+            f"sample {index}: no assistant turn with content, so it has nothing to train on; add an "
+            "{'role': 'assistant', 'content': ...} turn or filter such samples out."
+        )
+    for turn_index, turn in enumerate(turns):
+        for part in turn["content"]:
+            if part["type"] == "image":
+                part["image"] = load_image(part["image"], f"sample {index}, turn {turn_index}")
+    return turns
+
+
+def _normalize_part(part: Any, where: str, reserved_tokens: Sequence[str], allow_images: bool) -> dict:
+    """One content part -> ``{"type": "text", "text": ...}`` or ``{"type": "image", "image": payload | None}``."""
+    kind = part.get("type") if isinstance(part, Mapping) else None
+    if kind == "text":
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: a text part needs a string 'text'; got {part!r:.120}")
+        for token in reserved_tokens:
+            if token in text:
+                raise ValueError(
+                    f"{where}: text contains the reserved placeholder {token!r}; the processor would expand it as "
+                    "an image slot without an image. Use a {'type': 'image'} part instead."
+                )
+        return {"type": "text", "text": text}
+    if kind == "image":
+        if not allow_images:
+            raise ValueError(
+                f"{where}: has an image but the collator was built with a text tokenizer; pass the model's "
+                "processor instead"
+            )
+        payload = next((part[key] for key in _IMAGE_KEYS if part.get(key) is not None), None)
+        return {"type": "image", "image": payload}
+    raise ValueError(f"{where}: unsupported content part {part!r:.120}; use type 'text' or 'image'")
+
+
+def _split_placeholders(text: str) -> list[dict]:
+    """Plain-string content with ``<image>`` placeholders -> text parts and payload-less image slots."""
+    pieces = text.split(IMAGE_PLACEHOLDER)
+    parts: list[dict] = []
+    for i, piece in enumerate(pieces):
+        if i:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def encode_conversations(
+    processor: Any, conversations: list[list[dict]], chat_template: str
+) -> list[dict[str, torch.Tensor]]:
+    """Render and tokenise normalised conversations in ONE processor call; returns one dict per sample.
+
+    One call is ~3x faster than one per sample (the processor's per-call overhead dominates small samples).
+    Each dict holds the per-token tensors ``[1, L]`` (``input_ids``, ``labels``, ``mm_token_type_ids``, ...) and
+    the sample's share of every vision tensor (``pixel_values`` rows, ``image_grid_thw`` rows, ...), present only
+    if the sample has images. ``labels`` equal ``input_ids`` on assistant tokens and -100 elsewhere (image tokens
+    never get labels). If the processor fails, the error names the first sample it fails on.
+    """
+    try:
+        out = _apply_template(processor, conversations, chat_template)
+    except Exception as batch_error:
+        for index, conversation in enumerate(conversations):
+            try:
+                _apply_template(processor, [conversation], chat_template)
+            except Exception as exc:
+                raise ValueError(f"sample {index}: the processor rejected it: {exc}") from exc
+        raise batch_error
+    images = [sum(part["type"] == "image" for turn in c for part in turn["content"]) for c in conversations]
+    samples: list[dict[str, torch.Tensor]] = [{} for _ in conversations]
+    vision = {key: value for key, value in out.items() if isinstance(value, torch.Tensor)}
+    for key, chunks in _split_vision(vision, images).items():
+        for sample, chunk in zip(samples, chunks):
+            if chunk is not None:
+                sample[key] = chunk
+    for i, sample in enumerate(samples):
+        for key, value in out.items():
+            if not isinstance(value, torch.Tensor) and key != "attention_mask":
+                sample[key] = torch.tensor(value[i], dtype=torch.long).unsqueeze(0)
+        assistant = sample.pop("assistant_masks").bool()
+        if "mm_token_type_ids" in sample:
+            assistant &= sample["mm_token_type_ids"] == 0
+        sample["labels"] = sample["input_ids"].masked_fill(~assistant, IGNORE_INDEX)
+    return samples
+
+
+def _apply_template(processor: Any, conversations: list[list[dict]], chat_template: str) -> Mapping[str, Any]:
+    return processor.apply_chat_template(
+        conversations,
+        chat_template=chat_template,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
+
+
+def _split_vision(vision: dict[str, torch.Tensor], images: list[int]) -> dict[str, list[torch.Tensor | None]]:
+    """Attribute each batched vision tensor's rows to samples; samples without rows get None.
+
+    ``pixel_values`` with an ``image_grid_thw`` has one row per patch; any other tensor with one row per image
+    (grids, image sizes, unpatched pixels) is split by image; one with one row per sample, by sample.
+    """
+    owner = np.repeat(np.arange(len(images)), images)  # sample index of every image
+    grid = vision.get("image_grid_thw")
+    split = {}
+    for key, value in vision.items():
+        rows = value.shape[0] if value.dim() else -1
+        if key == "pixel_values" and grid is not None:
+            counts = np.bincount(owner, weights=grid.prod(-1).numpy(), minlength=len(images)).astype(int).tolist()
+        elif rows == len(owner):
+            counts = images
+        elif rows == len(images):
+            counts = [1] * len(images)
+        else:
+            raise ValueError(
+                f"processor output {key!r} has shape {tuple(value.shape)}, which matches neither the batch's "
+                f"{len(owner)} images nor its {len(images)} samples; the collator cannot split it per sample"
+            )
+        split[key] = [chunk if count else None for chunk, count in zip(torch.split(value, counts), counts)]
+    return split

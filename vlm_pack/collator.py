@@ -1,0 +1,305 @@
+"""``VLMPackingCollator``: chat examples -> one packed row (or a padded batch) that HF VLMs train on exactly.
+
+Per micro-batch::
+
+    examples --normalize/decode images--> turns --processor.apply_chat_template--> per-sample tensors
+             (input_ids, labels on assistant tokens only, mm_token_type_ids, pixel_values, image_grid_thw)
+             --right-pad [B, S]--> per-sample positions (text + mRoPE rows, via the model's get_rope_index)
+             --pack_batch_sequences--> input_ids/labels [1, T], position_ids [4, 1, T] (mRoPE) or [1, T],
+                                       cu_seq_lens_q/k + max_length_q/k, vision tensors in sample order
+
+The packed batch carries NO ``attention_mask``: with one, HF's own packed-boundary detection switches off
+and samples attend to each other (sdpa / eager / flash without ``cu_seq_lens``). Feed the model
+``model_inputs(batch)`` (the batch minus labels and packing metadata) and compute the loss with
+``vlm_pack.loss`` on ``batch["labels"]`` / ``batch["cu_seqlens_padded"]`` (labels are unshifted; the shift
+happens inside each sample).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from transformers.configuration_utils import PreTrainedConfig
+
+from .chat import IGNORE_INDEX, encode_conversations, normalize_example, resolve_chat_template
+from .config import PackingConfig
+from .packing import pack_batch_sequences, pad_multiple
+from .rope_index import MRopeIndex, is_mrope_config
+
+__all__ = ["CollatorStats", "METADATA_KEYS", "TOKEN_ALIGNED_KEYS", "VLMPackingCollator", "model_inputs"]
+
+# Per-token keys: padded / packed exactly like input_ids. Every other tensor a processor returns
+# (pixel_values, image_grid_thw, video tensors, ...) is per sample: concatenated along dim 0 in sample order.
+TOKEN_ALIGNED_KEYS = ("input_ids", "labels", "mm_token_type_ids", "token_type_ids")
+_TOKEN_FILL = {"labels": IGNORE_INDEX}
+
+# Batch entries that are not forward() arguments: the labels (use vlm_pack.loss) and packing bookkeeping.
+# ``cu_seqlens`` in particular must not reach a Qwen-VL forward: forwarded kwargs reach the vision blocks,
+# where it would replace the per-image boundaries (checked: the vision tower then fails on split sizes).
+METADATA_KEYS = ("labels", "cu_seqlens", "cu_seqlens_padded", "seq_lengths", "stats")
+
+
+def model_inputs(batch: Mapping[str, Any], *, keep_labels: bool = False) -> dict[str, Any]:
+    """The batch entries to pass as ``model(**...)``: everything but labels and packing metadata."""
+    drop = set(METADATA_KEYS) - ({"labels"} if keep_labels else set())
+    return {key: value for key, value in batch.items() if key not in drop}
+
+
+@dataclass
+class CollatorStats:
+    """Counts for one collated batch (also returned in ``batch["stats"]``, which survives DataLoader workers).
+
+    ``padded_slots``: alignment slots in packed mode, right-padding slots in padded mode.
+    Wall times: ``encode_s`` rendering, image decoding and the processor; ``batch_s`` right-padding to
+    ``[B, S]`` and concatenating vision tensors (the same in both modes); ``positions_s`` per-sample mRoPE
+    positions (a per-sample feature: an unpacked model computes the same in its forward); ``pack_s`` the
+    packing itself (``pack_batch_sequences`` and the packed per-token keys; 0 in padded mode).
+    """
+
+    samples: int
+    samples_dropped: int
+    real_tokens: int
+    label_tokens: int
+    padded_slots: int
+    images: int
+    image_tokens: int
+    encode_s: float
+    batch_s: float
+    positions_s: float
+    pack_s: float
+
+    @property
+    def padding_fraction(self) -> float:
+        """Share of the batch's slots that carry no real token."""
+        total = self.real_tokens + self.padded_slots
+        return self.padded_slots / total if total else 0.0
+
+
+class VLMPackingCollator:
+    """Picklable ``collate_fn``: chat examples -> one packed row (default) or a right-padded batch.
+
+    ``processor``: a HF multimodal processor (Qwen2-VL family, ...) or, for text-only LLMs, a tokenizer.
+    ``max_length``: longest sample allowed (tokens after image expansion). Longer samples raise
+    (``on_overlong="error"``) or are dropped with a counted warning (``"drop"``); they are never truncated,
+    since cutting would split an image's tokens from its pixels.
+    ``context_parallel_size`` / ``tensor_parallel_size`` / ``sequence_parallel``: each sequence is padded to
+    ``pad_multiple(cp, tp, sp)`` so the row splits evenly across ranks.
+    ``model_config``: ``model.config`` of an mRoPE model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL); required there,
+    since positions must be computed per sample with the model's own rope index.
+    ``chat_template``: a template with ``{% generation %}`` around assistant turns (default: the processor's
+    if it has such blocks, else ChatML for ChatML tokenizers).
+    """
+
+    def __init__(
+        self,
+        processor: Any,
+        *,
+        max_length: int,
+        pack_sequences_in_batch: bool = True,
+        context_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
+        sequence_parallel: bool = False,
+        model_config: PreTrainedConfig | None = None,
+        on_overlong: Literal["error", "drop"] = "error",
+        chat_template: str | None = None,
+        pad_token_id: int | None = None,
+    ) -> None:
+        if max_length < 1:
+            raise ValueError(f"max_length must be >= 1; got {max_length}")
+        if on_overlong not in ("error", "drop"):
+            raise ValueError(f"on_overlong must be 'error' or 'drop'; got {on_overlong!r}")
+        self.processor = processor
+        self.max_length = max_length
+        self.pack_sequences_in_batch = pack_sequences_in_batch
+        self.pad_to_multiple_of = pad_multiple(context_parallel_size, tensor_parallel_size, sequence_parallel)
+        self.on_overlong = on_overlong
+        self.chat_template = resolve_chat_template(processor, chat_template)
+        self.has_images = hasattr(processor, "image_processor")
+        tokenizer = getattr(processor, "tokenizer", processor)
+        self.pad_token_id = _pad_id(tokenizer) if pad_token_id is None else pad_token_id
+        placeholders = (getattr(processor, "image_token", None), getattr(processor, "video_token", None))
+        self.reserved_tokens = tuple(token for token in placeholders if token)
+        self.rope_index = MRopeIndex(model_config) if is_mrope_config(model_config) else None
+        if self.rope_index is not None and self.has_images:
+            merge = getattr(processor.image_processor, "merge_size", None)
+            if merge is not None and merge != self.rope_index.spatial_merge_size:
+                raise ValueError(
+                    f"processor.image_processor.merge_size={merge} but model_config.vision_config."
+                    f"spatial_merge_size={self.rope_index.spatial_merge_size}: processor and model do not match"
+                )
+        self.last_stats: CollatorStats | None = None
+
+    @classmethod
+    def from_config(cls, processor: Any, config: PackingConfig, **kwargs: Any) -> "VLMPackingCollator":
+        """Build from a validated :class:`PackingConfig` (max length, packing flag and parallel layout)."""
+        return cls(
+            processor,
+            max_length=config.seq_length,
+            pack_sequences_in_batch=config.pack_sequences_in_batch,
+            context_parallel_size=config.context_parallel_size,
+            tensor_parallel_size=config.tensor_parallel_size,
+            sequence_parallel=config.sequence_parallel,
+            **kwargs,
+        )
+
+    def __call__(self, examples: Sequence[Any]) -> dict[str, Any]:
+        if not isinstance(examples, Sequence) or len(examples) == 0:
+            raise ValueError(
+                "empty batch: the collator got no examples. Check the dataset/sampler (drop_last, filtering)."
+            )
+        clock = [time.perf_counter()]
+        samples, dropped = self._encode_all(examples)
+        clock.append(time.perf_counter())
+        longest = max(s["input_ids"].shape[1] for s in samples)
+        padded = self._padded(samples, -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of)
+        vision = self._per_sample_keys(samples)
+        self._check_mrope(vision)
+        clock.append(time.perf_counter())
+        if self.pack_sequences_in_batch:
+            positions = self._positions(padded, vision)
+            clock.append(time.perf_counter())
+            batch = self._pack(padded, vision, positions)
+        else:  # an ordinary batch: the model derives (mRoPE) positions of a padded batch itself
+            clock.append(time.perf_counter())
+            batch = {**padded, **vision}
+        clock.append(time.perf_counter())
+        timings = dict(zip(("encode_s", "batch_s", "positions_s", "pack_s"), np.diff(clock).tolist()))
+        stats = self._stats(batch, samples, dropped, timings)
+        batch["stats"] = stats
+        self.last_stats = stats
+        return batch
+
+    # ---------------------------------------------------------------- encoding
+
+    def _encode_all(self, examples: Sequence[Any]) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
+        conversations = [
+            normalize_example(example, index, reserved_tokens=self.reserved_tokens, allow_images=self.has_images)
+            for index, example in enumerate(examples)
+        ]
+        samples, dropped = [], []
+        for index, features in enumerate(encode_conversations(self.processor, conversations, self.chat_template)):
+            length = features["input_ids"].shape[1]
+            if length > self.max_length:
+                if self.on_overlong == "error":
+                    raise ValueError(
+                        f"sample {index} has {length} tokens (images expanded) > max_length={self.max_length}. "
+                        "Raise max_length, shrink images (processor max_pixels), or pass on_overlong='drop'; "
+                        "samples are never truncated (that would cut an image's tokens)."
+                    )
+                dropped.append(index)
+                continue
+            samples.append(features)
+        if dropped:
+            warnings.warn(
+                f"dropped {len(dropped)} of {len(examples)} samples longer than max_length={self.max_length} "
+                f"(indices {dropped})",
+                stacklevel=3,
+            )
+        if not samples:
+            raise ValueError(
+                f"all {len(examples)} samples of the batch exceed max_length={self.max_length}; nothing left to "
+                "train on. Raise max_length or filter the dataset."
+            )
+        return samples, dropped
+
+    # ---------------------------------------------------------------- batching
+
+    def _padded(self, samples: list[dict[str, torch.Tensor]], width: int) -> dict[str, torch.Tensor]:
+        """Right-pad the per-token keys to ``[B, width]``; adds the 0/1 ``attention_mask``."""
+        lengths = torch.tensor([s["input_ids"].shape[1] for s in samples])
+        mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+        out = {"attention_mask": mask.long()}
+        for key in TOKEN_ALIGNED_KEYS:
+            if key not in samples[0]:
+                continue
+            fill = _TOKEN_FILL.get(key, self.pad_token_id if key == "input_ids" else 0)
+            flat = torch.cat([s[key].reshape(-1) for s in samples])
+            padded = torch.full((len(samples), width), fill, dtype=flat.dtype)
+            padded[mask] = flat
+            out[key] = padded
+        return out
+
+    def _per_sample_keys(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        keys = dict.fromkeys(k for s in samples for k in s if k not in TOKEN_ALIGNED_KEYS)
+        return {key: torch.cat([s[key] for s in samples if key in s]) for key in keys}
+
+    def _check_mrope(self, vision: dict[str, torch.Tensor]) -> None:
+        if self.rope_index is None and ("image_grid_thw" in vision or "video_grid_thw" in vision):
+            raise ValueError(
+                "the processor returns image_grid_thw (an mRoPE model such as Qwen2-VL) but the collator has "
+                "no model_config: pass model_config=model.config so positions are computed per sample"
+            )
+
+    def _positions(self, padded: dict[str, torch.Tensor], vision: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """``[4, B, S]`` per-sample text + mRoPE positions for mRoPE models; None otherwise (restart per sample)."""
+        if self.rope_index is None:
+            return None
+        token_types = padded.get("mm_token_type_ids")
+        if token_types is None:  # a text tokenizer: no vision tokens anywhere (images were rejected earlier)
+            token_types = torch.zeros_like(padded["input_ids"])
+        return self.rope_index(
+            padded["input_ids"],
+            token_types,
+            padded["attention_mask"],
+            image_grid_thw=vision.get("image_grid_thw"),
+            video_grid_thw=vision.get("video_grid_thw"),
+            second_per_grid_ts=vision.get("second_per_grid_ts"),
+        )
+
+    def _pack(
+        self, padded: dict[str, torch.Tensor], vision: dict[str, torch.Tensor], positions: torch.Tensor | None
+    ) -> dict[str, Any]:
+        """One packed row from the right-padded batch; per-sample tensors pass through in sample order."""
+        packed = pack_batch_sequences(
+            padded["input_ids"],
+            labels=padded["labels"],
+            position_ids=positions,
+            pad_token_id=self.pad_token_id,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            padding_mask=padded["attention_mask"],
+        )
+        real_slots = ~packed.padding_mask
+        batch: dict[str, Any] = {"input_ids": packed.tokens, "labels": packed.labels}
+        for key in TOKEN_ALIGNED_KEYS:
+            if key in padded and key not in batch:
+                # Rows keep their order and fill slots are exactly padding_mask, so real values scatter back.
+                row = torch.zeros_like(packed.tokens, dtype=padded[key].dtype)
+                row[real_slots] = padded[key][padded["attention_mask"].bool()]
+                batch[key] = row
+        batch["position_ids"] = packed.position_ids
+        batch.update(packed.attention_kwargs())
+        batch.update(
+            cu_seqlens=packed.cu_seqlens, cu_seqlens_padded=packed.cu_seqlens_padded, seq_lengths=packed.seq_lengths
+        )
+        batch.update(vision)
+        return batch
+
+    def _stats(
+        self, batch: dict[str, Any], samples: list[dict], dropped: list[int], timings: dict[str, float]
+    ) -> CollatorStats:
+        real = sum(s["input_ids"].shape[1] for s in samples)
+        grids = batch.get("image_grid_thw")
+        token_types = batch.get("mm_token_type_ids")
+        return CollatorStats(
+            samples=len(samples),
+            samples_dropped=len(dropped),
+            real_tokens=real,
+            label_tokens=int((batch["labels"] != IGNORE_INDEX).sum()),
+            padded_slots=batch["input_ids"].numel() - real,
+            images=0 if grids is None else grids.shape[0],
+            image_tokens=0 if token_types is None else int((token_types == 1).sum()),
+            **timings,
+        )
+
+
+def _pad_id(tokenizer: Any) -> int:
+    for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(candidate, int):
+            return candidate
+    raise ValueError("the tokenizer has neither a pad nor an eos token; pass pad_token_id=... to the collator")

@@ -1,0 +1,103 @@
+"""Per-sample mRoPE position ids for Qwen2-VL / Qwen2.5-VL / Qwen3-VL, from the model config alone.
+
+A collator has the processor and the model config, not the model. The mRoPE math lives in each family's
+``<Family>Model.get_rope_index``, which only reads ``self.config`` and ``self.get_vision_position_ids``; we
+call those unbound functions on a small stand-in object holding the config, so positions are computed by
+exactly the code the model itself would run, with no copy of the math here and no weights allocated.
+
+Positions must be computed PER SAMPLE: inside a packed row every sample starts again at 0. The function
+below takes a right-padded ``[B, S]`` batch (one sample per row) and returns ``[4, B, S]``: row 0 the plain
+text positions (0..L-1 per sample; HF models derive packed boundaries from it), rows 1-3 temporal / height /
+width. Padding slots get 0 (the packer drops or overwrites them).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import transformers
+from transformers.configuration_utils import PreTrainedConfig
+
+__all__ = ["MROPE_MODEL_TYPES", "MRopeIndex", "is_mrope_config", "text_position_ids"]
+
+# model_type -> name of the base model class whose get_rope_index is used (imported on first use: loading
+# four modeling modules costs seconds, and a text-only collator never needs them).
+MROPE_MODEL_TYPES: dict[str, str] = {
+    "qwen2_vl": "Qwen2VLModel",
+    "qwen2_5_vl": "Qwen2_5_VLModel",
+    "qwen3_vl": "Qwen3VLModel",
+    "qwen3_vl_moe": "Qwen3VLMoeModel",
+}
+
+
+def is_mrope_config(config: PreTrainedConfig | None) -> bool:
+    """True for a config of a supported mRoPE family: ``model.config``, or by mistake its ``text_config``
+    (which ``MRopeIndex`` then rejects with a clear message instead of silently using 1-D positions)."""
+    model_type = str(getattr(config, "model_type", ""))
+    return model_type.removesuffix("_text") in MROPE_MODEL_TYPES
+
+
+def text_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` positions 0..L-1 over each row's real tokens (works for left or right padding), 0 at padding."""
+    mask = attention_mask.long()
+    return ((mask.cumsum(-1) - 1) * mask).clamp_min(0)
+
+
+@dataclass
+class MRopeIndex:
+    """Picklable callable: ``[B, S]`` padded batch -> ``[4, B, S]`` text + mRoPE position ids, per sample."""
+
+    config: PreTrainedConfig
+
+    def __post_init__(self) -> None:
+        model_type = getattr(self.config, "model_type", None)
+        if model_type not in MROPE_MODEL_TYPES:
+            raise ValueError(
+                f"model_config has model_type={model_type!r}; mRoPE positions are supported for "
+                f"{sorted(MROPE_MODEL_TYPES)}. Pass the full VLM config (model.config), not its text_config."
+            )
+        if getattr(self.config, "vision_config", None) is None:
+            raise ValueError("model_config has no vision_config; pass the composite model.config of the VLM")
+
+    @cached_property
+    def _accepted(self) -> frozenset[str]:
+        return frozenset(inspect.signature(self._model_cls.get_rope_index).parameters)
+
+    @property
+    def _model_cls(self) -> type:
+        return getattr(transformers, MROPE_MODEL_TYPES[self.config.model_type])
+
+    @property
+    def spatial_merge_size(self) -> int:
+        return int(self.config.vision_config.spatial_merge_size)
+
+    # get_rope_index calls self.get_vision_position_ids; route it to the family's own implementation.
+    def get_vision_position_ids(self, *args, **kwargs) -> torch.Tensor:
+        return self._model_cls.get_vision_position_ids(self, *args, **kwargs)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        mm_token_type_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        image_grid_thw: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        **extra: torch.Tensor,
+    ) -> torch.Tensor:
+        """Position ids ``[4, B, S]`` for a padded batch; ``extra`` (e.g. ``second_per_grid_ts``) is passed on
+        only where the family's ``get_rope_index`` takes it."""
+        kwargs = {key: value for key, value in extra.items() if key in self._accepted and value is not None}
+        mrope, _ = self._model_cls.get_rope_index(
+            self,
+            input_ids,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw,
+            attention_mask=attention_mask,
+            **kwargs,
+        )
+        text = text_position_ids(attention_mask).to(mrope.dtype)
+        return torch.cat([text.unsqueeze(0), mrope], dim=0)

