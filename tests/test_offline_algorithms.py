@@ -1,0 +1,147 @@
+"""Bin packing on length arrays: invariants (hypothesis), exactness against the quadratic oracles, known cases."""
+
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vlm_pack.offline import algorithms
+from vlm_pack.offline.algorithms import (
+    ALGORITHMS,
+    best_fit_decreasing,
+    first_fit_decreasing,
+    group_by_pack,
+    naive_best_fit,
+    naive_first_fit,
+    pack_lengths,
+    packing_stats,
+)
+
+
+@st.composite
+def lengths_and_size(draw):
+    pack_size = draw(st.integers(1, 64))
+    lengths = draw(st.lists(st.integers(1, pack_size), max_size=150))
+    return np.asarray(lengths, dtype=np.int64), pack_size
+
+
+def _processing_order(algorithm: str, lengths: np.ndarray, seed: int) -> np.ndarray:
+    """The order the algorithm visits samples in (what the oracle must replay)."""
+    if algorithm.endswith("_shuffle"):
+        return np.random.default_rng(seed).permutation(len(lengths))
+    return np.argsort(-lengths, kind="stable")
+
+
+def _oracle(algorithm: str, lengths: np.ndarray, pack_size: int, seed: int) -> np.ndarray:
+    order = _processing_order(algorithm, lengths, seed)
+    naive = naive_first_fit if algorithm.startswith("first_fit") else naive_best_fit
+    out = np.empty(len(lengths), dtype=np.int64)
+    out[order] = naive(lengths[order], pack_size)
+    return out
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@settings(max_examples=60, deadline=None)
+@given(case=lengths_and_size(), seed=st.integers(0, 2**16))
+def test_invariants_and_oracle(algorithm, case, seed):
+    lengths, pack_size = case
+    bin_ids = pack_lengths(lengths, pack_size, algorithm, seed)
+    # every sample in exactly one pack, packs numbered 0..P-1 with none empty, none overflowing
+    assert bin_ids.shape == lengths.shape and bin_ids.dtype == np.int64
+    if len(lengths):
+        loads = np.bincount(bin_ids, weights=lengths)
+        assert bin_ids.min() == 0 and np.all(np.bincount(bin_ids) > 0)
+        assert loads.max() <= pack_size
+    # deterministic for a seed
+    assert np.array_equal(bin_ids, pack_lengths(lengths, pack_size, algorithm, seed))
+    expected = _oracle(algorithm, lengths, pack_size, seed)
+    if algorithm.startswith("first_fit"):
+        assert np.array_equal(bin_ids, expected)  # first fit has no ties: identical assignment
+    elif len(lengths):  # best fit: tie rules may differ, pack loads may not
+        ours = np.sort(np.bincount(bin_ids, weights=lengths))
+        theirs = np.sort(np.bincount(expected, weights=lengths))
+        assert np.array_equal(ours, theirs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(pack_size=st.integers(1, 80), data=st.data())
+def test_whole_run_placement_equals_item_by_item(pack_size, data):
+    """Decreasing variants place runs of equal lengths at once when runs are long; it must change nothing."""
+    top = data.draw(st.integers(1, pack_size))
+    n = data.draw(st.integers(1, 3000))
+    lengths = np.random.default_rng(data.draw(st.integers(0, 2**16))).integers(1, top + 1, size=n)
+    order, sorted_len, starts = algorithms._decreasing_runs(lengths, pack_size)
+    by_runs = algorithms._first_fit_by_runs(lengths, order, sorted_len, starts, pack_size)
+    assert np.array_equal(by_runs, algorithms._first_fit_in_order(lengths, order, pack_size))
+    assert np.array_equal(by_runs, _oracle("first_fit_decreasing", lengths, pack_size, 0))
+    by_runs = algorithms._best_fit_by_runs(lengths, order, sorted_len, starts, pack_size)
+    assert np.array_equal(by_runs, algorithms._best_fit_in_order(lengths, order, pack_size))
+
+
+def test_known_first_fit_decreasing():
+    # sorted 5,4,3,2,2,1 into 6: [5,1] [4,2] [3,2]
+    bin_ids = first_fit_decreasing([5, 4, 3, 2, 2, 1], 6)
+    assert bin_ids.tolist() == [0, 1, 2, 1, 2, 0]
+    stats = packing_stats([5, 4, 3, 2, 2, 1], bin_ids, 6)
+    assert (stats.num_packs, stats.max_samples_per_bin, stats.min_packed_seqlen) == (3, 2, 5)
+    assert stats.packing_factor == 2.0 and stats.packing_efficiency == pytest.approx(100 * 17 / 18)
+
+
+def test_first_fit_and_best_fit_differ_where_they_should():
+    # pack size 7: after 5 -> pack 0 (room 2) and 3, 3 -> pack 1 (room 1), the 1 goes to the FIRST pack with
+    # room under first fit but to the FULLEST pack under best fit
+    assert first_fit_decreasing([5, 3, 3, 1], 7).tolist() == [0, 1, 1, 0]
+    assert best_fit_decreasing([5, 3, 3, 1], 7).tolist() == [0, 1, 1, 1]
+
+
+def test_shuffle_variants_depend_on_seed_only():
+    lengths = np.random.default_rng(0).integers(1, 100, size=500)
+    for algorithm in ("first_fit_shuffle", "best_fit_shuffle"):
+        runs = {tuple(pack_lengths(lengths, 128, algorithm, seed)) for seed in (1, 1, 2)}
+        assert len(runs) == 2
+
+
+def test_group_by_pack():
+    order, offsets = group_by_pack(np.array([1, 0, 1, 2, 0]))
+    assert order.tolist() == [1, 4, 0, 2, 3] and offsets.tolist() == [0, 2, 4, 5]
+
+
+@pytest.mark.parametrize(
+    ("lengths", "pack_size", "match"),
+    [
+        ([3, 4, 9, 2], 8, r"sample 2 has 9 tokens, more than the pack size 8.*max_seq_length"),
+        ([3, 0, 2], 8, r"sample 1 has length 0"),
+        ([[1, 2]], 8, r"1-D"),
+        ([1.5, 2.0], 8, r"integers"),
+        ([1, 2], 0, r"pack_size must be >= 1"),
+    ],
+)
+def test_bad_lengths(lengths, pack_size, match):
+    for algorithm in ALGORITHMS:
+        with pytest.raises(ValueError, match=match):
+            pack_lengths(lengths, pack_size, algorithm)
+
+
+def test_unknown_algorithm():
+    with pytest.raises(ValueError, match="unknown packing algorithm 'next_fit'.*first_fit_decreasing"):
+        pack_lengths([1, 2], 4, "next_fit")
+
+
+def test_empty_input():
+    for algorithm in ALGORITHMS:
+        assert pack_lengths(np.zeros(0, dtype=np.int64), 16, algorithm).shape == (0,)
+
+
+def test_large_input_is_fast_and_tight():
+    """A guard against quadratic regressions; the real numbers live in benchmarks/packing.py."""
+    rng = np.random.default_rng(0)
+    sigma = 1.0
+    lengths = np.clip(rng.lognormal(np.log(380) - sigma**2 / 2, sigma, 300_000).round(), 1, 4096).astype(np.int64)
+    for algorithm in ("first_fit_decreasing", "best_fit_decreasing"):
+        start = time.perf_counter()
+        bin_ids = pack_lengths(lengths, 4096, algorithm)
+        elapsed = time.perf_counter() - start
+        assert packing_stats(lengths, bin_ids, 4096).packing_efficiency >= 99.0
+        assert elapsed < 10.0, f"{algorithm} took {elapsed:.1f}s for 300k lengths"

@@ -1,0 +1,82 @@
+"""``vlm-pack prepare``: command-line front end of :func:`vlm_pack.offline.prepare.prepare_packed_sequence_data`."""
+
+from __future__ import annotations
+
+import argparse
+
+from .algorithms import ALGORITHMS
+from .prepare import TEMPLATES, prepare_packed_sequence_data
+
+
+def add_prepare_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register the ``prepare`` subcommand (sets ``func=run_prepare``)."""
+    p = subparsers.add_parser(
+        "prepare",
+        help="tokenise an SFT dataset, bin-pack it and write packs + metadata for offline packed training",
+        description=(
+            "Tokenise a JSONL file or a saved `datasets` directory once, pack samples into fixed-size packs and write "
+            "<output-dir>/packed/<tokenizer-name>/training_<size>.npy (+ validation_<size>.npy, "
+            "<size>_metadata.jsonl). "
+            "A .npy input (reference pickle format, needs --allow-pickle) is converted as is."
+        ),
+    )
+    p.add_argument("--input", required=True,
+                   help="training data: JSONL file, `save_to_disk` directory, or reference .npy")
+    p.add_argument("--tokenizer", required=True, help="local tokenizer directory (AutoTokenizer.from_pretrained)")
+    p.add_argument("--output-dir", required=True, help="root folder; packs go to <output-dir>/packed/<tokenizer-name>/")
+    p.add_argument("--pack-sizes", type=int, nargs="+", required=True, help="one or more pack sizes in tokens")
+    p.add_argument("--validation", default=None, help="validation data (same formats as --input)")
+    p.add_argument("--validation-fraction", type=float, default=0.0,
+                   help="hold out this seeded random fraction of the training rows instead of --validation")
+    p.add_argument("--template", choices=TEMPLATES, default="alpaca", help="prompt template (default: alpaca)")
+    p.add_argument("--prompt-field", default="prompt")
+    p.add_argument("--response-field", default="response")
+    p.add_argument("--messages-field", default="messages", help="chat messages field (with --template chat)")
+    p.add_argument("--max-seq-length", type=int, default=None,
+                   help="truncate longer samples to this many tokens (counted; samples left without response dropped)")
+    p.add_argument("--algorithm", choices=ALGORITHMS, default="first_fit_decreasing")
+    p.add_argument("--seed", type=int, default=0, help="seed of the shuffle algorithms and of --validation-fraction")
+    p.add_argument("--pad-seq-to-mult", type=int, default=1,
+                   help="pack on lengths rounded up to this multiple (context parallelism pads each sample to it)")
+    p.add_argument("--num-proc", type=int, default=1, help="tokenisation worker processes")
+    p.add_argument("--global-batch-size", type=int, default=None, help="print the packs per step to use (GBS / n)")
+    p.add_argument("--tokenizer-name", default=None,
+                   help="output sub-folder name (default: the tokenizer folder's name)")
+    p.add_argument("--cache-dir", default=None, help="datasets cache directory (default: the Hugging Face cache)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="allow reading a reference .npy (pickle: trusted files only)")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.set_defaults(func=run_prepare)
+    return p
+
+
+add_parser = add_prepare_parser  # the name the `vlm-pack` dispatcher (vlm_pack/cli.py) looks up
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    """Run ``prepare`` from parsed arguments; returns the exit code."""
+    prepare_packed_sequence_data(
+        args.input,
+        args.tokenizer,
+        args.output_dir,
+        args.pack_sizes,
+        validation_path=args.validation,
+        validation_fraction=args.validation_fraction,
+        template=args.template,
+        prompt_field=args.prompt_field,
+        response_field=args.response_field,
+        messages_field=args.messages_field,
+        max_seq_length=args.max_seq_length,
+        algorithm=args.algorithm,
+        seed=args.seed,
+        pad_seq_to_mult=args.pad_seq_to_mult,
+        num_proc=args.num_proc,
+        global_batch_size=args.global_batch_size,
+        tokenizer_name=args.tokenizer_name,
+        overwrite=args.overwrite,
+        cache_dir=args.cache_dir,
+        allow_pickle=args.allow_pickle,
+        progress=not args.no_progress,
+    )
+    return 0
