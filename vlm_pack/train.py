@@ -1,9 +1,13 @@
-"""One training step on a collated batch, packed or padded, with the same loss definition for both.
+"""One training step on a collated batch, packed or padded, with the same loss definition for every layout.
 
 Used by the demo, the examples and the benchmarks so that "packed vs padded" compares the layout only:
-a packed row (``cu_seq_lens_q`` present) goes through the varlen attention path with the loss shifted inside
-each sample; a padded batch goes through the model with its ``attention_mask`` and the loss shifted per row.
-Both normalise the same way (``"token"``: mean over all loss tokens of the micro-batch, or ``"sample"``).
+
+* in-batch packed row (``VLMPackingCollator``, ``cu_seq_lens_q`` present): varlen attention, loss shifted
+  inside each sample;
+* offline pack (``PackedSFTDataset``: ``tokens``/``labels``/``position_ids`` + ``cu_seq_lens_q``): the same;
+* padded batch (``attention_mask`` present): the model masks padding, loss shifted per row.
+
+All normalise the same way (``"token"``: mean over the micro-batch's loss tokens, or ``"sample"``).
 """
 
 from __future__ import annotations
@@ -18,12 +22,9 @@ import torch
 from .collator import model_inputs
 from .loss import Reduction, packed_cross_entropy, sample_mean, token_losses
 
-__all__ = ["StepResult", "batch_loss", "is_packed", "train_step"]
+__all__ = ["StepResult", "batch_loss", "train_step"]
 
-
-def is_packed(batch: Mapping[str, Any]) -> bool:
-    """A packed batch carries its boundaries; a padded one carries an attention mask instead."""
-    return "cu_seq_lens_q" in batch
+_HF_VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def _padded_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: Reduction) -> torch.Tensor:
@@ -38,29 +39,29 @@ def _padded_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: Reductio
 
 
 def batch_loss(model: torch.nn.Module, batch: Mapping[str, Any], reduction: Reduction = "token") -> torch.Tensor:
-    """Forward ``batch`` through ``model`` and return the causal-LM loss (packed or padded alike)."""
+    """Forward ``batch`` through ``model`` and return the causal-LM loss, whatever the batch layout."""
+    if "tokens" in batch:  # offline pack (Megatron-style names)
+        varlen = {key: batch[key] for key in _HF_VARLEN_KEYS}
+        logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], use_cache=False, **varlen).logits
+        return packed_cross_entropy(logits, batch["labels"], batch["cu_seq_lens_q"], reduction=reduction)
     logits = model(**model_inputs(batch), use_cache=False).logits
-    if is_packed(batch):
-        return packed_cross_entropy(logits, batch["labels"], batch["cu_seqlens_padded"], reduction=reduction)
+    if "cu_seq_lens_q" in batch:
+        return packed_cross_entropy(logits, batch["labels"], batch["cu_seq_lens_q"], reduction=reduction)
     return _padded_loss(logits, batch["labels"], reduction)
 
 
 @dataclass(frozen=True)
 class StepResult:
     loss: float
-    real_tokens: int
-    padded_slots: int
     seconds: float
 
 
 def train_step(model: torch.nn.Module, batch: Mapping[str, Any], optimizer: torch.optim.Optimizer,
                reduction: Reduction = "token") -> StepResult:
-    """Forward, backward and optimizer step; returns the loss and the batch's token counts and wall time."""
+    """Forward, backward and optimizer step; returns the loss and the step's wall time."""
     start = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     loss = batch_loss(model, batch, reduction)
     loss.backward()
     optimizer.step()
-    value = float(loss.detach())
-    stats = batch["stats"]
-    return StepResult(value, stats.real_tokens, stats.padded_slots, time.perf_counter() - start)
+    return StepResult(float(loss.detach()), time.perf_counter() - start)
