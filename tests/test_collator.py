@@ -15,24 +15,12 @@ from vlm_pack.chat import CHATML_TEMPLATE
 from vlm_pack.collator import METADATA_KEYS, CollatorStats, VLMPackingCollator, model_inputs
 from vlm_pack.config import PackingConfig
 from vlm_pack.data import easy_vqa_examples, photo_examples, sample_photos, text_chat_examples
-from vlm_pack.tiny_models import offline_qwen2vl_processor, qwen_tokenizer, qwen_tokenizer_path, tiny_config, tiny_model
+from vlm_pack.tiny_models import qwen_tokenizer, qwen_tokenizer_path, tiny_model
 
 IGNORE = -100
 
 
-@pytest.fixture(scope="module")
-def processor():
-    return offline_qwen2vl_processor()
-
-
-@pytest.fixture(scope="module")
-def qwen2_config():
-    return tiny_config("qwen2_vl")
-
-
-@pytest.fixture(scope="module")
-def collator(processor, qwen2_config):
-    return VLMPackingCollator(processor, max_length=512, model_config=qwen2_config)
+# ``processor``, ``qwen2_config`` and ``collator`` come from conftest.py.
 
 
 @pytest.fixture(scope="module")

@@ -11,22 +11,10 @@ from transformers import PreTrainedTokenizerFast
 from vlm_pack.collator import VLMPackingCollator
 from vlm_pack.data import sample_photos
 from vlm_pack.rope_index import MRopeIndex
-from vlm_pack.tiny_models import offline_qwen2vl_processor, qwen_tokenizer, tiny_config
+from vlm_pack.tiny_models import qwen_tokenizer, tiny_config
 
 
-@pytest.fixture(scope="module")
-def processor():
-    return offline_qwen2vl_processor()
-
-
-@pytest.fixture(scope="module")
-def config():
-    return tiny_config("qwen2_vl")
-
-
-@pytest.fixture(scope="module")
-def collator(processor, config):
-    return VLMPackingCollator(processor, max_length=512, model_config=config)
+# ``processor``, ``qwen2_config`` and ``collator`` come from conftest.py.
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +63,15 @@ def test_unreadable_image(collator, photo, payload, detail):
         collator([good(photo), bad])
 
 
-def test_overlong_sample_is_an_error_by_default(processor, config, photo):
-    collator = VLMPackingCollator(processor, max_length=40, model_config=config)
+def test_overlong_sample_is_an_error_by_default(processor, qwen2_config, photo):
+    collator = VLMPackingCollator(processor, max_length=40, model_config=qwen2_config)
     long = chat([{"type": "image", "image": photo}, {"type": "text", "text": "word " * 60}])
     with pytest.raises(ValueError, match=r"sample 1 has \d+ tokens \(images expanded\) > max_length=40"):
         collator([good(photo), long])
 
 
-def test_overlong_sample_can_be_dropped_with_a_counted_warning(processor, config, photo):
-    collator = VLMPackingCollator(processor, max_length=40, model_config=config, on_overlong="drop")
+def test_overlong_sample_can_be_dropped_with_a_counted_warning(processor, qwen2_config, photo):
+    collator = VLMPackingCollator(processor, max_length=40, model_config=qwen2_config, on_overlong="drop")
     big = sample_photos(112)["rocket"]
     long = chat([{"type": "image", "image": big}, {"type": "text", "text": "word " * 60}])
     kept = collator([good(photo)])
@@ -97,8 +85,8 @@ def test_overlong_sample_can_be_dropped_with_a_counted_warning(processor, config
     assert batch["input_ids"].shape[1] == 2 * kept["input_ids"].shape[1]
 
 
-def test_all_samples_overlong(processor, config, photo):
-    collator = VLMPackingCollator(processor, max_length=8, model_config=config, on_overlong="drop")
+def test_all_samples_overlong(processor, qwen2_config, photo):
+    collator = VLMPackingCollator(processor, max_length=8, model_config=qwen2_config, on_overlong="drop")
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="all 2 samples of the batch exceed max_length=8"):
         collator([good(photo), good(photo)])
 
@@ -162,18 +150,18 @@ def test_text_config_instead_of_model_config(processor):
         MRopeIndex(tiny_config("llama"))
 
 
-def test_invalid_arguments(processor, config):
+def test_invalid_arguments(processor, qwen2_config):
     with pytest.raises(ValueError, match="on_overlong must be 'error' or 'drop'"):
-        VLMPackingCollator(processor, max_length=512, model_config=config, on_overlong="truncate")
+        VLMPackingCollator(processor, max_length=512, model_config=qwen2_config, on_overlong="truncate")
     with pytest.raises(ValueError, match="max_length must be >= 1"):
-        VLMPackingCollator(processor, max_length=0, model_config=config)
+        VLMPackingCollator(processor, max_length=0, model_config=qwen2_config)
     with pytest.raises(ValueError, match=r"chat_template has no \{% generation %\} block"):
         VLMPackingCollator(
-            processor, max_length=512, model_config=config,
+            processor, max_length=512, model_config=qwen2_config,
             chat_template="{{ messages }}{% if add_generation_prompt %}<|im_start|>assistant{% endif %}",
         )
     with pytest.raises(ValueError, match="context_parallel_size=0"):
-        VLMPackingCollator(processor, max_length=512, model_config=config, context_parallel_size=0)
+        VLMPackingCollator(processor, max_length=512, model_config=qwen2_config, context_parallel_size=0)
 
 
 def test_processor_rejection_names_the_sample(collator, photo):

@@ -6,10 +6,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vlm_pack import PackedBatch, pack_batch_sequences, pad_multiple
+from vlm_pack.attention import segment_ids
 from vlm_pack.context_parallel import (
     gather_from_context_parallel,
     partition_for_context_parallel,
-    segment_ids_of,
     unpartition_context_parallel,
     zigzag_indices,
 )
@@ -63,7 +63,7 @@ def test_cp1_keeps_everything_and_accepts_odd_lengths():
 def test_zigzag_balances_causal_attention_work():
     """The point of zigzag: every rank gets the same number of causal (query, key) pairs."""
     cu = torch.tensor([0, 16, 48, 56])
-    starts = cu[:-1][segment_ids_of(torch.arange(56), cu)]
+    starts = cu[:-1][segment_ids(cu, 56)]
     pairs_per_slot = torch.arange(56) - starts + 1  # keys a query sees inside its own segment
     for cp in (2, 4):
         work = [int(pairs_per_slot[zigzag_indices(cu, cp, r)].sum()) for r in range(cp)]
@@ -214,7 +214,7 @@ def test_partition_gather_round_trip(lengths, cp, mrope):
     # Each rank keeps the same number of slots of every sequence.
     per_seq = batch.cu_seqlens_padded.diff().long() // cp
     for r in range(cp):
-        seg = segment_ids_of(zigzag_indices(batch.cu_seqlens_padded, cp, r), batch.cu_seqlens_padded)
+        seg = segment_ids(batch.cu_seqlens_padded, zigzag_indices(batch.cu_seqlens_padded, cp, r))
         assert torch.equal(torch.bincount(seg, minlength=len(lengths)), per_seq)
     restored = unpartition_context_parallel(shards)
     for name in ("tokens", "labels", "loss_mask", "position_ids", "padding_mask"):

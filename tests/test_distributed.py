@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_pack import pack_batch_sequences, pad_multiple
+from vlm_pack.attention import segment_ids
 from vlm_pack.context_parallel import (
     context_parallel_all_gather,
     partition_for_context_parallel,
-    segment_ids_of,
     zigzag_indices,
 )
 from vlm_pack.distributed import (
@@ -67,9 +67,8 @@ class TinyAttentionLM(nn.Module):
         q, k, v = self.qkv(x).view(-1, 3, HEADS, DIM // HEADS).unbind(1)
         k, v = gather_kv(k), gather_kv(v)
         key_slots = torch.arange(k.shape[0])
-        same_segment = segment_ids_of(query_slots, cu_seqlens_padded)[:, None] == segment_ids_of(
-            key_slots, cu_seqlens_padded
-        )
+        query_segment = segment_ids(cu_seqlens_padded, query_slots)
+        same_segment = query_segment[:, None] == segment_ids(cu_seqlens_padded, key_slots)
         allowed = same_segment & (key_slots[None, :] <= query_slots[:, None])
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(DIM // HEADS)
         attn = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
@@ -110,7 +109,7 @@ def _reference(batches, targets_per_batch, normalisation):
         if normalisation == "token":
             s, c = loss_sum_and_count(logits, targets)
         else:
-            seg = segment_ids_of(torch.arange(logits.shape[0]), batch.cu_seqlens_padded)
+            seg = segment_ids(batch.cu_seqlens_padded, logits.shape[0])
             s, c = per_sample_loss_sums(logits, targets, seg, batch.num_sequences)
         sums.append(s.reshape(-1))
         counts.append(c.reshape(-1).float())
@@ -138,7 +137,7 @@ def _cp_step(batch, targets, cp_group, reduce_group, normalisation, sample_offse
         loss_sum, count = loss_sum_and_count(logits, local_targets)
         reduced = reduce_per_token_loss(loss_sum, count, reduce_group)
     else:
-        sums, counts = per_sample_loss_sums(logits, local_targets, segment_ids_of(slots, cu), batch.num_sequences)
+        sums, counts = per_sample_loss_sums(logits, local_targets, segment_ids(cu, slots), batch.num_sequences)
         pad = (sample_offset, num_samples - sample_offset - sums.numel())
         reduced = reduce_per_sample_mean_loss(F.pad(sums, pad), F.pad(counts, pad), reduce_group)
     reduced.loss.backward()
@@ -305,7 +304,7 @@ def test_reductions_without_a_process_group():
     targets = shift_packed_labels(batch.labels, batch.cu_seqlens_padded)
     reduced = reduce_per_token_loss(*loss_sum_and_count(logits, targets))
     torch.testing.assert_close(reduced.loss, packed_cross_entropy(logits, batch.labels, batch.cu_seqlens_padded))
-    seg = segment_ids_of(torch.arange(logits.shape[0]), batch.cu_seqlens_padded)
+    seg = segment_ids(batch.cu_seqlens_padded, logits.shape[0])
     per_sample = reduce_per_sample_mean_loss(*per_sample_loss_sums(logits, targets, seg, 3))
     torch.testing.assert_close(
         per_sample.loss, packed_cross_entropy(logits, batch.labels, batch.cu_seqlens_padded, reduction="sample")

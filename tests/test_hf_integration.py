@@ -50,6 +50,19 @@ def packed_slices(batch):
     return list(zip(starts, batch.seq_lengths.tolist()))
 
 
+def assert_packed_equals_per_sample(model, reference=None, multiple: int = 1) -> None:
+    """Pack ``samples()`` (alignment ``multiple``), run ONE packed forward through ``model`` with the boundary
+    kwargs, and compare every sample's logits with ``reference`` (default: ``model``) run on it alone."""
+    ids = samples()
+    tokens, mask = padded(ids)
+    batch = pack_batch_sequences(tokens, attention_mask=mask, pad_to_multiple_of=multiple)
+    with torch.no_grad():
+        logits = model(input_ids=batch.tokens, position_ids=batch.position_ids, use_cache=False,
+                       **batch.attention_kwargs()).logits[0]
+    for (start, n), expected in zip(packed_slices(batch), per_sample_logits(reference or model, ids)):
+        torch.testing.assert_close(logits[start:start + n], expected, atol=1e-5, rtol=0)
+
+
 def test_name_with_flash_is_rejected():
     with pytest.raises(ValueError, match="flash"):
         register_attention("my_flash_varlen")
@@ -58,15 +71,7 @@ def test_name_with_flash_is_rejected():
 @pytest.mark.parametrize("multiple", [1, 4], ids=["m1", "m4"])
 def test_packed_logits_equal_per_sample_logits(multiple):
     """The packer's PackedBatch (with alignment slots when m=4) through the model == samples one by one."""
-    model = llama(ATTN_IMPLEMENTATION)
-    ids = samples()
-    tokens, mask = padded(ids)
-    batch = pack_batch_sequences(tokens, attention_mask=mask, pad_to_multiple_of=multiple)
-    with torch.no_grad():
-        logits = model(input_ids=batch.tokens, position_ids=batch.position_ids, use_cache=False,
-                       **batch.attention_kwargs()).logits[0]
-    for (start, n), expected in zip(packed_slices(batch), per_sample_logits(model, ids)):
-        torch.testing.assert_close(logits[start:start + n], expected, atol=1e-5, rtol=0)
+    assert_packed_equals_per_sample(llama(ATTN_IMPLEMENTATION), multiple=multiple)
 
 
 def test_plain_sdpa_with_all_ones_mask_cross_contaminates():
@@ -148,26 +153,14 @@ def test_sliding_window_matches_sdpa():
         torch.manual_seed(0)
         models.append(MistralForCausalLM._from_config(config, attn_implementation=impl).eval())
     ours, sdpa = models
-    ids = samples()
-    tokens, mask = padded(ids)
-    batch = pack_batch_sequences(tokens, attention_mask=mask)
-    with torch.no_grad():
-        logits = ours(input_ids=batch.tokens, position_ids=batch.position_ids, use_cache=False,
-                      **batch.attention_kwargs()).logits[0]
-    torch.testing.assert_close(logits, torch.cat(per_sample_logits(sdpa, ids)), atol=1e-5, rtol=0)
+    assert_packed_equals_per_sample(ours, reference=sdpa)
 
 
 def test_enable_packing_switches_a_built_model():
     model = llama("sdpa")
     assert enable_packing(model) is model
     assert model.config._attn_implementation == ATTN_IMPLEMENTATION
-    ids = samples()
-    tokens, mask = padded(ids)
-    batch = pack_batch_sequences(tokens, attention_mask=mask)
-    with torch.no_grad():
-        logits = model(input_ids=batch.tokens, position_ids=batch.position_ids, use_cache=False,
-                       **batch.attention_kwargs()).logits[0]
-    torch.testing.assert_close(logits, torch.cat(per_sample_logits(model, ids)), atol=1e-5, rtol=0)
+    assert_packed_equals_per_sample(model)
 
 
 def test_packed_row_with_padding_mask_is_refused():

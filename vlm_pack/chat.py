@@ -29,9 +29,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .packing import IGNORE_INDEX
+
 __all__ = [
     "CHATML_TEMPLATE",
-    "IGNORE_INDEX",
     "IMAGE_PLACEHOLDER",
     "encode_conversations",
     "load_image",
@@ -39,7 +40,6 @@ __all__ = [
     "resolve_chat_template",
 ]
 
-IGNORE_INDEX = -100
 # Placeholder for an image inside plain-string content (LLaVA / TRL convention), filled from example["images"].
 IMAGE_PLACEHOLDER = "<image>"
 # Keys an image part may carry its payload under (HF chat-template conventions plus raw bytes).

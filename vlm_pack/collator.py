@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from transformers.configuration_utils import PreTrainedConfig
 
-from .chat import IGNORE_INDEX, encode_conversations, normalize_example, resolve_chat_template
+from .chat import encode_conversations, normalize_example, resolve_chat_template
 from .config import PackingConfig
-from .packing import pack_batch_sequences, pad_multiple
+from .packing import IGNORE_INDEX, pack_batch_sequences, pad_multiple
 from .rope_index import MRopeIndex, is_mrope_config
 
 __all__ = ["CollatorStats", "METADATA_KEYS", "TOKEN_ALIGNED_KEYS", "VLMPackingCollator", "model_inputs"]

@@ -27,13 +27,12 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .packed_seq_params import trim_cu_seqlens
+from .packed_seq_params import packed_boundaries
 
 __all__ = [
     "context_parallel_all_gather",
     "gather_from_context_parallel",
     "partition_for_context_parallel",
-    "segment_ids_of",
     "unpartition_context_parallel",
     "zigzag_indices",
 ]
@@ -44,8 +43,6 @@ BatchT = TypeVar("BatchT")
 _GLOBAL_KEYS = frozenset(
     {"cu_seqlens", "cu_seqlens_padded", "cu_seqlens_unpadded", "cu_seqlens_argmin", "seq_lengths", "max_seqlen"}
 )
-# Where a dict batch may keep its physical boundaries, most specific first.
-_BOUNDARY_KEYS = ("cu_seqlens_padded", "cu_seq_lens_q", "cu_seqlens")
 
 
 def _check_cp(cp_size: int, cp_rank: int | None = None) -> None:
@@ -95,27 +92,23 @@ def _validated_boundaries(cu_seqlens_padded: torch.Tensor, cp_size: int) -> tupl
 def zigzag_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     """Global slots (int64 ``[T / cp]``, increasing) that rank ``cp_rank`` keeps under the zigzag split.
 
+    The rank's block of the inverse of :func:`_rank_major_inverse`, so the split is defined in one place.
     Vectorised over all sequences; one host sync (the validation, which also yields T).
     """
     _check_cp(cp_size, cp_rank)
-    cu, total = _validated_boundaries(cu_seqlens_padded, cp_size)
-    device = cu.device
-    if cp_size == 1:
-        return torch.arange(total, device=device)
-    chunks = 2 * cp_size
-    chunk = cu.diff() // chunks  # chunk length per sequence
-    kept = 2 * chunk  # slots this rank keeps per sequence
-    local_total = total // cp_size
-    seq = torch.repeat_interleave(torch.arange(chunk.numel(), device=device), kept, output_size=local_total)
-    j = torch.arange(local_total, device=device) - (kept.cumsum(0) - kept)[seq]  # offset inside the rank's share
-    c = chunk[seq]
-    late = j >= c
-    chunk_id = torch.where(late, chunks - 1 - cp_rank, cp_rank)
-    return cu[:-1][seq] + chunk_id * c + j - late.long() * c
+    inverse = _rank_major_inverse(cu_seqlens_padded, cp_size)
+    total = inverse.numel()
+    local = total // cp_size
+    order = torch.empty_like(inverse).scatter_(0, inverse, torch.arange(total, device=inverse.device))
+    return order[cp_rank * local : (cp_rank + 1) * local]
 
 
 def _rank_major_inverse(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:
-    """For each global slot, its index in the rank-major concatenation ``cat(shard_0, ..., shard_{cp-1})``."""
+    """For each global slot, its index in the rank-major concatenation ``cat(shard_0, ..., shard_{cp-1})``.
+
+    Slot ``o`` of a sequence with chunk length ``c`` lies in chunk ``o // c``; rank ``r`` owns chunks ``r`` and
+    ``2 * cp - 1 - r`` and keeps them in order, so inside every shard a sequence starts at ``cu / cp``.
+    """
     cu, total = _validated_boundaries(cu_seqlens_padded, cp_size)
     device = cu.device
     if cp_size == 1:
@@ -128,7 +121,6 @@ def _rank_major_inverse(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.
     chunk_id = offset // c
     late = chunk_id >= cp_size
     owner = torch.where(late, chunks - 1 - chunk_id, chunk_id)
-    # Every rank keeps 2 * chunk slots of each sequence, so a sequence starts at cu / cp inside every shard.
     slot = cu[:-1][seq] // cp_size + late.long() * c + offset % c
     return owner * (total // cp_size) + slot
 
@@ -152,12 +144,6 @@ def gather_from_context_parallel(
     return joined.index_select(dim, inverse.to(joined.device))
 
 
-def segment_ids_of(positions: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
-    """Segment (sequence) index of each global slot in ``positions`` (e.g. a rank's ``zigzag_indices``)."""
-    bounds = cu_seqlens_padded.reshape(-1).to(device=positions.device, dtype=torch.long)
-    return torch.searchsorted(bounds[1:], positions.long(), right=True)
-
-
 def _batch_items(batch: Any) -> dict[str, Any]:
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
@@ -166,15 +152,6 @@ def _batch_items(batch: Any) -> dict[str, Any]:
     raise ValueError(
         f"batch must be a PackedBatch (or another dataclass) or a dict of tensors; got {type(batch).__name__}"
     )
-
-
-def _boundaries_of(items: dict[str, Any]) -> torch.Tensor:
-    for key in _BOUNDARY_KEYS:
-        value = items.get(key)
-        if isinstance(value, torch.Tensor):
-            # Offline batches may carry [1, N] boundaries right-padded with -1 sentinels.
-            return trim_cu_seqlens(value, items.get("cu_seqlens_argmin"))
-    raise ValueError(f"batch has none of {list(_BOUNDARY_KEYS)}: cannot find the packed sequence boundaries")
 
 
 def _is_per_token(name: str, value: Any, total: int) -> bool:
@@ -202,7 +179,7 @@ def partition_for_context_parallel(batch: BatchT, cp_size: int, cp_rank: int) ->
     such as ``mm_token_type_ids``). Shift labels on the global row first (see module docstring).
     """
     items = _batch_items(batch)
-    cu = _boundaries_of(items)
+    cu, _ = packed_boundaries(items)
     index = zigzag_indices(cu, cp_size, cp_rank)
     total = index.numel() * cp_size
     for key in ("tokens", "input_ids"):
@@ -229,7 +206,7 @@ def unpartition_context_parallel(shards: Sequence[BatchT]) -> BatchT:
         return shards[0]
     per_rank = [_batch_items(shard) for shard in shards]
     first = per_rank[0]
-    cu = _boundaries_of(first)
+    cu, _ = packed_boundaries(first)
     _, total = _validated_boundaries(cu, cp_size)
     changes = {
         name: gather_from_context_parallel([items[name] for items in per_rank], cu, dim=-1)

@@ -36,15 +36,16 @@ def _require(module: str) -> Any:
         raise ImportError(f"this data needs the PyPI package {package!r}: pip install 'vlm_pack[examples]'") from exc
 
 
+def _fit(image: Image.Image, side: int) -> Image.Image:
+    """``image`` resized (aspect kept) so that its longer side is ``side`` pixels."""
+    scale = side / max(image.size)
+    return image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))))
+
+
 def sample_photos(max_side: int = 112) -> dict[str, Image.Image]:
     """The scikit-image photos as RGB PIL images, downscaled so the longer side is ``max_side`` pixels."""
     skdata = _require("skimage.data")
-    photos = {}
-    for name in PHOTO_NAMES:
-        image = Image.fromarray(getattr(skdata, name)()).convert("RGB")
-        scale = max_side / max(image.size)
-        photos[name] = image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))))
-    return photos
+    return {name: _fit(Image.fromarray(getattr(skdata, name)()).convert("RGB"), max_side) for name in PHOTO_NAMES}
 
 
 def photo_examples(n: int, *, seed: int = 0, max_side: int = 112) -> list[dict]:
@@ -57,10 +58,7 @@ def photo_examples(n: int, *, seed: int = 0, max_side: int = 112) -> list[dict]:
         content: list[dict] = []
         for name in names:
             side = int(rng.choice([56, 84, max_side]))
-            image = photos[name]
-            scale = side / max(image.size)
-            resized = image.resize((round(image.width * scale), round(image.height * scale)))
-            content.append({"type": "image", "image": resized})
+            content.append({"type": "image", "image": _fit(photos[name], side)})
         questions = " ".join(_PHOTO_QUESTIONS[name][0] for name in names)
         answer = " ".join(_PHOTO_QUESTIONS[name][1] for name in names)
         content.append({"type": "text", "text": questions})

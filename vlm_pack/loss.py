@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import segment_ids
+from .packing import IGNORE_INDEX
 
 __all__ = [
     "loss_sum_and_count",
@@ -50,7 +51,7 @@ def _check_cu(cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
 
 
 def shift_packed_labels(labels: torch.Tensor, cu_seqlens_padded: torch.Tensor,
-                        ignore_index: int = -100) -> torch.Tensor:
+                        ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Next-token targets of a packed row: labels rolled left by one, ``ignore_index`` at each segment's last slot.
 
     ``labels`` is ``[T]`` or ``[1, T]`` (same shape returned). Tokens past ``cu_seqlens_padded[-1]`` count as
@@ -66,7 +67,7 @@ def shift_packed_labels(labels: torch.Tensor, cu_seqlens_padded: torch.Tensor,
     return shifted.masked_fill(crosses, ignore_index).view_as(labels)
 
 
-def token_losses(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def token_losses(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Per-slot cross entropy in fp32 against already-shifted ``targets`` ([T]; 0 where ignored)."""
     flat_targets = _flat(targets, "targets")
     flat_logits = logits.reshape(-1, logits.shape[-1])
@@ -79,7 +80,7 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int 
 
 
 def loss_sum_and_count(logits: torch.Tensor, targets: torch.Tensor, *,
-                       ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+                       ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum of per-token losses, number of loss tokens)`` against already-shifted ``targets``.
 
     For distributed reduction: shift on the global row (``shift_packed_labels``), split it across ranks, then
@@ -91,7 +92,7 @@ def loss_sum_and_count(logits: torch.Tensor, targets: torch.Tensor, *,
 
 
 def per_sample_loss_sums(logits: torch.Tensor, targets: torch.Tensor, seg: torch.Tensor, num_samples: int, *,
-                         ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+                         ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample ``(loss sums [N], loss-token counts [N])`` given each slot's sample id ``seg`` ([T]).
 
     Slots whose id is ``>= num_samples`` (fill past the last boundary) are dropped. Sums across ranks can be
@@ -113,7 +114,7 @@ def sample_mean(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
 
 def packed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens_padded: torch.Tensor, *,
-                         reduction: Reduction = "token", ignore_index: int = -100) -> torch.Tensor:
+                         reduction: Reduction = "token", ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Causal-LM cross entropy of a packed row with labels aligned to tokens (shifted here, per sample).
 
     ``logits`` ``[1, T, V]`` or ``[T, V]``, ``labels`` ``[1, T]`` or ``[T]``. ``reduction``: ``"token"`` (mean

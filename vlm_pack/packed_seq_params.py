@@ -1,7 +1,8 @@
 """Megatron-style THD metadata (``PackedSeqParams``) from a packed batch.
 
-Accepts a :class:`~vlm_pack.packing.PackedBatch` or a dict batch from the offline path, where ``cu_seqlens``
-may arrive as ``[1, N]`` right-padded with ``-1`` sentinels (fixed shapes for collation / CUDA graphs).
+Accepts a :class:`~vlm_pack.packing.PackedBatch`, the dict of the in-batch collator, or a dict batch from the
+offline path, where ``cu_seqlens`` may arrive as ``[1, N]`` right-padded with ``-1`` sentinels (fixed shapes for
+collation / CUDA graphs). :func:`packed_boundaries` is the one place that knows where each path keeps them.
 """
 
 from __future__ import annotations
@@ -11,9 +12,16 @@ from typing import Any, Mapping
 
 import torch
 
+from .attention import segment_ids
 from .packing import PackedBatch
 
-__all__ = ["PackedSeqParams", "get_packed_seq_params", "trim_cu_seqlens", "seq_idx_from_cu_seqlens"]
+__all__ = [
+    "PackedSeqParams",
+    "get_packed_seq_params",
+    "packed_boundaries",
+    "seq_idx_from_cu_seqlens",
+    "trim_cu_seqlens",
+]
 
 
 @dataclass
@@ -46,49 +54,69 @@ def trim_cu_seqlens(cu_seqlens: torch.Tensor, argmin: torch.Tensor | int | None 
 
 
 def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
-    """Segment id of every token: ``[0, 5, 7, 11]`` with 16 tokens -> ``[0]*5 + [1]*2 + [2]*4 + [3]*5``."""
-    bounds = cu_seqlens.long()
-    end = bounds.new_full((1,), total_tokens)
-    if bounds[-1] < total_tokens:
-        bounds = torch.cat([bounds, end])
-    lengths = bounds.diff()
-    return torch.repeat_interleave(torch.arange(lengths.numel(), device=bounds.device), lengths, output_size=total_tokens)
+    """Segment id of every token: ``[0, 5, 7, 11]`` with 16 tokens -> ``[0]*5 + [1]*2 + [2]*4 + [3]*5``.
+
+    Tokens past ``cu_seqlens[-1]`` form one more segment. No host sync (``vlm_pack.attention.segment_ids``).
+    """
+    return segment_ids(cu_seqlens, int(total_tokens))
+
+
+def packed_boundaries(batch: PackedBatch | Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(physical, real)`` boundaries of a packed batch, flat, ``-1`` sentinels trimmed; ``real`` may be None.
+
+    Reads both conventions of the library:
+
+    * in-batch packing (``PackedBatch`` or its dict, ``VLMPackingCollator`` output): ``cu_seqlens_padded`` is
+      physical and ``cu_seqlens`` real; ``real`` is None when the two are equal (no alignment slots, no fill);
+    * offline packing (``PackedSFTDataset``): ``cu_seqlens`` ``[1, K]`` is physical (valid up to
+      ``cu_seqlens_argmin``), ``cu_seqlens_unpadded`` (+ argmin), when present, real;
+    * a bare Hugging Face batch (``PackedDataset.collate``): ``cu_seq_lens_q``, physical.
+    """
+    if isinstance(batch, PackedBatch):
+        batch = batch.to_dict()
+    if batch.get("cu_seqlens_padded") is not None:
+        physical = batch["cu_seqlens_padded"].reshape(-1)  # in-batch boundaries carry no sentinels
+        real = batch.get("cu_seqlens")
+        real = None if real is None else real.reshape(-1)
+        if real is not None and real.shape == physical.shape and torch.equal(real, physical):
+            real = None
+        return physical, real
+    for key in ("cu_seqlens", "cu_seq_lens_q"):
+        if batch.get(key) is not None:
+            physical = trim_cu_seqlens(batch[key], batch.get("cu_seqlens_argmin"))
+            real = batch.get("cu_seqlens_unpadded")
+            if real is not None:
+                real = trim_cu_seqlens(real, batch.get("cu_seqlens_unpadded_argmin"))
+            return physical, real
+    raise ValueError(
+        "batch has none of cu_seqlens_padded / cu_seqlens / cu_seq_lens_q: cannot find the packed sequence "
+        "boundaries; pack it first (pack_batch_sequences, VLMPackingCollator or PackedSFTDataset)"
+    )
 
 
 def get_packed_seq_params(batch: PackedBatch | Mapping[str, Any], total_tokens: int | None = None) -> PackedSeqParams:
-    """Build :class:`PackedSeqParams` (``qkv_format="thd"``) from a packed batch.
+    """Build :class:`PackedSeqParams` (``qkv_format="thd"``) from a packed batch (see :func:`packed_boundaries`).
 
-    Dict keys read: ``cu_seqlens`` (+ ``cu_seqlens_argmin``), optional ``cu_seqlens_unpadded``
-    (+ ``cu_seqlens_unpadded_argmin``), ``max_seqlen``, and ``total_tokens`` or ``tokens`` for ``seq_idx``.
-    For a ``PackedBatch``, ``cu_seqlens`` is the unpadded variant whenever it differs from the physical one.
+    ``max_seqlen`` is read from ``max_seqlen`` (or the Hugging Face ``max_length_q``); ``total_tokens`` (for
+    ``seq_idx``) from the argument, ``total_tokens``, or the width of ``tokens`` / ``input_ids``.
     """
+    physical, unpadded = packed_boundaries(batch)
     if isinstance(batch, PackedBatch):
-        physical = batch.cu_seqlens_padded
-        unpadded = None if torch.equal(batch.cu_seqlens, physical) else batch.cu_seqlens
-        max_seqlen: int | torch.Tensor | None = batch.max_seqlen
-        tokens = batch.tokens
-        total_tokens = total_tokens if total_tokens is not None else tokens.shape[-1]
-    else:
-        if "cu_seqlens" not in batch:
-            raise ValueError("batch has no 'cu_seqlens'; pack it first (pack_batch_sequences or PackedSFTDataset)")
-        physical = trim_cu_seqlens(batch["cu_seqlens"], batch.get("cu_seqlens_argmin"))
-        unpadded = None
-        if batch.get("cu_seqlens_unpadded") is not None:
-            unpadded = trim_cu_seqlens(batch["cu_seqlens_unpadded"], batch.get("cu_seqlens_unpadded_argmin"))
-        max_seqlen = batch.get("max_seqlen")
-        if isinstance(max_seqlen, torch.Tensor) and max_seqlen.numel() == 1:
-            max_seqlen = int(max_seqlen)
-        if total_tokens is None:
-            total_tokens = batch.get("total_tokens")
-            if total_tokens is None and batch.get("tokens") is not None:
-                total_tokens = batch["tokens"].shape[-1]
-        total_tokens = None if total_tokens is None else int(total_tokens)
+        batch = batch.to_dict()
+    max_seqlen = batch.get("max_seqlen", batch.get("max_length_q"))
+    if isinstance(max_seqlen, torch.Tensor) and max_seqlen.numel() == 1:
+        max_seqlen = int(max_seqlen)
+    if total_tokens is None:
+        total_tokens = batch.get("total_tokens")
+    if total_tokens is None:
+        tokens = batch.get("tokens", batch.get("input_ids"))
+        total_tokens = None if tokens is None else tokens.shape[-1]
+    total_tokens = None if total_tokens is None else int(total_tokens)
 
     physical = physical.to(torch.int32)
     seq_idx = None if total_tokens is None else seq_idx_from_cu_seqlens(physical, total_tokens)
     if unpadded is not None:
-        unpadded = unpadded.to(torch.int32)
-        q, q_padded = unpadded, physical
+        q, q_padded = unpadded.to(torch.int32), physical
     else:
         q, q_padded = physical, None
     return PackedSeqParams(

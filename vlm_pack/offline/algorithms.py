@@ -95,20 +95,31 @@ def _decreasing_runs(lengths: np.ndarray, pack_size: int):
     return order, sorted_len, starts
 
 
-def first_fit_decreasing(lengths, pack_size: int) -> np.ndarray:
-    """First fit over samples sorted by decreasing length; returns the pack id of every sample."""
+def _decreasing(lengths, pack_size: int, by_runs, in_order) -> np.ndarray:
+    """Shared driver of the ``*_decreasing`` variants: whole runs of equal lengths when that pays off.
+
+    Whole-run placement (``by_runs``) costs ~20 us of numpy calls per run, item by item (``in_order``) ~1-2 us
+    per item; both give the same packs.
+    """
     lengths = check_lengths(lengths, pack_size)
     if len(lengths) == 0:
         return np.empty(0, dtype=np.int64)
     order, sorted_len, starts = _decreasing_runs(lengths, pack_size)
-    if not _runs_pay_off(len(lengths), len(starts) - 1):
-        return _first_fit_in_order(lengths, order, pack_size)
-    return _first_fit_by_runs(lengths, order, sorted_len, starts, pack_size)
+    if len(lengths) <= 16 * (len(starts) - 1):  # 16 items or fewer per run: item by item is cheaper
+        return in_order(lengths, order, pack_size)
+    return by_runs(lengths, order, sorted_len, starts, pack_size)
 
 
-def _runs_pay_off(num_items: int, num_runs: int) -> bool:
-    """Whole-run placement costs ~20 us of numpy calls per run, item by item ~1-2 us per item."""
-    return num_items > 16 * num_runs
+def _shuffled(lengths, pack_size: int, seed: int, in_order) -> np.ndarray:
+    """Shared driver of the ``*_shuffle`` variants: one item at a time in a random order drawn from ``seed``."""
+    lengths = check_lengths(lengths, pack_size)
+    order = np.random.default_rng(seed).permutation(len(lengths))
+    return in_order(lengths, order, pack_size)
+
+
+def first_fit_decreasing(lengths, pack_size: int) -> np.ndarray:
+    """First fit over samples sorted by decreasing length; returns the pack id of every sample."""
+    return _decreasing(lengths, pack_size, _first_fit_by_runs, _first_fit_in_order)
 
 
 def _first_fit_by_runs(lengths, order, sorted_len, starts, pack_size: int) -> np.ndarray:
@@ -184,13 +195,7 @@ class _CapacityTree:
 
 def best_fit_decreasing(lengths, pack_size: int) -> np.ndarray:
     """Best fit over samples sorted by decreasing length; returns the pack id of every sample."""
-    lengths = check_lengths(lengths, pack_size)
-    if len(lengths) == 0:
-        return np.empty(0, dtype=np.int64)
-    order, sorted_len, starts = _decreasing_runs(lengths, pack_size)
-    if not _runs_pay_off(len(lengths), len(starts) - 1):
-        return _best_fit_in_order(lengths, order, pack_size)
-    return _best_fit_by_runs(lengths, order, sorted_len, starts, pack_size)
+    return _decreasing(lengths, pack_size, _best_fit_by_runs, _best_fit_in_order)
 
 
 def _best_fit_by_runs(lengths, order, sorted_len, starts, pack_size: int) -> np.ndarray:
@@ -256,9 +261,7 @@ class _PacksByCapacity:
 
 def first_fit_shuffle(lengths, pack_size: int, seed: int = 0) -> np.ndarray:
     """First fit over the samples in a random order drawn from ``seed``."""
-    lengths = check_lengths(lengths, pack_size)
-    order = np.random.default_rng(seed).permutation(len(lengths))
-    return _first_fit_in_order(lengths, order, pack_size)
+    return _shuffled(lengths, pack_size, seed, _first_fit_in_order)
 
 
 def _first_fit_in_order(lengths: np.ndarray, order: np.ndarray, pack_size: int) -> np.ndarray:
@@ -293,9 +296,7 @@ def _first_fit_in_order(lengths: np.ndarray, order: np.ndarray, pack_size: int) 
 
 def best_fit_shuffle(lengths, pack_size: int, seed: int = 0) -> np.ndarray:
     """Best fit over the samples in a random order drawn from ``seed``."""
-    lengths = check_lengths(lengths, pack_size)
-    order = np.random.default_rng(seed).permutation(len(lengths))
-    return _best_fit_in_order(lengths, order, pack_size)
+    return _shuffled(lengths, pack_size, seed, _best_fit_in_order)
 
 
 def _best_fit_in_order(lengths: np.ndarray, order: np.ndarray, pack_size: int) -> np.ndarray:

@@ -86,11 +86,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
     def _check_pack_lengths(self) -> None:
         """Every pack, with each sample aligned to ``pad_seq_to_mult``, must fit the pack size."""
         m = self.pad_seq_to_mult
-        lengths = self.data.sample_lengths()
-        if not len(lengths):
-            return
-        padded = -(-lengths // m) * m
-        loads = np.add.reduceat(padded, np.asarray(self.data.index["sample_start"]))
+        loads = self.data.pack_loads(m)
         over = np.flatnonzero(loads > self.pack_size)
         if over.size:
             i = int(over[0])

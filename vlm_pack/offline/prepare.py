@@ -467,7 +467,7 @@ def _convert_reference(inputs: dict, out_dir: Path, sizes: list[int], *, allow_p
             continue
         arrays = open_packed(source, allow_pickle=True)
         lengths = arrays.sample_lengths()
-        loads = np.add.reduceat(lengths, arrays.index["sample_start"]) if len(lengths) else lengths
+        loads = arrays.pack_loads()
         if len(loads) and loads.max() > size:
             i = int(np.argmax(loads))
             raise ValueError(

@@ -88,6 +88,14 @@ class PackedArrays:
     def samples_per_pack(self) -> np.ndarray:
         return np.asarray(self.index["sample_end"] - self.index["sample_start"])
 
+    def pack_loads(self, pad_seq_to_mult: int = 1) -> np.ndarray:
+        """Slots each pack fills once every sample is aligned to a multiple of ``pad_seq_to_mult`` (int64)."""
+        lengths = self.sample_lengths()
+        if not len(lengths):
+            return np.zeros(self.num_packs, dtype=np.int64)
+        aligned = -(-lengths // pad_seq_to_mult) * pad_seq_to_mult
+        return np.add.reduceat(aligned, np.asarray(self.index["sample_start"]))
+
     def validate(self, source: str) -> "PackedArrays":
         """Check that the arrays describe each other consistently (a truncated or mixed-up file fails here)."""
         n_tok, n_samp = len(self.tokens), self.num_samples

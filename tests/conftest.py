@@ -1,0 +1,33 @@
+"""Fixtures shared by the collator and VLM exactness tests.
+
+Imports happen inside the fixtures, so test files that need none of this (packing, attention, ...) do not pay
+for loading transformers.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def processor():
+    """The offline Qwen2-VL processor (real Qwen tokenizer + image processor); built once, never mutated."""
+    from vlm_pack.tiny_models import offline_qwen2vl_processor
+
+    return offline_qwen2vl_processor()
+
+
+@pytest.fixture(scope="module")
+def qwen2_config():
+    """A fresh tiny Qwen2-VL config, one per test module."""
+    from vlm_pack.tiny_models import tiny_config
+
+    return tiny_config("qwen2_vl")
+
+
+@pytest.fixture(scope="module")
+def collator(processor, qwen2_config):
+    """The default packing collator for Qwen2-VL (max_length 512), one per test module."""
+    from vlm_pack.collator import VLMPackingCollator
+
+    return VLMPackingCollator(processor, max_length=512, model_config=qwen2_config)
