@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-__all__ = ["PackedBatch", "pack_batch_sequences", "pad_multiple"]
+__all__ = ["IGNORE_INDEX", "PackedBatch", "pack_batch_sequences", "pad_multiple"]
 
 IGNORE_INDEX = -100
 

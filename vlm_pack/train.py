@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .collator import model_inputs
-from .loss import Reduction, packed_cross_entropy, sample_mean, token_losses
+from .loss import Reduction, packed_cross_entropy
 
 __all__ = ["StepResult", "batch_loss", "train_step"]
 
@@ -28,14 +28,10 @@ _HF_VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length
 
 
 def _padded_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: Reduction) -> torch.Tensor:
-    targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
-    losses = token_losses(logits, targets.reshape(-1)).view_as(targets)
-    counts = (targets != -100).sum(dim=1)
-    if reduction == "token":
-        return losses.sum() / counts.sum().clamp(min=1)
-    if reduction == "sample":
-        return sample_mean(losses.sum(dim=1), counts.to(losses.dtype))
-    raise ValueError(f"reduction must be 'token' or 'sample'; got {reduction!r}")
+    """A ``[B, S]`` batch is a packed row whose segments are its rows: the same loss code serves both."""
+    rows, width = labels.shape
+    boundaries = torch.arange(rows + 1, device=labels.device) * width
+    return packed_cross_entropy(logits.reshape(rows * width, -1), labels.reshape(-1), boundaries, reduction=reduction)
 
 
 def batch_loss(model: torch.nn.Module, batch: Mapping[str, Any], reduction: Reduction = "token") -> torch.Tensor:
