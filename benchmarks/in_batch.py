@@ -64,20 +64,22 @@ def copy_bound(fields, host_lengths):
     return [torch.cat([value[i, :n] for i, n in enumerate(host_lengths)]) for value in fields]
 
 
-def timeit(fn, device: str, min_time: float) -> float:
-    """Median seconds per call over repeated calls (after warm-up)."""
-    for _ in range(3):
-        fn()
+def time_side_by_side(fns: dict, device: str, min_time: float) -> dict[str, float]:
+    """Median seconds per call of each function, calls interleaved round-robin so all share the same noise."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    times: list[float] = []
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     start_all = time.perf_counter()
-    while time.perf_counter() - start_all < min_time or len(times) < 5:
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    while time.perf_counter() - start_all < min_time or len(times[next(iter(fns))]) < 7:
+        for name, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return {name: float(np.median(values)) for name, values in times.items()}
 
 
 def count_syncs(fn) -> int:
@@ -104,7 +106,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     sizes = [2, 8] if args.quick else [2, 8, 32, 128]
-    min_time = 0.2 if args.quick else 1.0
+    min_time = 0.3 if args.quick else 3.0
     name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({platform.processor() or platform.machine()}, 1 thread)"
 
     rows = []
@@ -122,9 +124,12 @@ def main() -> None:
         assert torch.equal(packed.position_ids, loop_out["position_ids"]) and torch.equal(packed.cu_seqlens_padded, loop_cu)
 
         host = lengths.tolist()
-        t_ours = timeit(ours, args.device, min_time)
-        t_loop = timeit(lambda: per_row_loop(tokens, labels, loss_mask, positions, mask, args.multiple), args.device, min_time)
-        t_copy = timeit(lambda: copy_bound((tokens, labels, loss_mask, positions), host), args.device, min_time)
+        timed = time_side_by_side({
+            "ours": ours,
+            "loop": lambda: per_row_loop(tokens, labels, loss_mask, positions, mask, args.multiple),
+            "copy": lambda: copy_bound((tokens, labels, loss_mask, positions), host),
+        }, args.device, min_time)
+        t_ours, t_loop, t_copy = timed["ours"], timed["loop"], timed["copy"]
         syncs = count_syncs(ours) if args.device == "cuda" else None
         rows.append((mbs, int(lengths.sum()), t_ours, t_loop, t_copy, syncs))
 

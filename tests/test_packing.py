@@ -287,3 +287,18 @@ def test_unpack_round_trip(case):
                 assert b.position_ids[c, 0, start:end].tolist() == real_pos + fill_pos
         else:
             assert b.position_ids[0, start:end].tolist() == list(range(end - start))
+
+
+def test_rows_longer_than_the_fused_reduction_range():
+    """Past ~92k tokens per row lengths and column sums take two reductions; same results, same checks."""
+    width = 100_000
+    tokens = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros_like(tokens)
+    mask[0, :95_000] = 1  # right padded
+    mask[1, 7:] = 1  # left padded
+    tokens[mask.bool()] = 5
+    b = pack_batch_sequences(tokens, padding_mask=mask)
+    assert b.cu_seqlens.tolist() == [0, 95_000, 95_000 + width - 7]
+    mask[1, 50_000] = 0
+    with pytest.raises(ValueError, match="row 1 is not one contiguous run"):
+        pack_batch_sequences(tokens, padding_mask=mask)

@@ -83,6 +83,9 @@ class PackedBatch:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+_COUNT_SHIFT = 32  # lengths and column sums share one int64 reduction: count << 32 | column sum
+
+
 def _real_token_spans(
     tokens: torch.Tensor, padding_mask: torch.Tensor | None, pad_token_id: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -91,21 +94,28 @@ def _real_token_spans(
     cols = torch.arange(width, device=tokens.device)
     if padding_mask is not None:
         real = padding_mask.long()
-        lengths = real.sum(dim=1)
-        right_padded = real[:, 0] != 0  # real run starts at column 0 (full rows count as right-padded)
-        starts = torch.where(right_padded, 0, width - lengths)
-        # n distinct columns >= s sum to n*s + n(n-1)/2 exactly when they are s..s+n-1, so one weighted sum
-        # proves each row is a single run starting at ``starts`` (left or right padding, no holes).
-        col_sum = torch.mv(real, cols) if real.is_cpu else (real * cols).sum(dim=1)
+        # One reduction gives each row's count n and column sum: weights col + 2**32 keep them in separate bits
+        # while the column sum stays below 2**32 (rows up to ~92k tokens); longer rows take two reductions.
+        fused = width * (width - 1) // 2 < 1 << _COUNT_SHIFT
+        weights = cols + (1 << _COUNT_SHIFT) if fused else cols
+        col_stats = torch.mv(real, weights) if real.is_cpu else (real * weights).sum(dim=1)
+        parts = [col_stats, real[:, 0]] if fused else [real.sum(dim=1), col_stats, real[:, 0]]
+        host = torch.stack(parts).cpu().numpy()
+        if fused:
+            lengths, col_sum = host[0] >> _COUNT_SHIFT, host[0] & ((1 << _COUNT_SHIFT) - 1)
+        else:
+            lengths, col_sum = host[0], host[1]
+        starts = np.where(host[-1] != 0, 0, width - lengths)  # a run touching column 0 is right-padded
+        # n distinct columns >= s sum to n*s + n(n-1)/2 exactly when they are s..s+n-1: this proves each row is
+        # a single run starting at ``starts`` (left or right padding, no holes).
         bad = (lengths > 0) & (col_sum != lengths * starts + lengths * (lengths - 1) // 2)
     else:
         not_pad = tokens != pad_token_id
-        lengths = torch.where(not_pad, cols + 1, 0).amax(dim=1)
-        starts = torch.zeros_like(lengths)
+        host = torch.stack([torch.where(not_pad, cols + 1, 0).amax(dim=1), not_pad[:, 0].long()]).cpu().numpy()
+        lengths, starts = host[0], np.zeros_like(host[0])
         # A row that opens with pad ids yet has content later is almost surely LEFT padded.
-        bad = (lengths > 0) & ~not_pad[:, 0]
-    host = torch.stack([lengths, starts, bad.long()]).cpu().numpy()
-    bad_rows = np.flatnonzero(host[2])
+        bad = (lengths > 0) & (host[1] == 0)
+    bad_rows = np.flatnonzero(bad)
     if bad_rows.size:
         row = int(bad_rows[0])
         if padding_mask is not None:
@@ -118,7 +128,7 @@ def _real_token_spans(
             f"row {row} starts with pad_token_id={pad_token_id} but has real tokens later: it looks left-padded. "
             "Pass padding_mask (or attention_mask) so real tokens are not misread, or right-pad the batch."
         )
-    return host[0], host[1]
+    return lengths, starts
 
 
 def _check_shape(name: str, value: torch.Tensor | None, shape: torch.Size) -> None:
