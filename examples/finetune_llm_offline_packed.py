@@ -14,14 +14,13 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
 from vlm_pack.hf import ATTN_IMPLEMENTATION, enable_packing, register_attention
 from vlm_pack.offline import PackedSFTDataset, prepare_packed_sequence_data
 from vlm_pack.offline.storage import metadata_path, split_path
 from vlm_pack.recipe import Recipe
 from vlm_pack.tiny_models import qwen_tokenizer_path, tiny_model
-from vlm_pack.train import train_step
+from vlm_pack.train import train
 
 
 def load_model(recipe: Recipe):
@@ -71,18 +70,8 @@ def main(argv: list[str] | None = None) -> list[float]:
                         collate_fn=dataset.collate_fn, generator=torch.Generator().manual_seed(recipe.train.seed))
     model = load_model(recipe)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.train.lr)
-    model.train()
-    losses: list[float] = []
-    progress = tqdm(total=steps, desc="offline packs", unit="step")
-    while len(losses) < steps:
-        for batch in loader:
-            result = train_step(model, batch, optimizer, reduction=recipe.train.loss_reduction)
-            losses.append(result.loss)
-            progress.update()
-            progress.set_postfix(loss=f"{result.loss:.4f}", samples=int(batch["cu_seqlens_argmin"]) - 1)
-            if len(losses) == steps:
-                break
-    progress.close()
+    losses = train(model, loader, optimizer, steps, reduction=recipe.train.loss_reduction,
+                   desc="offline packs")
     print(f"trained {steps} steps on {len(dataset)} packs; first loss {losses[0]:.4f}, last loss {losses[-1]:.4f}")
     return losses
 

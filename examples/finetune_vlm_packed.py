@@ -14,14 +14,13 @@ import json
 
 import torch
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
 from vlm_pack.collator import VLMPackingCollator
 from vlm_pack.demo import demo_examples
 from vlm_pack.hf import ATTN_IMPLEMENTATION, enable_packing, register_attention
 from vlm_pack.recipe import Recipe
 from vlm_pack.tiny_models import offline_qwen2vl_processor, tiny_model
-from vlm_pack.train import train_step
+from vlm_pack.train import train
 
 
 def load_model_and_processor(recipe: Recipe):
@@ -58,19 +57,8 @@ def main(argv: list[str] | None = None) -> list[float]:
                         collate_fn=collator, num_workers=recipe.train.num_workers, drop_last=True,
                         generator=torch.Generator().manual_seed(recipe.train.seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.train.lr)
-    model.train()
-    losses: list[float] = []
-    progress = tqdm(total=steps, desc="packed" if recipe.packing.pack_sequences_in_batch else "padded", unit="step")
-    while len(losses) < steps:
-        for batch in loader:
-            result = train_step(model, batch, optimizer, reduction=recipe.train.loss_reduction)
-            losses.append(result.loss)
-            progress.update()
-            progress.set_postfix(loss=f"{result.loss:.4f}", tokens=batch["stats"].real_tokens,
-                                 pad=batch["stats"].padded_slots)
-            if len(losses) == steps:
-                break
-    progress.close()
+    losses = train(model, loader, optimizer, steps, reduction=recipe.train.loss_reduction,
+                   desc="packed" if recipe.packing.pack_sequences_in_batch else "padded")
     print(f"trained {steps} steps; first loss {losses[0]:.4f}, last loss {losses[-1]:.4f}")
     return losses
 

@@ -13,16 +13,17 @@ All normalise the same way (``"token"``: mean over the micro-batch's loss tokens
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from .collator import model_inputs
 from .loss import Reduction, packed_cross_entropy
 
-__all__ = ["StepResult", "batch_loss", "train_step"]
+__all__ = ["StepResult", "batch_loss", "train", "train_step"]
 
 _HF_VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -61,3 +62,19 @@ def train_step(model: torch.nn.Module, batch: Mapping[str, Any], optimizer: torc
     loss.backward()
     optimizer.step()
     return StepResult(float(loss.detach()), time.perf_counter() - start)
+
+
+def train(model: torch.nn.Module, batches: Iterable[Mapping[str, Any]], optimizer: torch.optim.Optimizer,
+          steps: int, *, reduction: Reduction = "token", desc: str = "train") -> list[float]:
+    """Run ``steps`` train steps, cycling over ``batches`` (a DataLoader) as often as needed; returns the losses."""
+    model.train()
+    losses: list[float] = []
+    with tqdm(total=steps, desc=desc, unit="step") as progress:
+        while len(losses) < steps:
+            for batch in batches:
+                losses.append(train_step(model, batch, optimizer, reduction).loss)
+                progress.update()
+                progress.set_postfix(loss=f"{losses[-1]:.4f}")
+                if len(losses) == steps:
+                    break
+    return losses
