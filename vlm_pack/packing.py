@@ -91,13 +91,13 @@ def _real_token_spans(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Length and start of each row's real tokens, brought to the host in the one device-to-host transfer."""
     width = tokens.shape[1]
-    cols = torch.arange(width, device=tokens.device)
     if padding_mask is not None:
         real = padding_mask.long()
         # One reduction gives each row's count n and column sum: weights col + 2**32 keep them in separate bits
         # while the column sum stays below 2**32 (rows up to ~92k tokens); longer rows take two reductions.
         fused = width * (width - 1) // 2 < 1 << _COUNT_SHIFT
-        weights = cols + (1 << _COUNT_SHIFT) if fused else cols
+        offset = 1 << _COUNT_SHIFT if fused else 0
+        weights = torch.arange(offset, offset + width, device=tokens.device)
         col_stats = torch.mv(real, weights) if real.is_cpu else (real * weights).sum(dim=1)
         parts = [col_stats, real[:, 0]] if fused else [real.sum(dim=1), col_stats, real[:, 0]]
         host = torch.stack(parts).cpu().numpy()
@@ -111,7 +111,8 @@ def _real_token_spans(
         bad = (lengths > 0) & (col_sum != lengths * starts + lengths * (lengths - 1) // 2)
     else:
         not_pad = tokens != pad_token_id
-        host = torch.stack([torch.where(not_pad, cols + 1, 0).amax(dim=1), not_pad[:, 0].long()]).cpu().numpy()
+        ends = torch.where(not_pad, torch.arange(1, width + 1, device=tokens.device), 0).amax(dim=1)
+        host = torch.stack([ends, not_pad[:, 0].long()]).cpu().numpy()
         lengths, starts = host[0], np.zeros_like(host[0])
         # A row that opens with pad ids yet has content later is almost surely LEFT padded.
         bad = (lengths > 0) & (host[1] == 0)
@@ -129,6 +130,13 @@ def _real_token_spans(
             "Pass padding_mask (or attention_mask) so real tokens are not misread, or right-pad the batch."
         )
     return lengths, starts
+
+
+def _cumsum0(values: np.ndarray) -> np.ndarray:
+    """Exclusive-then-total prefix sums: ``[0, v0, v0+v1, ...]``."""
+    out = np.zeros(values.size + 1, dtype=np.int64)
+    np.cumsum(values, out=out[1:])
+    return out
 
 
 def _check_shape(name: str, value: torch.Tensor | None, shape: torch.Size) -> None:
@@ -194,8 +202,8 @@ def pack_batch_sequences(
     m = pad_to_multiple_of
     seg_real = all_lengths[rows]
     seg_padded = -(-seg_real // m) * m
-    cu_real = np.concatenate([[0], np.cumsum(seg_real)])
-    cu_padded = np.concatenate([[0], np.cumsum(seg_padded)])
+    cu_real = _cumsum0(seg_real)
+    cu_padded = _cumsum0(seg_padded)
     packed_width = int(cu_padded[-1])
     max_seqlen = int(seg_padded.max())
     total = packed_width
@@ -228,19 +236,20 @@ def pack_batch_sequences(
             (cu_padded[:num_seqs] + seg_real)[fill_seg] + fill_step,  # alignment slots
             (seg_src + seg_real - 1)[fill_seg],  # ... and the last real token before each
             fill_step + 1,
-            cu_real,
-            cu_padded,
-            seg_real,
         ]).astype(np.int64)
     ).to(device, non_blocking=True)
+    boundaries = torch.from_numpy(np.concatenate([cu_real, cu_padded, seg_real]).astype(np.int32))
+    cu_real_t, cu_padded_t, seg_real_t = boundaries.to(device, non_blocking=True).split(
+        [cu_real.size, cu_padded.size, num_seqs]
+    )
     n_fill = fill_seg.size
-    (seg_start, src_jump_t, pos_jump_t, fill_idx, fill_last, fill_offset, cu_real_t, cu_padded_t,
-     seg_real_t) = plan.split([num_seqs, num_seqs, num_seqs, n_fill, n_fill, n_fill, cu_real.size, cu_padded.size,
-                               num_seqs])
+    seg_start, src_jump_t, pos_jump_t, fill_idx, fill_last, fill_offset = plan.split(
+        [num_seqs, num_seqs, num_seqs, n_fill, n_fill, n_fill]
+    )
 
     def ramp(jumps: torch.Tensor) -> torch.Tensor:
         steps = torch.ones(packed_width, dtype=torch.long, device=device)
-        steps[seg_start] = jumps
+        steps.index_copy_(0, seg_start, jumps)
         return steps.cumsum_(0)
 
     src = ramp(src_jump_t)
@@ -264,10 +273,12 @@ def pack_batch_sequences(
         positions = ramp(pos_jump_t)
     else:
         flat_positions = position_ids.reshape(-1, batch * width)
-        positions = flat_positions.index_select(1, src)
+        # One 1-D gather per channel: index_select along dim 1 is several times slower on CPU.
+        positions = torch.stack([channel.index_select(0, src) for channel in flat_positions])
         if n_fill:
             # Alignment slots keep counting from the sequence's last real position.
-            positions[:, fill_idx] = flat_positions[:, fill_last] + fill_offset.to(positions.dtype)
+            last = flat_positions.index_select(1, fill_last)
+            positions.index_copy_(1, fill_idx, last + fill_offset.to(positions.dtype))
         if position_ids.dim() == 2:
             positions = positions[0]
     if extra:
@@ -276,17 +287,18 @@ def pack_batch_sequences(
 
     fill_mask = torch.zeros(total, dtype=torch.bool, device=device)
     if n_fill:
-        fill_mask[fill_idx] = True
-    fill_mask[packed_width:] = True
+        fill_mask.index_fill_(0, fill_idx, True)
+    if extra:
+        fill_mask[packed_width:] = True
 
     return PackedBatch(
         tokens=gather(tokens, pad_token_id),
         labels=gather(labels, IGNORE_INDEX),
         loss_mask=gather(loss_mask, 0),
         position_ids=positions.unsqueeze(-2),
-        cu_seqlens=cu_real_t.to(torch.int32),
-        cu_seqlens_padded=cu_padded_t.to(torch.int32),
+        cu_seqlens=cu_real_t,
+        cu_seqlens_padded=cu_padded_t,
         max_seqlen=max_seqlen,
-        seq_lengths=seg_real_t.to(torch.int32),
+        seq_lengths=seg_real_t,
         padding_mask=fill_mask.unsqueeze(0),
     )
