@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vlm_pack import PackedBatch, pack_batch_sequences, pad_multiple
-from vlm_pack.attention import segment_ids
+from vlm_pack.packing import segment_ids
 from vlm_pack.context_parallel import (
     gather_from_context_parallel,
     partition_for_context_parallel,

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vlm_pack.attention import segment_ids
+from vlm_pack.packing import segment_ids
 from vlm_pack.loss import (
     loss_sum_and_count,
     packed_cross_entropy,

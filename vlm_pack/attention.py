@@ -24,13 +24,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .packing import segment_ids
+
 __all__ = [
     "BACKENDS",
     "BackendStatus",
     "available_backends",
     "dense_attention",
     "document_block_mask",
-    "segment_ids",
     "select_backend",
     "varlen_attention",
 ]
@@ -264,21 +265,6 @@ def _sdpa_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torc
         return pieces[0]
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
     return out.index_put((dev_q,), torch.cat(pieces))
-
-
-def segment_ids(cu_seqlens: torch.Tensor, slots: int | torch.Tensor) -> torch.Tensor:
-    """Segment index of token slots, on device without a host sync: the one segment-id helper of the library.
-
-    ``slots`` is a slot count ``T`` (ids of slots ``0..T-1``) or a tensor of global slot indices (e.g. a
-    context-parallel rank's ``zigzag_indices``). Slots at or past ``cu_seqlens[-1]`` get ``N`` (one more
-    segment); empty segments own no slot. ``cu_seqlens``: ``[N+1]`` (or ``[1, N+1]``) boundaries.
-    Example: ``cu_seqlens=[0, 5, 7, 11]``, 16 slots -> ``[0]*5 + [1]*2 + [2]*4 + [3]*5``.
-    """
-    bounds = cu_seqlens.reshape(-1)[1:]
-    if isinstance(slots, torch.Tensor):
-        return torch.searchsorted(bounds.to(slots.device, torch.long).contiguous(), slots.long(), right=True)
-    positions = torch.arange(slots, device=bounds.device, dtype=bounds.dtype)
-    return torch.searchsorted(bounds.contiguous(), positions, right=True)
 
 
 def document_block_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int, tk: int, *, causal: bool,

@@ -18,8 +18,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from .attention import segment_ids
-from .packing import IGNORE_INDEX
+from .packing import IGNORE_INDEX, segment_ids
 
 __all__ = [
     "loss_sum_and_count",

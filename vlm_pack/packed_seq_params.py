@@ -12,8 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .attention import segment_ids
-from .packing import PackedBatch
+from .packing import PackedBatch, segment_ids
 
 __all__ = [
     "PackedSeqParams",
@@ -56,7 +55,7 @@ def trim_cu_seqlens(cu_seqlens: torch.Tensor, argmin: torch.Tensor | int | None 
 def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
     """Segment id of every token: ``[0, 5, 7, 11]`` with 16 tokens -> ``[0]*5 + [1]*2 + [2]*4 + [3]*5``.
 
-    Tokens past ``cu_seqlens[-1]`` form one more segment. No host sync (``vlm_pack.attention.segment_ids``).
+    Tokens past ``cu_seqlens[-1]`` form one more segment. No host sync (``vlm_pack.packing.segment_ids``).
     """
     return segment_ids(cu_seqlens, int(total_tokens))
 

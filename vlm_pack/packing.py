@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-__all__ = ["IGNORE_INDEX", "PackedBatch", "pack_batch_sequences", "pad_multiple"]
+__all__ = ["IGNORE_INDEX", "PackedBatch", "pack_batch_sequences", "pad_multiple", "segment_ids"]
 
 IGNORE_INDEX = -100
 
@@ -43,6 +43,21 @@ def pad_multiple(context_parallel_size: int = 1, tensor_parallel_size: int = 1, 
     cp_mult = 2 * context_parallel_size if context_parallel_size > 1 else 1
     sp_mult = context_parallel_size * tensor_parallel_size if sequence_parallel and tensor_parallel_size > 1 else 1
     return math.lcm(cp_mult, sp_mult)
+
+
+def segment_ids(cu_seqlens: torch.Tensor, slots: int | torch.Tensor) -> torch.Tensor:
+    """Segment index of token slots, on device without a host sync: the one segment-id helper of the library.
+
+    ``slots`` is a slot count ``T`` (ids of slots ``0..T-1``) or a tensor of global slot indices (e.g. a
+    context-parallel rank's ``zigzag_indices``). Slots at or past ``cu_seqlens[-1]`` get ``N`` (one more
+    segment); empty segments own no slot. ``cu_seqlens``: ``[N+1]`` (or ``[1, N+1]``) boundaries.
+    Example: ``cu_seqlens=[0, 5, 7, 11]``, 16 slots -> ``[0]*5 + [1]*2 + [2]*4 + [3]*5``.
+    """
+    bounds = cu_seqlens.reshape(-1)[1:]
+    if isinstance(slots, torch.Tensor):
+        return torch.searchsorted(bounds.to(slots.device, torch.long).contiguous(), slots.long(), right=True)
+    positions = torch.arange(slots, device=bounds.device, dtype=bounds.dtype)
+    return torch.searchsorted(bounds.contiguous(), positions, right=True)
 
 
 @dataclass
