@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_pack import pack_batch_sequences, pad_multiple
-from vlm_pack.attention import segment_ids
+from vlm_pack.packing import segment_ids
 from vlm_pack.context_parallel import (
     context_parallel_all_gather,
+    context_parallel_gather_index,
     partition_for_context_parallel,
     zigzag_indices,
 )
@@ -129,8 +130,10 @@ def _cp_step(batch, targets, cp_group, reduce_group, normalisation, sample_offse
     slots = zigzag_indices(cu, cp, rank)
     model = TinyAttentionLM()
 
+    index = context_parallel_gather_index(cu, cp)  # once per batch, reused by every K/V gather
+
     def gather_kv(t):
-        return context_parallel_all_gather(t, cu, cp_group)
+        return context_parallel_all_gather(t, cu, cp_group, gather_index=index)
 
     logits = model(part.tokens[0], part.position_ids[0], slots, cu, gather_kv)
     if normalisation == "token":
@@ -204,13 +207,15 @@ def _check_matches_torch_all_gather(group):
     for gather in (
         lambda t: context_parallel_all_gather(t, cu, group),
         lambda t: gather_from_context_parallel(all_gather(t, group=group), cu, dim=0),
+        lambda t: context_parallel_all_gather(t, cu, group, gather_index=context_parallel_gather_index(cu, cp)),
     ):
         shard = start[zigzag_indices(cu, cp, rank)].requires_grad_()
         full = gather(shard)
         (full * weights).sum().backward()
         outs.append((full.detach(), shard.grad))
-    torch.testing.assert_close(outs[0][0], outs[1][0])
-    torch.testing.assert_close(outs[0][1], outs[1][1])
+    for other in outs[1:]:
+        torch.testing.assert_close(outs[0][0], other[0])
+        torch.testing.assert_close(outs[0][1], other[1])
     # Every rank back-propagates the same weights, so a slot's gradient is cp * its weight.
     torch.testing.assert_close(outs[0][1], cp * weights[zigzag_indices(cu, cp, rank)])
 

@@ -31,6 +31,7 @@ from .packed_seq_params import packed_boundaries
 
 __all__ = [
     "context_parallel_all_gather",
+    "context_parallel_gather_index",
     "gather_from_context_parallel",
     "partition_for_context_parallel",
     "unpartition_context_parallel",
@@ -92,18 +93,18 @@ def _validated_boundaries(cu_seqlens_padded: torch.Tensor, cp_size: int) -> tupl
 def zigzag_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     """Global slots (int64 ``[T / cp]``, increasing) that rank ``cp_rank`` keeps under the zigzag split.
 
-    The rank's block of the inverse of :func:`_rank_major_inverse`, so the split is defined in one place.
+    The rank's block of the inverse of :func:`context_parallel_gather_index`, so the split is defined in one place.
     Vectorised over all sequences; one host sync (the validation, which also yields T).
     """
     _check_cp(cp_size, cp_rank)
-    inverse = _rank_major_inverse(cu_seqlens_padded, cp_size)
+    inverse = context_parallel_gather_index(cu_seqlens_padded, cp_size)
     total = inverse.numel()
     local = total // cp_size
     order = torch.empty_like(inverse).scatter_(0, inverse, torch.arange(total, device=inverse.device))
     return order[cp_rank * local : (cp_rank + 1) * local]
 
 
-def _rank_major_inverse(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:
+def context_parallel_gather_index(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:
     """For each global slot, its index in the rank-major concatenation ``cat(shard_0, ..., shard_{cp-1})``.
 
     Slot ``o`` of a sequence with chunk length ``c`` lies in chunk ``o // c``; rank ``r`` owns chunks ``r`` and
@@ -134,7 +135,7 @@ def gather_from_context_parallel(
     """
     if len(shards) == 0:
         raise ValueError("shards is empty: pass one tensor per context-parallel rank, in rank order")
-    inverse = _rank_major_inverse(cu_seqlens_padded, len(shards))
+    inverse = context_parallel_gather_index(cu_seqlens_padded, len(shards))
     joined = torch.cat(list(shards), dim=dim)
     if joined.shape[dim] != inverse.numel():
         raise ValueError(
@@ -246,18 +247,23 @@ class _ContextParallelAllGather(torch.autograd.Function):
 
 
 def context_parallel_all_gather(
-    shard: torch.Tensor, cu_seqlens_padded: torch.Tensor, group: Any = None, dim: int = 0
+    shard: torch.Tensor, cu_seqlens_padded: torch.Tensor, group: Any = None, dim: int = 0, *,
+    gather_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All-gather every CP rank's zigzag slice (e.g. K or V) along ``dim`` into GLOBAL slot order, with autograd.
 
     Gradients flow back to each rank's own slice (summed over the group). Written on ``torch.distributed``
     directly because ``torch.distributed.nn.functional.all_gather``'s gloo backward breaks on sub-groups
     that do not start at global rank 0 (it passes group ranks where global ranks are expected; torch 2.14).
+    ``gather_index``: :func:`context_parallel_gather_index` computed once per batch; without it every call
+    (K and V of every layer) recomputes it, with a host sync to validate the boundaries.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("context_parallel_all_gather needs an initialised torch.distributed process group")
     cp_size = dist.get_world_size(group)
-    inverse = _rank_major_inverse(cu_seqlens_padded, cp_size).to(shard.device)
+    if gather_index is None:
+        gather_index = context_parallel_gather_index(cu_seqlens_padded, cp_size)
+    inverse = gather_index.to(shard.device)
     dim = dim % shard.dim()
     if shard.shape[dim] * cp_size != inverse.numel():
         raise ValueError(
