@@ -15,11 +15,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .collator import VLMPackingCollator
 from .data import easy_vqa_examples, photo_examples, text_chat_examples
-from .hf import ATTN_IMPLEMENTATION, register_attention
-from .tiny_models import offline_qwen2vl_processor, tiny_model
-from .train import train_step
 
 __all__ = ["DemoResult", "StepRecord", "run_demo", "add_parser"]
 
@@ -82,6 +78,8 @@ def demo_examples(num: int, seed: int) -> list[dict]:
 
 
 def _run(model, batches, desc: str, lr: float) -> list[StepRecord]:
+    from .train import train_step
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     records = []
@@ -96,6 +94,11 @@ def run_demo(steps: int = 6, micro_batch_size: int = 4, seed: int = 0, lr: float
     """Train two identical tiny Qwen2-VL models for ``steps`` micro-batches: padded, then packed."""
     torch.manual_seed(seed)
     np.random.seed(seed)
+    # Imported here, not at module level: `vlm-pack --help` / `prepare` must not pay for loading transformers.
+    from .collator import VLMPackingCollator
+    from .hf import ATTN_IMPLEMENTATION, register_attention
+    from .tiny_models import offline_qwen2vl_processor, tiny_model
+
     register_attention()
     processor = offline_qwen2vl_processor()
     examples = demo_examples(steps * micro_batch_size, seed)
