@@ -30,13 +30,15 @@ from transformers.configuration_utils import PreTrainedConfig
 from .chat import encode_conversations, normalize_example, resolve_chat_template
 from .config import PackingConfig
 from .packing import IGNORE_INDEX, pack_batch_sequences, pad_multiple
-from .rope_index import MRopeIndex, is_mrope_config
+from .models import FamilySpec, get_family
+from .rope_index import MRopeIndex
 
 __all__ = ["CollatorStats", "METADATA_KEYS", "TOKEN_ALIGNED_KEYS", "VLMPackingCollator", "model_inputs"]
 
-# Per-token keys: padded / packed exactly like input_ids. Every other tensor a processor returns
+# Per-token keys of a text tokenizer collator (no model_config): padded / packed exactly like input_ids. With a
+# model_config the family registry says which keys are per token. Every other tensor a processor returns
 # (pixel_values, image_grid_thw, video tensors, ...) is per sample: concatenated along dim 0 in sample order.
-TOKEN_ALIGNED_KEYS = ("input_ids", "labels", "mm_token_type_ids", "token_type_ids")
+TOKEN_ALIGNED_KEYS = ("input_ids", "labels", "token_type_ids")
 _TOKEN_FILL = {"labels": IGNORE_INDEX}
 
 # Batch entries that are not forward() arguments: the labels (use vlm_pack.loss) and packing bookkeeping.
@@ -90,8 +92,10 @@ class VLMPackingCollator:
     since cutting would split an image's tokens from its pixels.
     ``context_parallel_size`` / ``tensor_parallel_size`` / ``sequence_parallel``: each sequence is padded to
     ``pad_multiple(cp, tp, sp)`` so the row splits evenly across ranks.
-    ``model_config``: ``model.config`` of an mRoPE model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL); required there,
-    since positions must be computed per sample with the model's own rope index.
+    ``model_config``: ``model.config`` of the model to train. Its family (``vlm_pack.models``) fixes the position
+    rule (e.g. mRoPE computed per sample with the model's own rope index) and the per-token processor keys; an
+    unregistered family or unhandled feature is refused unless ``allow_unproven=True``. Required with a
+    multimodal processor; optional with a text tokenizer (then positions restart at 0 per sample).
     ``chat_template``: a template with ``{% generation %}`` around assistant turns (default: the processor's
     if it has such blocks, else ChatML for ChatML tokenizers).
     """
@@ -109,6 +113,7 @@ class VLMPackingCollator:
         on_overlong: Literal["error", "drop"] = "error",
         chat_template: str | None = None,
         pad_token_id: int | None = None,
+        allow_unproven: bool = False,
     ) -> None:
         if max_length < 1:
             raise ValueError(f"max_length must be >= 1; got {max_length}")
@@ -125,7 +130,19 @@ class VLMPackingCollator:
         self.pad_token_id = _pad_id(tokenizer) if pad_token_id is None else pad_token_id
         placeholders = (getattr(processor, "image_token", None), getattr(processor, "video_token", None))
         self.reserved_tokens = tuple(token for token in placeholders if token)
-        self.rope_index = MRopeIndex(model_config) if is_mrope_config(model_config) else None
+        self.family: FamilySpec | None = (
+            None if model_config is None else get_family(model_config, allow_unproven=allow_unproven)
+        )
+        if self.family is None and self.has_images:
+            raise ValueError(
+                "the collator got a multimodal processor but no model_config: pass model_config=model.config, so "
+                "positions and per-token keys follow the model's family (e.g. mRoPE computed per sample)"
+            )
+        self.token_keys = TOKEN_ALIGNED_KEYS if self.family is None else self.family.token_keys
+        self.rope_index = (
+            MRopeIndex(model_config, self.family.rope_index_model)
+            if self.family is not None and self.family.positions == "mrope" else None
+        )
         if self.rope_index is not None and self.has_images:
             merge = getattr(processor.image_processor, "merge_size", None)
             if merge is not None and merge != self.rope_index.spatial_merge_size:
@@ -159,7 +176,6 @@ class VLMPackingCollator:
         longest = max(s["input_ids"].shape[1] for s in samples)
         padded = self._padded(samples, -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of)
         vision = self._per_sample_keys(samples)
-        self._check_mrope(vision)
         clock.append(time.perf_counter())
         if self.pack_sequences_in_batch:
             positions = self._positions(padded, vision)
@@ -215,7 +231,7 @@ class VLMPackingCollator:
         lengths = torch.tensor([s["input_ids"].shape[1] for s in samples])
         mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
         out = {"attention_mask": mask.long()}
-        for key in TOKEN_ALIGNED_KEYS:
+        for key in self.token_keys:
             if key not in samples[0]:
                 continue
             fill = _TOKEN_FILL.get(key, self.pad_token_id if key == "input_ids" else 0)
@@ -226,15 +242,8 @@ class VLMPackingCollator:
         return out
 
     def _per_sample_keys(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        keys = dict.fromkeys(k for s in samples for k in s if k not in TOKEN_ALIGNED_KEYS)
+        keys = dict.fromkeys(k for s in samples for k in s if k not in self.token_keys)
         return {key: torch.cat([s[key] for s in samples if key in s]) for key in keys}
-
-    def _check_mrope(self, vision: dict[str, torch.Tensor]) -> None:
-        if self.rope_index is None and ("image_grid_thw" in vision or "video_grid_thw" in vision):
-            raise ValueError(
-                "the processor returns image_grid_thw (an mRoPE model such as Qwen2-VL) but the collator has "
-                "no model_config: pass model_config=model.config so positions are computed per sample"
-            )
 
     def _positions(self, padded: dict[str, torch.Tensor], vision: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """``[4, B, S]`` per-sample text + mRoPE positions for mRoPE models; None otherwise (restart per sample)."""
@@ -266,7 +275,7 @@ class VLMPackingCollator:
         )
         real_slots = ~packed.padding_mask
         batch: dict[str, Any] = {"input_ids": packed.tokens, "labels": packed.labels}
-        for key in TOKEN_ALIGNED_KEYS:
+        for key in self.token_keys:
             if key in padded and key not in batch:
                 # Rows keep their order and fill slots are exactly padding_mask, so real values scatter back.
                 row = torch.zeros_like(packed.tokens, dtype=padded[key].dtype)

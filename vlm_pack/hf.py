@@ -23,6 +23,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import dense_attention, varlen_attention
+from .models import get_family
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -151,12 +152,18 @@ def register_attention(name: str = ATTN_IMPLEMENTATION) -> str:
     return name
 
 
-def enable_packing(model, name: str = ATTN_IMPLEMENTATION):
-    """Register the implementation and switch ``model`` (and its sub-models, e.g. a vision tower) to it in place.
+def enable_packing(model, name: str = ATTN_IMPLEMENTATION, *, allow_unproven: bool = False):
+    """Switch ``model`` (and its sub-models, e.g. a vision tower) to packed attention in place; returns it.
 
-    Returns the model. Call packed rows with ``use_cache=False`` and ``**batch.attention_kwargs()``, never with
-    an ``attention_mask``.
+    The model's family must be in the registry (``vlm_pack.models``) with every feature of its config covered,
+    else :class:`~vlm_pack.models.UnsupportedModelError` names what is missing (``allow_unproven=True``: a
+    warning instead). The family's own setup (e.g. boundary-aware linear-attention kernels) is applied too.
+    Call packed rows with ``use_cache=False`` and ``**batch.attention_kwargs()``, never with an
+    ``attention_mask``.
     """
+    family = get_family(model.config, allow_unproven=allow_unproven)
     register_attention(name)
     model.set_attn_implementation(name)
+    if family.prepare_model is not None:
+        family.prepare_model(model)
     return model

@@ -1,4 +1,4 @@
-"""Per-sample mRoPE position ids for Qwen2-VL / Qwen2.5-VL / Qwen3-VL, from the model config alone.
+"""Per-sample mRoPE position ids, from the model config alone (which model class: the family registry).
 
 A collator has the processor and the model config, not the model. The mRoPE math lives in each family's
 ``<Family>Model.get_rope_index``, which only reads ``self.config`` and ``self.get_vision_position_ids``; we
@@ -21,23 +21,7 @@ import torch
 import transformers
 from transformers.configuration_utils import PreTrainedConfig
 
-__all__ = ["MROPE_MODEL_TYPES", "MRopeIndex", "is_mrope_config", "text_position_ids"]
-
-# model_type -> name of the base model class whose get_rope_index is used (imported on first use: loading
-# four modeling modules costs seconds, and a text-only collator never needs them).
-MROPE_MODEL_TYPES: dict[str, str] = {
-    "qwen2_vl": "Qwen2VLModel",
-    "qwen2_5_vl": "Qwen2_5_VLModel",
-    "qwen3_vl": "Qwen3VLModel",
-    "qwen3_vl_moe": "Qwen3VLMoeModel",
-}
-
-
-def is_mrope_config(config: PreTrainedConfig | None) -> bool:
-    """True for a config of a supported mRoPE family: ``model.config``, or by mistake its ``text_config``
-    (which ``MRopeIndex`` then rejects with a clear message instead of silently using 1-D positions)."""
-    model_type = str(getattr(config, "model_type", ""))
-    return model_type.removesuffix("_text") in MROPE_MODEL_TYPES
+__all__ = ["MRopeIndex", "text_position_ids"]
 
 
 def text_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -51,14 +35,10 @@ class MRopeIndex:
     """Picklable callable: ``[B, S]`` padded batch -> ``[4, B, S]`` text + mRoPE position ids, per sample."""
 
     config: PreTrainedConfig
+    rope_index_model: str
+    """transformers class whose ``get_rope_index`` runs (the family registry's ``FamilySpec.rope_index_model``)."""
 
     def __post_init__(self) -> None:
-        model_type = getattr(self.config, "model_type", None)
-        if model_type not in MROPE_MODEL_TYPES:
-            raise ValueError(
-                f"model_config has model_type={model_type!r}; mRoPE positions are supported for "
-                f"{sorted(MROPE_MODEL_TYPES)}. Pass the full VLM config (model.config), not its text_config."
-            )
         if getattr(self.config, "vision_config", None) is None:
             raise ValueError("model_config has no vision_config; pass the composite model.config of the VLM")
 
@@ -68,7 +48,7 @@ class MRopeIndex:
 
     @property
     def _model_cls(self) -> type:
-        return getattr(transformers, MROPE_MODEL_TYPES[self.config.model_type])
+        return getattr(transformers, self.rope_index_model)
 
     @property
     def spatial_merge_size(self) -> int:

@@ -29,6 +29,10 @@ from transformers import (
     Qwen2VLImageProcessor,
     Qwen2VLProcessor,
     Qwen2VLVideoProcessor,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
 )
@@ -45,7 +49,7 @@ __all__ = [
     "tiny_model",
 ]
 
-TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llama")
+TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llama", "qwen2", "qwen3")
 
 # Vocabulary of the Qwen tokenizer files (151643 BPE ids + 26 added special tokens); ids must fit.
 _QWEN_VOCAB = 151669
@@ -147,10 +151,13 @@ def tiny_config(family: str, *, initializer_range: float = 0.2, layers: int = 2)
             "deepstack_visual_indexes": [0],
         }
         return Qwen3VLConfig(text_config=text, vision_config=_with_patching(vision, initializer_range))
-    if family == "llama":
+    if family in _TEXT_CONFIGS:
         text.pop("rope_parameters")
-        return LlamaConfig(**text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        return _TEXT_CONFIGS[family](**text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     raise ValueError(f"unknown tiny model family {family!r}; choose one of {TINY_FAMILIES}")
+
+
+_TEXT_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
 
 def _with_patching(vision: dict, initializer_range: float) -> dict:
@@ -168,6 +175,8 @@ _MODEL_CLASSES = {
     "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
     "qwen3_vl": Qwen3VLForConditionalGeneration,
     "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
 }
 
 

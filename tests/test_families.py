@@ -1,0 +1,129 @@
+"""Family registry: text families exact under packing (vs each sample ALONE through the stock sdpa model),
+and every refusal path (unknown family, unhandled config feature, missing model_config)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vlm_pack import pack_batch_sequences
+from vlm_pack.hf import enable_packing
+from vlm_pack.models import UnsupportedModelError, get_family, registered_families
+from vlm_pack.tiny_models import tiny_config, tiny_model
+
+TEXT_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def _samples(seed: int, lengths=(7, 12, 5, 9)) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 5000, (n,), generator=generator) for n in lengths]
+
+
+def _alone(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and the plain HF shifted cross entropy of one sample run alone."""
+    logits = model(input_ids=ids[None], use_cache=False).logits[0]
+    return logits, F.cross_entropy(logits[:-1], ids[1:])
+
+
+def _packed(model, samples: list[torch.Tensor]) -> torch.Tensor:
+    width = max(len(s) for s in samples)
+    padded = torch.zeros(len(samples), width, dtype=torch.long)
+    mask = torch.zeros_like(padded)
+    for row, sample in enumerate(samples):
+        padded[row, : len(sample)] = sample
+        mask[row, : len(sample)] = 1
+    packed = pack_batch_sequences(padded, padding_mask=mask, pad_to_multiple_of=2)
+    logits = model(input_ids=packed.tokens, position_ids=packed.position_ids, use_cache=False,
+                   **packed.attention_kwargs()).logits[0]
+    bounds = packed.cu_seqlens_padded.tolist()
+    return [logits[start:start + len(s)] for start, s in zip(bounds, samples)]
+
+
+@pytest.mark.parametrize("family", TEXT_FAMILIES)
+def test_text_family_packed_equals_each_sample_alone(family):
+    stock = tiny_model(family, attn_implementation="sdpa")
+    packed_model = enable_packing(tiny_model(family, attn_implementation="sdpa"))
+    samples = _samples(1)
+    for sample, logits in zip(samples, _packed(packed_model, samples)):
+        reference, reference_loss = _alone(stock, sample)
+        assert (logits - reference).abs().max() < 1e-4
+        assert abs(F.cross_entropy(logits[:-1], sample[1:]) - reference_loss) < 1e-5
+
+
+def test_text_family_corruption_boundaries_dropped(monkeypatch):
+    """Drop the boundaries (one segment over the whole row): the same comparison must fail."""
+    import vlm_pack.hf as hf
+
+    original = hf.varlen_attention
+
+    def one_segment(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        whole = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+        return original(q, k, v, whole, whole, q.shape[0], q.shape[0], **kwargs)
+
+    monkeypatch.setattr(hf, "varlen_attention", one_segment)
+    stock = tiny_model("llama", attn_implementation="sdpa")
+    packed_model = enable_packing(tiny_model("llama", attn_implementation="sdpa"))
+    samples = _samples(1)
+    errors = [(logits - _alone(stock, s)[0]).abs().max() for s, logits in zip(samples, _packed(packed_model, samples))]
+    assert max(errors) > 1e-2
+
+
+def test_registry_lists_each_family_with_its_proof():
+    families = registered_families()
+    assert {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", *TEXT_FAMILIES} <= families.keys()
+    for spec in families.values():
+        assert spec.proof.startswith("tests/")
+    assert families["qwen2_vl"].positions == "mrope"
+    assert families["llama"].positions == "arange"
+
+
+def test_unknown_family_is_refused():
+    from transformers import GPT2Config
+
+    with pytest.raises(UnsupportedModelError, match="model_type 'gpt2' is not a family vlm_pack has proven"):
+        get_family(GPT2Config())
+
+
+def test_text_config_of_a_vlm_is_refused():
+    with pytest.raises(UnsupportedModelError, match="'qwen2_vl_text'.*not its text_config"):
+        get_family(tiny_config("qwen2_vl").text_config)
+
+
+def test_sliding_window_layers_are_refused_until_proven():
+    config = tiny_config("qwen2")
+    config.layer_types = ["sliding_attention", "full_attention"]
+    with pytest.raises(UnsupportedModelError, match=r"qwen2 model with layer types \['sliding_attention'\]"):
+        get_family(config)
+
+
+def test_length_dependent_rope_is_refused():
+    config = tiny_config("llama")
+    config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(UnsupportedModelError, match=r"rope_type \['dynamic'\]"):
+        get_family(config)
+
+
+def test_enable_packing_refuses_and_opt_out_warns():
+    model = tiny_model("llama")
+    model.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(UnsupportedModelError):
+        enable_packing(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        enable_packing(model, allow_unproven=True)
+    assert any("not proven exact" in str(w.message) for w in caught)
+    assert model.config._attn_implementation == "vlm_pack_varlen"
+
+
+def test_collator_refuses_unknown_family_and_missing_model_config(processor):
+    from transformers import GPT2Config
+
+    from vlm_pack.collator import VLMPackingCollator
+
+    with pytest.raises(UnsupportedModelError, match="'gpt2'"):
+        VLMPackingCollator(processor, max_length=64, model_config=GPT2Config())
+    with pytest.raises(ValueError, match="multimodal processor but no model_config"):
+        VLMPackingCollator(processor, max_length=64)

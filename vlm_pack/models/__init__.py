@@ -1,0 +1,170 @@
+"""Model-family registry: what vlm_pack has PROVEN about each Hugging Face family, in one place per family.
+
+Packing is exact only if four rules hold for the model at hand: attention never crosses a sample boundary
+(and keeps the family's own pattern inside a sample), positions restart per sample, labels shift inside each
+sample, and the loss is normalised like unpacked training. How a family meets them differs (1-D positions or
+mRoPE from the model's own ``get_rope_index``; purely causal attention or bidirectional image blocks; full,
+sliding or linear-attention layers), so each family declares it in a :class:`FamilySpec` in its own module
+(``vlm_pack/models/<family>.py``) and everything else reads the spec:
+
+    collator          -> positions rule, per-token processor keys
+    enable_packing    -> attention rule, layer kinds, family setup hook (e.g. linear-attention kernels)
+    Trainer/TRL glue  -> loss rule
+
+A model whose family is not registered, or whose config turns on something the spec does not cover, is
+refused with an :class:`UnsupportedModelError` naming the family and the missing piece; ``allow_unproven=True``
+lets such a model through with a warning (the user then owns the proof).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "FamilySpec",
+    "UnsupportedModelError",
+    "check_config",
+    "get_family",
+    "register_family",
+    "registered_families",
+]
+
+PositionRule = Literal["arange", "mrope"]
+AttentionRule = Literal["causal", "causal_image_blocks"]
+
+# RoPE variants whose angles depend on the position id alone. Dynamic / long-rope scaling depends on the
+# sequence length, which differs between a packed row and a sample run alone: not exact, so not accepted.
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
+
+
+class UnsupportedModelError(ValueError):
+    """A model (family or config feature) that vlm_pack has not proven exact under packing."""
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """How one model family is packed exactly.
+
+    ``model_types``: the ``config.model_type`` values covered (the composite VLM config's, and the text
+    model's where the text model is used on its own). ``positions``: ``"arange"`` (0..L-1 per sample) or
+    ``"mrope"`` (text row + rows from ``rope_index_model.get_rope_index``, per sample). ``attention``:
+    ``"causal"`` or ``"causal_image_blocks"`` (causal, plus each image's tokens see each other both ways).
+    ``layer_kinds``: the ``text_config.layer_types`` values handled. ``token_keys``: processor outputs with one
+    value per token (packed like ``input_ids``); every other tensor is per image / per sample and is
+    concatenated in sample order. ``prepare_model``: family setup run by ``enable_packing`` after the attention
+    switch (e.g. boundary-aware linear-attention kernels). ``proof``: the test that shows the family exact.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    proof: str
+    positions: PositionRule = "arange"
+    rope_index_model: str | None = None
+    attention: AttentionRule = "causal"
+    layer_kinds: frozenset[str] = frozenset({"full_attention"})
+    token_keys: tuple[str, ...] = ("input_ids", "labels")
+    rope_types: frozenset[str] = STATIC_ROPE_TYPES
+    prepare_model: Callable[[Any], None] | None = None
+    extra_checks: tuple[Callable[[Any], str | None], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if (self.positions == "mrope") != (self.rope_index_model is not None):
+            raise ValueError(f"family {self.name!r}: rope_index_model is required exactly when positions='mrope'")
+
+
+_REGISTRY: dict[str, FamilySpec] = {}
+
+
+def register_family(spec: FamilySpec) -> FamilySpec:
+    """Add ``spec`` under each of its model types (a type may belong to one family only)."""
+    for model_type in spec.model_types:
+        owner = _REGISTRY.get(model_type)
+        if owner is not None and owner.name != spec.name:
+            raise ValueError(f"model_type {model_type!r} is already registered by family {owner.name!r}")
+        _REGISTRY[model_type] = spec
+    return spec
+
+
+def registered_families() -> dict[str, FamilySpec]:
+    """``{family name: spec}`` of every registered family."""
+    _load_builtin()
+    return {spec.name: spec for spec in _REGISTRY.values()}
+
+
+def _model_type(config: Any) -> str:
+    return str(getattr(config, "model_type", None))
+
+
+def check_config(spec: FamilySpec, config: Any) -> list[str]:
+    """What ``config`` turns on that ``spec`` does not handle (empty when the model is covered)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    problems = []
+    layer_types = getattr(text, "layer_types", None) or ()
+    unknown = sorted(set(layer_types) - spec.layer_kinds)
+    if unknown:
+        problems.append(f"layer types {unknown} (handled: {sorted(spec.layer_kinds)})")
+    rope = getattr(text, "rope_parameters", None) or {}
+    rope_kinds = {rope.get("rope_type", "default")} if "rope_type" in rope else {
+        value.get("rope_type", "default") for value in rope.values() if isinstance(value, dict)
+    }
+    bad_rope = sorted(kind for kind in rope_kinds if kind not in spec.rope_types)
+    if bad_rope:
+        problems.append(
+            f"rope_type {bad_rope} (its angles depend on the sequence length, which packing changes; "
+            f"handled: {sorted(spec.rope_types)})"
+        )
+    if getattr(text, "use_bidirectional_attention", None) and spec.attention == "causal":
+        problems.append(f"use_bidirectional_attention={text.use_bidirectional_attention!r}")
+    for check in spec.extra_checks:
+        problem = check(config)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def get_family(config: Any, *, allow_unproven: bool = False) -> FamilySpec:
+    """The spec for ``config`` (``model.config``), or :class:`UnsupportedModelError` naming what is missing.
+
+    ``allow_unproven=True`` turns both refusals (unknown family, unhandled feature) into a warning; an unknown
+    family is then packed with the plainest rule (causal attention, 1-D positions restarting per sample).
+    """
+    _load_builtin()
+    model_type = _model_type(config)
+    spec = _REGISTRY.get(model_type)
+    if spec is None:
+        message = (
+            f"model_type {model_type!r} is not a family vlm_pack has proven exact under packing (supported: "
+            f"{', '.join(sorted(_REGISTRY))}). Pass the composite model.config of a VLM (not its text_config), "
+            "or allow_unproven=True to pack it as a causal 1-D-position model at your own risk."
+        )
+        if not allow_unproven:
+            raise UnsupportedModelError(message)
+        warnings.warn(message, stacklevel=2)
+        return FamilySpec(name=f"unproven:{model_type}", model_types=(model_type,), proof="none",
+                          layer_kinds=frozenset({"full_attention", "sliding_attention"}))
+    problems = check_config(spec, config)
+    if problems:
+        message = (
+            f"{spec.name} model with {'; '.join(problems)}: packing this configuration is not proven exact "
+            "(proof for the family: " + spec.proof + "). Turn the feature off, or pass allow_unproven=True "
+            "at your own risk."
+        )
+        if not allow_unproven:
+            raise UnsupportedModelError(message)
+        warnings.warn(message, stacklevel=2)
+    return spec
+
+
+_loaded = False
+
+
+def _load_builtin() -> None:
+    """Import the family modules shipped with vlm_pack (each registers itself); once."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    from . import llama, qwen_vl  # noqa: F401
