@@ -14,6 +14,8 @@ Accepted example forms (``messages`` may also be given as the example itself, a 
     {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "..."}]}, ...],
      "images": [<image>]}                                   # image slots filled from "images", in order
     {"messages": [{"role": "user", "content": "<image>What is this?"}, ...], "images": [<image>]}
+    {"messages": [{"role": "user", "content": [{"type": "video", "video": <frames>}, ...]}, ...]}
+                                      # frames: a TxHxWxC array, or a list of HxWxC arrays / PIL images
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ __all__ = [
 
 # Placeholder for an image inside plain-string content (LLaVA / TRL convention), filled from example["images"].
 IMAGE_PLACEHOLDER = "<image>"
+# Per-video values some processors return as plain lists rather than tensors (Qwen2.5-VL's seconds per grid).
+_PER_VIDEO_LISTS = ("second_per_grid_ts",)
 # Keys an image part may carry its payload under (HF chat-template conventions plus raw bytes).
 _IMAGE_KEYS = ("image", "url", "path", "bytes")
 
@@ -53,6 +57,7 @@ CHATML_TEMPLATE = (
     "{%- if content is string -%}{{ content }}"
     "{%- else -%}{%- for part in content -%}"
     "{%- if part['type'] == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif part['type'] == 'video' -%}<|vision_start|><|video_pad|><|vision_end|>"
     "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
     "{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
@@ -129,6 +134,32 @@ def load_image(value: Any, where: str) -> Image.Image:
         ) from exc
 
 
+def load_video(value: Any, where: str) -> np.ndarray:
+    """Frames given as a ``T x H x W x C`` array/tensor or a list of frames (arrays or PIL) -> uint8 RGB array.
+
+    Video files are not decoded here (that needs a video backend and a frame-sampling policy): decode them
+    with your sampler and pass the frames.
+    """
+    if isinstance(value, (str, os.PathLike, bytes)):
+        raise ValueError(
+            f"{where}: video given as a file ({str(value)[:80]!r}); pass its decoded frames instead (a TxHxWxC "
+            "uint8 array or a list of frames), sampled at the rate you train with"
+        )
+    try:
+        if isinstance(value, (list, tuple)):
+            frames = np.stack([np.asarray(load_image(frame, where)) for frame in value])
+        else:
+            frames = np.asarray(value)
+            if frames.ndim != 4 or frames.shape[-1] not in (1, 3, 4):
+                raise ValueError(f"expected T x H x W x C frames, got shape {frames.shape}")
+            frames = np.stack([np.asarray(load_image(frame, where)) for frame in frames])
+    except ValueError as exc:
+        raise ValueError(f"{where}: video frames could not be read ({exc})") from exc
+    if frames.shape[0] == 0:
+        raise ValueError(f"{where}: video has no frames")
+    return frames
+
+
 def _as_messages(example: Any, index: int) -> tuple[list[Mapping], list[Any] | None]:
     if isinstance(example, Mapping):
         messages = example.get("messages", example.get("conversations"))
@@ -173,7 +204,7 @@ def normalize_example(
             if part["type"] == "image" and part["image"] is None:
                 slots += 1
                 part["image"] = pending.pop(0) if pending else None
-        if message["role"] == "assistant" and any(p["type"] == "image" or p["text"].strip() for p in parts):
+        if message["role"] == "assistant" and any(p["type"] != "text" or p["text"].strip() for p in parts):
             has_answer = True
         turns.append({"role": message["role"], "content": parts})
     given = len(extra_images or [])
@@ -191,6 +222,8 @@ def normalize_example(
         for part in turn["content"]:
             if part["type"] == "image":
                 part["image"] = load_image(part["image"], f"sample {index}, turn {turn_index}")
+            elif part["type"] == "video":
+                part["video"] = load_video(part["video"], f"sample {index}, turn {turn_index}")
     return turns
 
 
@@ -216,7 +249,17 @@ def _normalize_part(part: Any, where: str, reserved_tokens: Sequence[str], allow
             )
         payload = next((part[key] for key in _IMAGE_KEYS if part.get(key) is not None), None)
         return {"type": "image", "image": payload}
-    raise ValueError(f"{where}: unsupported content part {part!r:.120}; use type 'text' or 'image'")
+    if kind == "video":
+        if not allow_images:
+            raise ValueError(
+                f"{where}: has a video but the collator was built with a text tokenizer; pass the model's "
+                "processor instead"
+            )
+        payload = next((part[key] for key in ("video", "path", "url") if part.get(key) is not None), None)
+        if payload is None:
+            raise ValueError(f"{where}: a video part needs its frames under 'video'")
+        return {"type": "video", "video": payload}
+    raise ValueError(f"{where}: unsupported content part {part!r:.120}; use type 'text', 'image' or 'video'")
 
 
 def _split_placeholders(text: str) -> list[dict]:
@@ -239,8 +282,8 @@ def encode_conversations(
     One call is ~3x faster than one per sample (the processor's per-call overhead dominates small samples).
     Each dict holds the per-token tensors ``[1, L]`` (``input_ids``, ``labels``, ``mm_token_type_ids``, ...) and
     the sample's share of every vision tensor (``pixel_values`` rows, ``image_grid_thw`` rows, ...), present only
-    if the sample has images. ``labels`` equal ``input_ids`` on assistant tokens and -100 elsewhere (image tokens
-    never get labels). If the processor fails, the error names the first sample it fails on.
+    if the sample has images or videos. ``labels`` equal ``input_ids`` on assistant tokens and -100 elsewhere
+    (image and video tokens never get labels). If the processor fails, the error names the first sample it fails on.
     """
     try:
         out = _apply_template(processor, conversations, chat_template)
@@ -251,16 +294,18 @@ def encode_conversations(
             except Exception as exc:
                 raise ValueError(f"sample {index}: the processor rejected it: {exc}") from exc
         raise batch_error
-    images = [sum(part["type"] == "image" for turn in c for part in turn["content"]) for c in conversations]
+    images, videos = ([sum(part["type"] == kind for turn in c for part in turn["content"]) for c in conversations]
+                      for kind in ("image", "video"))
     samples: list[dict[str, torch.Tensor]] = [{} for _ in conversations]
-    vision = {key: value for key, value in out.items() if isinstance(value, torch.Tensor)}
-    for key, chunks in _split_vision(vision, images).items():
+    vision = {key: torch.as_tensor(value) if key in _PER_VIDEO_LISTS else value
+              for key, value in out.items() if isinstance(value, torch.Tensor) or key in _PER_VIDEO_LISTS}
+    for key, chunks in _split_vision(vision, images, videos).items():
         for sample, chunk in zip(samples, chunks):
             if chunk is not None:
                 sample[key] = chunk
     for i, sample in enumerate(samples):
         for key, value in out.items():
-            if not isinstance(value, torch.Tensor) and key != "attention_mask":
+            if not isinstance(value, torch.Tensor) and key not in ("attention_mask", *_PER_VIDEO_LISTS):
                 sample[key] = torch.tensor(value[i], dtype=torch.long).unsqueeze(0)
         assistant = sample.pop("assistant_masks").bool()
         if "mm_token_type_ids" in sample:
@@ -279,27 +324,35 @@ def _apply_template(processor: Any, conversations: list[list[dict]], chat_templa
     )
 
 
-def _split_vision(vision: dict[str, torch.Tensor], images: list[int]) -> dict[str, list[torch.Tensor | None]]:
+def _split_vision(
+    vision: dict[str, torch.Tensor], images: list[int], videos: list[int]
+) -> dict[str, list[torch.Tensor | None]]:
     """Attribute each batched vision tensor's rows to samples; samples without rows get None.
 
-    ``pixel_values`` with an ``image_grid_thw`` has one row per patch; any other tensor with one row per image
-    (grids, image sizes, unpatched pixels) is split by image; one with one row per sample, by sample.
+    Keys naming a video (``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``) belong to the
+    videos, the others to the images. Patch rows (``pixel_values`` / ``pixel_values_videos`` next to their
+    ``*_grid_thw``) are split by the grid; a tensor with one row per image (video) by image (video); one with
+    one row per sample, by sample.
     """
-    owner = np.repeat(np.arange(len(images)), images)  # sample index of every image
-    grid = vision.get("image_grid_thw")
     split = {}
     for key, value in vision.items():
+        is_video = "video" in key or key == "second_per_grid_ts"
+        per_sample = videos if is_video else images
+        grid = vision.get("video_grid_thw" if is_video else "image_grid_thw")
+        owner = np.repeat(np.arange(len(per_sample)), per_sample)  # sample index of every image / video
         rows = value.shape[0] if value.dim() else -1
-        if key == "pixel_values" and grid is not None:
-            counts = np.bincount(owner, weights=grid.prod(-1).numpy(), minlength=len(images)).astype(int).tolist()
+        if key in ("pixel_values", "pixel_values_videos") and grid is not None:
+            weights = grid.prod(-1).numpy()
+            counts = np.bincount(owner, weights=weights, minlength=len(per_sample)).astype(int).tolist()
         elif rows == len(owner):
-            counts = images
-        elif rows == len(images):
-            counts = [1] * len(images)
+            counts = per_sample
+        elif rows == len(per_sample):
+            counts = [1] * len(per_sample)
         else:
             raise ValueError(
                 f"processor output {key!r} has shape {tuple(value.shape)}, which matches neither the batch's "
-                f"{len(owner)} images nor its {len(images)} samples; the collator cannot split it per sample"
+                f"{len(owner)} {'videos' if is_video else 'images'} nor its {len(per_sample)} samples; the "
+                "collator cannot split it per sample"
             )
         split[key] = [chunk if count else None for chunk, count in zip(torch.split(value, counts), counts)]
     return split

@@ -93,7 +93,11 @@ def offline_qwen2vl_processor(
     image_processor = Qwen2VLImageProcessor(
         min_pixels=min_pixels, max_pixels=max_pixels, patch_size=_PATCH, merge_size=_MERGE, temporal_patch_size=2
     )
-    video_processor = Qwen2VLVideoProcessor(patch_size=_PATCH, merge_size=_MERGE, temporal_patch_size=2)
+    # Frames are bounded like images (the default video bounds would upscale small test frames ~30x).
+    video_processor = Qwen2VLVideoProcessor(
+        patch_size=_PATCH, merge_size=_MERGE, temporal_patch_size=2, cap_pixels_per_frame=True,
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+    )
     return Qwen2VLProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,

@@ -1,0 +1,124 @@
+"""Video for the Qwen-VL families: a packed row mixing video, image and text-only samples equals each sample
+run ALONE through the stock sdpa model (logits, plain HF shifted cross entropy, gradients).
+
+Frames: scikit-image photos panned over time (a real moving picture, several sizes and frame counts).
+Processor: the offline Qwen2-VL processor (real Qwen tokenizer, Qwen2-VL image/video processors); for
+Qwen2.5-VL the same parts inside a ``Qwen2_5_VLProcessor``, which adds ``second_per_grid_ts``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from vlm_pack.chat import CHATML_TEMPLATE
+from vlm_pack.collator import VLMPackingCollator, model_inputs
+from vlm_pack.data import photo_examples, sample_photos, text_chat_examples
+from vlm_pack.hf import enable_packing
+from vlm_pack.tiny_models import offline_qwen2vl_processor, tiny_model
+
+
+def clip(name: str, frames: int, side: int) -> np.ndarray:
+    """``frames`` crops of a photo sliding to the right: T x side x side x 3 uint8."""
+    photo = np.asarray(sample_photos(max_side=side + 4 * frames)[name])
+    return np.stack([photo[:side, 4 * t:4 * t + side] for t in range(frames)])
+
+
+def video_example(name: str, frames: int, side: int, with_image: bool = False) -> dict:
+    content = [{"type": "video", "video": clip(name, frames, side)}, {"type": "text", "text": "What moves?"}]
+    if with_image:
+        content.insert(1, {"type": "image", "image": sample_photos(56)["coffee"]})
+    return {"messages": [{"role": "user", "content": content},
+                         {"role": "assistant", "content": "The view pans to the right."}]}
+
+
+def examples() -> list[dict]:
+    return [video_example("chelsea", 4, 56), photo_examples(1, seed=2, max_side=84)[0],
+            text_chat_examples(1, seed=2)[0], video_example("rocket", 6, 84, with_image=True)]
+
+
+def processor_for(family: str):
+    processor = offline_qwen2vl_processor()
+    if family == "qwen2_5_vl":
+        return transformers.Qwen2_5_VLProcessor(image_processor=processor.image_processor,
+                                                tokenizer=processor.tokenizer,
+                                                video_processor=processor.video_processor,
+                                                chat_template=CHATML_TEMPLATE)
+    return processor
+
+
+def alone_loss_sum(model, collator, example) -> tuple[torch.Tensor, torch.Tensor, int]:
+    single = collator([example])
+    logits = model(**model_inputs(single), use_cache=False).logits[0]
+    labels = single["labels"][0]
+    return logits, F.cross_entropy(logits[:-1], labels[1:], ignore_index=-100, reduction="sum"), \
+        int((labels[1:] != -100).sum())
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_video_packed_equals_each_sample_alone(family):
+    processor = processor_for(family)
+    stock = tiny_model(family, attn_implementation="sdpa", layers=1)
+    packed_model = enable_packing(tiny_model(family, attn_implementation="sdpa", layers=1))
+    packer = VLMPackingCollator(processor, max_length=1024, model_config=packed_model.config)
+    alone = VLMPackingCollator(processor, max_length=1024, model_config=stock.config, pack_sequences_in_batch=False)
+    batch_examples = examples()
+    batch = packer(batch_examples)
+    assert batch["video_grid_thw"].shape[0] == 2 and (batch["mm_token_type_ids"] == 2).any()
+    if family == "qwen2_5_vl":
+        assert batch["second_per_grid_ts"].shape == (2,)
+
+    logits = packed_model(**model_inputs(batch), use_cache=False).logits[0]
+    labels, starts = batch["labels"][0], batch["cu_seqlens_padded"][:-1].tolist()
+    total, reference_total, tokens = 0.0, 0.0, 0
+    for start, length, example in zip(starts, batch["seq_lengths"].tolist(), batch_examples):
+        ref_logits, ref_sum, count = alone_loss_sum(stock, alone, example)
+        mine = logits[start:start + length]
+        assert (mine - ref_logits).abs().max() < 1e-4
+        mine_sum = F.cross_entropy(mine[:-1], labels[start + 1:start + length], ignore_index=-100, reduction="sum")
+        assert abs(mine_sum.item() - ref_sum.item()) / max(count, 1) < 1e-5
+        total, reference_total, tokens = total + mine_sum, reference_total + ref_sum, tokens + count
+    (total / tokens).backward()
+    (reference_total / tokens).backward()
+    reference_grads = dict(stock.named_parameters())
+    for name, parameter in packed_model.named_parameters():
+        if parameter.grad is not None:
+            expected = reference_grads[name].grad
+            torch.testing.assert_close(parameter.grad, expected, rtol=1e-4, atol=1e-6 * expected.abs().max().item())
+
+
+def test_video_tensors_attributed_to_the_wrong_sample_break_exactness():
+    """Corruption: the two videos' grids swapped between samples -> the packed forward no longer matches."""
+    processor = processor_for("qwen2_vl")
+    stock = tiny_model("qwen2_vl", attn_implementation="sdpa", layers=1)
+    packed_model = enable_packing(tiny_model("qwen2_vl", attn_implementation="sdpa", layers=1))
+    packer = VLMPackingCollator(processor, max_length=1024, model_config=packed_model.config)
+    alone = VLMPackingCollator(processor, max_length=1024, model_config=stock.config, pack_sequences_in_batch=False)
+    pair = [video_example("chelsea", 4, 56), video_example("astronaut", 2, 84)]
+    batch = packer(pair)
+    first, second = batch["video_grid_thw"].prod(-1).tolist()
+    pixels = batch["pixel_values_videos"]
+    batch["pixel_values_videos"] = torch.cat([pixels[first:], pixels[:first]])  # videos' patches swapped
+    batch["video_grid_thw"] = batch["video_grid_thw"].flip(0)
+    try:
+        logits = packed_model(**model_inputs(batch), use_cache=False).logits[0]
+    except (RuntimeError, ValueError):
+        return  # the model refuses the mismatched grids outright: also a detected corruption
+    ref_logits = alone_loss_sum(stock, alone, pair[0])[0]
+    assert (logits[: ref_logits.shape[0]] - ref_logits).abs().max() > 1e-3
+
+
+def test_video_tokens_never_get_labels_and_files_are_refused():
+    processor = processor_for("qwen2_vl")
+    packer = VLMPackingCollator(processor, max_length=1024, model_config=tiny_model("qwen2_vl", layers=1).config)
+    batch = packer([video_example("chelsea", 4, 56)])
+    video_slots = batch["mm_token_type_ids"] == 2
+    assert video_slots.sum() == batch["video_grid_thw"].prod(-1).sum() // 4
+    assert (batch["labels"][video_slots] == -100).all()
+    bad = video_example("chelsea", 4, 56)
+    bad["messages"][0]["content"][0] = {"type": "video", "video": "clip.mp4"}
+    with pytest.raises(ValueError, match="sample 0, turn 0: video given as a file.*pass its decoded frames"):
+        packer([bad])
