@@ -122,3 +122,10 @@ def test_video_tokens_never_get_labels_and_files_are_refused():
     bad["messages"][0]["content"][0] = {"type": "video", "video": "clip.mp4"}
     with pytest.raises(ValueError, match="sample 0, turn 0: video given as a file.*pass its decoded frames"):
         packer([bad])
+
+
+def test_video_refused_for_a_family_without_video_proof():
+    processor = processor_for("qwen2_vl")
+    packer = VLMPackingCollator(processor, max_length=1024, model_config=tiny_model("qwen3_vl", layers=1).config)
+    with pytest.raises(ValueError, match="sample 0: has a video, but video packing is not proven for the qwen3_vl"):
+        packer([video_example("chelsea", 4, 56)])

@@ -198,6 +198,13 @@ class VLMPackingCollator:
             normalize_example(example, index, reserved_tokens=self.reserved_tokens, allow_images=self.has_images)
             for index, example in enumerate(examples)
         ]
+        if self.family is not None and not self.family.videos:
+            for index, turns in enumerate(conversations):
+                if any(part["type"] == "video" for turn in turns for part in turn["content"]):
+                    raise ValueError(
+                        f"sample {index}: has a video, but video packing is not proven for the {self.family.name} "
+                        "family (vlm_pack.models); drop video samples or use a family with videos=True"
+                    )
         samples, dropped = [], []
         for index, features in enumerate(encode_conversations(self.processor, conversations, self.chat_template)):
             length = features["input_ids"].shape[1]

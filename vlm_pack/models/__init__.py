@@ -54,7 +54,8 @@ class FamilySpec:
     ``"causal"`` or ``"causal_image_blocks"`` (causal, plus each image's tokens see each other both ways).
     ``layer_kinds``: the ``text_config.layer_types`` values handled. ``token_keys``: processor outputs with one
     value per token (packed like ``input_ids``); every other tensor is per image / per sample and is
-    concatenated in sample order. ``prepare_model``: family setup run by ``enable_packing`` after the attention
+    concatenated in sample order. ``videos``: video inputs are proven (else the collator refuses them).
+    ``prepare_model``: family setup run by ``enable_packing`` after the attention
     switch (e.g. boundary-aware linear-attention kernels). ``proof``: the test that shows the family exact.
     """
 
@@ -66,6 +67,7 @@ class FamilySpec:
     attention: AttentionRule = "causal"
     layer_kinds: frozenset[str] = frozenset({"full_attention"})
     token_keys: tuple[str, ...] = ("input_ids", "labels")
+    videos: bool = False
     rope_types: frozenset[str] = STATIC_ROPE_TYPES
     prepare_model: Callable[[Any], None] | None = None
     extra_checks: tuple[Callable[[Any], str | None], ...] = field(default=())

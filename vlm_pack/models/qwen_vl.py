@@ -3,7 +3,8 @@
 Rules (proven in tests/test_vlm_equivalence.py): causal text attention over the packed row, split at
 ``cu_seq_lens_q``; the vision tower runs per image (its own ``cu_seqlens``, never ours); positions are
 ``[4, 1, T]``: row 0 a per-sample arange, rows 1-3 temporal/height/width computed per sample.
-``mm_token_type_ids`` (1 on image tokens, 2 on video tokens) is per token.
+``mm_token_type_ids`` (1 on image tokens, 2 on video tokens) is per token. Video is proven for Qwen2-VL and
+Qwen2.5-VL (tests/test_video.py); Qwen3-VL's processor interleaves frame timestamps, not yet covered.
 """
 
 from . import FamilySpec, register_family
@@ -13,11 +14,11 @@ _TOKEN_KEYS = ("input_ids", "labels", "mm_token_type_ids")
 
 QWEN2_VL = register_family(FamilySpec(
     name="qwen2_vl", model_types=("qwen2_vl",), proof=_PROOF,
-    positions="mrope", rope_index_model="Qwen2VLModel", token_keys=_TOKEN_KEYS,
+    positions="mrope", rope_index_model="Qwen2VLModel", token_keys=_TOKEN_KEYS, videos=True,
 ))
 QWEN2_5_VL = register_family(FamilySpec(
     name="qwen2_5_vl", model_types=("qwen2_5_vl",), proof=_PROOF,
-    positions="mrope", rope_index_model="Qwen2_5_VLModel", token_keys=_TOKEN_KEYS,
+    positions="mrope", rope_index_model="Qwen2_5_VLModel", token_keys=_TOKEN_KEYS, videos=True,
 ))
 QWEN3_VL = register_family(FamilySpec(
     name="qwen3_vl", model_types=("qwen3_vl",), proof=_PROOF,
