@@ -164,3 +164,35 @@ def test_a_pack_through_the_model_equals_its_samples_alone(processor, mix):
         labels = alone["labels"][0]
         ref_loss = F.cross_entropy(reference[:-1], labels[1:], ignore_index=-100)
         assert abs(F.cross_entropy(mine[:-1], labels[1:], ignore_index=-100) - ref_loss) < 1e-5
+
+
+def test_parallel_measurement_equals_serial(collator, mix):
+    serial = measure_lengths(mix, collator, batch_size=7, progress=False)
+    parallel = measure_lengths(mix, collator, batch_size=7, num_proc=2, progress=False)
+    assert np.array_equal(serial.tokens, parallel.tokens) and np.array_equal(serial.images, parallel.images)
+
+
+def test_plan_vlm_cli_writes_a_plan_that_trains(tmp_path, processor, qwen2_config):
+    import json
+
+    from vlm_pack.budget.cli import read_chat_jsonl
+    from vlm_pack.cli import main
+
+    processor.save_pretrained(tmp_path / "ckpt")
+    qwen2_config.save_pretrained(tmp_path / "ckpt")
+    examples = easy_vqa_examples(4, seed=1) + text_chat_examples(4, seed=1)
+    (tmp_path / "img.png").write_bytes(open(examples[0]["messages"][0]["content"][0]["path"], "rb").read())
+    examples[0]["messages"][0]["content"][0]["path"] = "img.png"  # relative to the JSONL file
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))
+    code = main(["plan-vlm", "--input", str(tmp_path / "data.jsonl"), "--processor", str(tmp_path / "ckpt"),
+                 "--output", str(tmp_path / "plan"), "--pack-size", "128", "--context-parallel-size", "2",
+                 "--no-progress"])
+    assert code == 0
+    plan = TokenBudgetPlan.load(tmp_path / "plan")
+    assert plan.pad_to_multiple_of == 4 and plan.metadata()["num_samples"] == 8
+    collator = VLMPackingCollator(processor, max_length=128, model_config=qwen2_config, context_parallel_size=2)
+    dataset = TokenBudgetPackDataset(read_chat_jsonl(tmp_path / "data.jsonl"), plan, collator)
+    assert sum(len(np.diff(dataset[k]["cu_seq_lens_q"])) for k in range(len(dataset))) == 8
+    (tmp_path / "bad.jsonl").write_text(json.dumps(examples[1]) + "\n{oops\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        read_chat_jsonl(tmp_path / "bad.jsonl")

@@ -56,33 +56,57 @@ class _ImageTokenCounter:
         return [self._cache[size] for size in sizes]
 
 
-def measure_lengths(examples: Sequence[Any], collator: Any, *, batch_size: int = 512,
+def measure_lengths(examples: Sequence[Any], collator: Any, *, batch_size: int = 512, num_proc: int = 1,
                     progress: bool = True) -> SampleLengths:
     """Exact per-sample counts of ``examples`` as ``collator`` (a ``VLMPackingCollator``) will encode them.
 
     Validation is the collator's (errors name the sample index); images are only opened for their header.
+    ``num_proc > 1`` measures batches in that many forked worker processes (rendering the chat template is
+    pure Python and dominates; the fast tokenizer is batched).
     """
+    if num_proc < 1:
+        raise ValueError(f"num_proc must be >= 1; got {num_proc}")
+    starts = range(0, len(examples), batch_size)
+    chunks = [(collator, examples[s:s + batch_size], s) for s in starts]
+    bar = dict(desc="measuring", unit="batch", total=len(chunks), disable=not progress)
+    if num_proc == 1 or len(chunks) == 1:
+        parts = [_measure_chunk(*chunk) for chunk in tqdm(chunks, **bar)]
+    else:
+        import multiprocessing
+
+        with multiprocessing.get_context("fork").Pool(num_proc) as pool:
+            parts = list(tqdm(pool.imap(_measure_star, chunks), **bar))
+    if not parts:
+        empty = np.zeros(0, dtype=np.int64)
+        return SampleLengths(empty, empty.copy(), empty.copy())
+    return SampleLengths(*(np.concatenate(column) for column in zip(*parts)))
+
+
+def _measure_star(args: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return _measure_chunk(*args)
+
+
+def _measure_chunk(collator: Any, examples: Sequence[Any], first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, image tokens, images) of one batch of examples whose first has dataset index ``first``."""
     processor = collator.processor
     tokenizer = getattr(processor, "tokenizer", processor)
     counter = _ImageTokenCounter(processor) if collator.has_images else None
+    conversations = [
+        normalize_example(example, first + row, reserved_tokens=collator.reserved_tokens,
+                          allow_images=collator.has_images, decode_images=False)
+        for row, example in enumerate(examples)
+    ]
+    texts = processor.apply_chat_template(conversations, chat_template=collator.chat_template, tokenize=False)
+    text_lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     tokens, image_tokens, images = (np.zeros(len(examples), dtype=np.int64) for _ in range(3))
-    for start in tqdm(range(0, len(examples), batch_size), desc="measuring", unit="batch", disable=not progress):
-        chunk = range(start, min(start + batch_size, len(examples)))
-        conversations = [
-            normalize_example(examples[i], i, reserved_tokens=collator.reserved_tokens,
-                              allow_images=collator.has_images, decode_images=False)
-            for i in chunk
+    for row, conversation in enumerate(conversations):
+        sizes = [
+            image_size(part["image"], f"sample {first + row}, turn {turn}")
+            for turn, message in enumerate(conversation)
+            for part in message["content"] if part["type"] == "image"
         ]
-        texts = processor.apply_chat_template(conversations, chat_template=collator.chat_template, tokenize=False)
-        text_lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-        for row, (index, conversation) in enumerate(zip(chunk, conversations)):
-            sizes = [
-                image_size(part["image"], f"sample {index}, turn {turn}")
-                for turn, message in enumerate(conversation)
-                for part in message["content"] if part["type"] == "image"
-            ]
-            per_image = counter(sizes) if sizes else []
-            images[index] = len(sizes)
-            image_tokens[index] = sum(per_image)
-            tokens[index] = text_lengths[row] + image_tokens[index] - len(sizes)
-    return SampleLengths(tokens, image_tokens, images)
+        per_image = counter(sizes) if sizes else []
+        images[row] = len(sizes)
+        image_tokens[row] = sum(per_image)
+        tokens[row] = text_lengths[row] + image_tokens[row] - len(sizes)
+    return tokens, image_tokens, images
