@@ -37,6 +37,7 @@ __all__ = [
     "CHATML_TEMPLATE",
     "IMAGE_PLACEHOLDER",
     "encode_conversations",
+    "image_size",
     "load_image",
     "normalize_example",
     "resolve_chat_template",
@@ -177,13 +178,15 @@ def _as_messages(example: Any, index: int) -> tuple[list[Mapping], list[Any] | N
 
 
 def normalize_example(
-    example: Any, index: int, *, reserved_tokens: Sequence[str] = (), allow_images: bool = True
+    example: Any, index: int, *, reserved_tokens: Sequence[str] = (), allow_images: bool = True,
+    decode_images: bool = True,
 ) -> list[dict]:
     """Validate one example and return its turns with list content and decoded PIL images, ready to render.
 
     Errors name the sample (``index``) and the turn. Checks: roles and content types, at least one assistant
     turn with content, image slots == images given, images decodable, no ``reserved_tokens`` (the processor's
     image/video placeholder tokens) typed inside text, where they would silently add image slots.
+    ``decode_images=False`` leaves each image part's payload as given (planning reads only its header).
     """
     messages, extra_images = _as_messages(example, index)
     pending = list(extra_images or [])
@@ -220,11 +223,39 @@ def normalize_example(
         )
     for turn_index, turn in enumerate(turns):
         for part in turn["content"]:
-            if part["type"] == "image":
+            if part["type"] == "image" and decode_images:
                 part["image"] = load_image(part["image"], f"sample {index}, turn {turn_index}")
             elif part["type"] == "video":
                 part["video"] = load_video(part["video"], f"sample {index}, turn {turn_index}")
     return turns
+
+
+def image_size(value: Any, where: str) -> tuple[int, int]:
+    """``(height, width)`` of an image payload WITHOUT decoding its pixels (file and byte payloads: the header).
+
+    Accepts what :func:`load_image` accepts; the size is the one ``load_image`` would return (no EXIF rotation).
+    """
+    try:
+        if isinstance(value, Image.Image):
+            width, height = value.size
+        elif isinstance(value, (str, os.PathLike)):
+            with Image.open(pathlib.Path(value)) as image:
+                width, height = image.size
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            with Image.open(io.BytesIO(value)) as image:
+                width, height = image.size
+        elif isinstance(value, Mapping) and (value.get("bytes") or value.get("path")):
+            return image_size(value.get("bytes") or value["path"], where)
+        elif isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim in (2, 3):
+            height, width = value.shape[:2]
+        else:
+            raise TypeError(f"unsupported image type {type(value).__name__}")
+    except Exception as exc:
+        raise ValueError(
+            f"{where}: image size could not be read ({type(exc).__name__}: {exc}). Give a PIL image, an existing "
+            "file path, encoded bytes (PNG/JPEG/...) or an HxWxC array."
+        ) from exc
+    return int(height), int(width)
 
 
 def _normalize_part(part: Any, where: str, reserved_tokens: Sequence[str], allow_images: bool) -> dict:

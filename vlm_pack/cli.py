@@ -10,6 +10,7 @@ import sys
 SUBCOMMANDS = {
     "demo": "vlm_pack.demo",
     "prepare": "vlm_pack.offline.cli",
+    "plan-vlm": "vlm_pack.budget.cli",
     "stats": "vlm_pack.stats",
 }
 

@@ -91,7 +91,8 @@ class VLMPackingCollator:
     (``on_overlong="error"``) or are dropped with a counted warning (``"drop"``); they are never truncated,
     since cutting would split an image's tokens from its pixels.
     ``context_parallel_size`` / ``tensor_parallel_size`` / ``sequence_parallel``: each sequence is padded to
-    ``pad_multiple(cp, tp, sp)`` so the row splits evenly across ranks.
+    ``pad_multiple(cp, tp, sp)`` so the row splits evenly across ranks. ``pad_to_length``: a fixed packed width
+    (static shapes; the extra slots form one trailing fill segment).
     ``model_config``: ``model.config`` of the model to train. Its family (``vlm_pack.models``) fixes the position
     rule (e.g. mRoPE computed per sample with the model's own rope index) and the per-token processor keys; an
     unregistered family or unhandled feature is refused unless ``allow_unproven=True``. Required with a
@@ -114,6 +115,7 @@ class VLMPackingCollator:
         chat_template: str | None = None,
         pad_token_id: int | None = None,
         allow_unproven: bool = False,
+        pad_to_length: int | None = None,
     ) -> None:
         if max_length < 1:
             raise ValueError(f"max_length must be >= 1; got {max_length}")
@@ -124,6 +126,7 @@ class VLMPackingCollator:
         self.pack_sequences_in_batch = pack_sequences_in_batch
         self.pad_to_multiple_of = pad_multiple(context_parallel_size, tensor_parallel_size, sequence_parallel)
         self.on_overlong = on_overlong
+        self.pad_to_length = pad_to_length
         self.chat_template = resolve_chat_template(processor, chat_template)
         self.has_images = hasattr(processor, "image_processor")
         tokenizer = getattr(processor, "tokenizer", processor)
@@ -279,6 +282,7 @@ class VLMPackingCollator:
             pad_token_id=self.pad_token_id,
             pad_to_multiple_of=self.pad_to_multiple_of,
             padding_mask=padded["attention_mask"],
+            pad_to_length=self.pad_to_length,
         )
         real_slots = ~packed.padding_mask
         batch: dict[str, Any] = {"input_ids": packed.tokens, "labels": packed.labels}

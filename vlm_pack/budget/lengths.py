@@ -1,0 +1,112 @@
+"""Exact token count of every chat example after the processor, without decoding a single pixel.
+
+A sample's length is its rendered chat text tokenised (one placeholder token per image) plus, per image, the
+placeholder's expansion minus one. The expansion comes from the processor's own rule
+(``processor._get_num_multimodal_tokens``, the hook vLLM uses: min/max pixels, patch and merge size) applied to
+the image size read from the file header. ``TokenBudgetPackDataset`` checks every planned length against the
+materialised one, so a family whose processor expands differently fails loudly, never silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ..chat import image_size, normalize_example
+
+__all__ = ["SampleLengths", "measure_lengths"]
+
+
+@dataclass(frozen=True)
+class SampleLengths:
+    """Per-sample counts in dataset order (int64 ``[N]`` each): tokens after image expansion, image tokens,
+    images."""
+
+    tokens: np.ndarray
+    image_tokens: np.ndarray
+    images: np.ndarray
+
+    def __post_init__(self) -> None:
+        if not self.tokens.shape == self.image_tokens.shape == self.images.shape or self.tokens.ndim != 1:
+            raise ValueError("tokens, image_tokens and images must be 1-D arrays of one entry per sample")
+
+
+class _ImageTokenCounter:
+    """Tokens per image size through the processor's own rule, memoised per distinct (height, width)."""
+
+    def __init__(self, processor: Any) -> None:
+        count = getattr(processor, "_get_num_multimodal_tokens", None)
+        if count is None:
+            raise ValueError(
+                f"{type(processor).__name__} cannot count image tokens from image sizes (no "
+                "_get_num_multimodal_tokens): token-budget planning needs it to stay exact"
+            )
+        self._count = count
+        self._cache: dict[tuple[int, int], int] = {}
+
+    def __call__(self, sizes: list[tuple[int, int]]) -> list[int]:
+        missing = sorted({size for size in sizes if size not in self._cache})
+        if missing:
+            counts = self._count(image_sizes=[list(size) for size in missing]).num_image_tokens
+            self._cache.update(zip(missing, (int(c) for c in counts)))
+        return [self._cache[size] for size in sizes]
+
+
+def measure_lengths(examples: Sequence[Any], collator: Any, *, batch_size: int = 512, num_proc: int = 1,
+                    progress: bool = True) -> SampleLengths:
+    """Exact per-sample counts of ``examples`` as ``collator`` (a ``VLMPackingCollator``) will encode them.
+
+    Validation is the collator's (errors name the sample index); images are only opened for their header.
+    ``num_proc > 1`` measures batches in that many forked worker processes (rendering the chat template is
+    pure Python and dominates; the fast tokenizer is batched).
+    """
+    if num_proc < 1:
+        raise ValueError(f"num_proc must be >= 1; got {num_proc}")
+    starts = range(0, len(examples), batch_size)
+    chunks = [(collator, examples[s:s + batch_size], s) for s in starts]
+    bar = dict(desc="measuring", unit="batch", total=len(chunks), disable=not progress)
+    if num_proc == 1 or len(chunks) == 1:
+        parts = [_measure_chunk(*chunk) for chunk in tqdm(chunks, **bar)]
+    else:
+        import multiprocessing
+
+        with multiprocessing.get_context("fork").Pool(num_proc) as pool:
+            parts = list(tqdm(pool.imap(_measure_star, chunks), **bar))
+    if not parts:
+        empty = np.zeros(0, dtype=np.int64)
+        return SampleLengths(empty, empty.copy(), empty.copy())
+    return SampleLengths(*(np.concatenate(column) for column in zip(*parts)))
+
+
+def _measure_star(args: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return _measure_chunk(*args)
+
+
+def _measure_chunk(collator: Any, examples: Sequence[Any], first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, image tokens, images) of one batch of examples whose first has dataset index ``first``."""
+    processor = collator.processor
+    tokenizer = getattr(processor, "tokenizer", processor)
+    counter = _ImageTokenCounter(processor) if collator.has_images else None
+    conversations = [
+        normalize_example(example, first + row, reserved_tokens=collator.reserved_tokens,
+                          allow_images=collator.has_images, decode_images=False)
+        for row, example in enumerate(examples)
+    ]
+    texts = processor.apply_chat_template(conversations, chat_template=collator.chat_template, tokenize=False)
+    text_lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    tokens, image_tokens, images = (np.zeros(len(examples), dtype=np.int64) for _ in range(3))
+    for row, conversation in enumerate(conversations):
+        sizes = [
+            image_size(part["image"], f"sample {first + row}, turn {turn}")
+            for turn, message in enumerate(conversation)
+            for part in message["content"] if part["type"] == "image"
+        ]
+        per_image = counter(sizes) if sizes else []
+        images[row] = len(sizes)
+        image_tokens[row] = sum(per_image)
+        tokens[row] = text_lengths[row] + image_tokens[row] - len(sizes)
+    return tokens, image_tokens, images
