@@ -196,3 +196,15 @@ def test_plan_vlm_cli_writes_a_plan_that_trains(tmp_path, processor, qwen2_confi
     (tmp_path / "bad.jsonl").write_text(json.dumps(examples[1]) + "\n{oops\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
         read_chat_jsonl(tmp_path / "bad.jsonl")
+
+
+def test_planned_length_covers_videos(collator):
+    frames = np.zeros((6, 70, 98, 3), dtype=np.uint8)
+    video = {"messages": [
+        {"role": "user", "content": [{"type": "video", "video": frames}, {"type": "text", "text": "What moves?"}]},
+        {"role": "assistant", "content": "Nothing."},
+    ]}
+    planned = measure_lengths([video], collator, progress=False)
+    batch = collator([video])
+    assert planned.tokens[0] == batch["input_ids"].shape[1]
+    assert planned.image_tokens[0] == int((batch["mm_token_type_ids"] == 2).sum()) > 0

@@ -1,7 +1,7 @@
 """Exact token count of every chat example after the processor, without decoding a single pixel.
 
-A sample's length is its rendered chat text tokenised (one placeholder token per image) plus, per image, the
-placeholder's expansion minus one. The expansion comes from the processor's own rule
+A sample's length is its rendered chat text tokenised (one placeholder token per image or video) plus, per
+image / video, the placeholder's expansion minus one (videos: from frame count and frame size). The expansion comes from the processor's own rule
 (``processor._get_num_multimodal_tokens``, the hook vLLM uses: min/max pixels, patch and merge size) applied to
 the image size read from the file header. ``TokenBudgetPackDataset`` checks every planned length against the
 materialised one, so a family whose processor expands differently fails loudly, never silently.
@@ -23,8 +23,8 @@ __all__ = ["SampleLengths", "measure_lengths"]
 
 @dataclass(frozen=True)
 class SampleLengths:
-    """Per-sample counts in dataset order (int64 ``[N]`` each): tokens after image expansion, image tokens,
-    images."""
+    """Per-sample counts in dataset order (int64 ``[N]`` each): tokens after image/video expansion, vision
+    tokens (image and video tokens: the vision tower's load), images + videos."""
 
     tokens: np.ndarray
     image_tokens: np.ndarray
@@ -35,8 +35,9 @@ class SampleLengths:
             raise ValueError("tokens, image_tokens and images must be 1-D arrays of one entry per sample")
 
 
-class _ImageTokenCounter:
-    """Tokens per image size through the processor's own rule, memoised per distinct (height, width)."""
+class _VisionTokenCounter:
+    """Tokens per image size ``(h, w)`` or video size ``(frames, h, w)`` through the processor's own rule,
+    memoised per distinct size."""
 
     def __init__(self, processor: Any) -> None:
         count = getattr(processor, "_get_num_multimodal_tokens", None)
@@ -46,13 +47,15 @@ class _ImageTokenCounter:
                 "_get_num_multimodal_tokens): token-budget planning needs it to stay exact"
             )
         self._count = count
-        self._cache: dict[tuple[int, int], int] = {}
+        self._cache: dict[tuple[int, ...], int] = {}
 
-    def __call__(self, sizes: list[tuple[int, int]]) -> list[int]:
+    def __call__(self, sizes: list[tuple[int, ...]]) -> list[int]:
         missing = sorted({size for size in sizes if size not in self._cache})
-        if missing:
-            counts = self._count(image_sizes=[list(size) for size in missing]).num_image_tokens
-            self._cache.update(zip(missing, (int(c) for c in counts)))
+        for kind in ("image", "video"):
+            wanted = [size for size in missing if (len(size) == 3) == (kind == "video")]
+            if wanted:
+                data = self._count(**{f"{kind}_sizes": [list(size) for size in wanted]})
+                self._cache.update(zip(wanted, (int(c) for c in data[f"num_{kind}_tokens"])))
         return [self._cache[size] for size in sizes]
 
 
@@ -86,11 +89,24 @@ def _measure_star(args: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return _measure_chunk(*args)
 
 
+def _vision_size(part: dict, where: str) -> tuple[int, ...]:
+    """``(h, w)`` of an image part from its header, ``(frames, h, w)`` of a video part from its frames' shape."""
+    if part["type"] == "image":
+        return image_size(part["image"], where)
+    frames = part["video"]
+    if isinstance(frames, (list, tuple)) and frames:
+        return (len(frames), *image_size(frames[0], where))
+    shape = getattr(frames, "shape", ())
+    if len(shape) != 4:
+        raise ValueError(f"{where}: video frames must be a T x H x W x C array or a list of frames")
+    return int(shape[0]), int(shape[1]), int(shape[2])
+
+
 def _measure_chunk(collator: Any, examples: Sequence[Any], first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, image tokens, images) of one batch of examples whose first has dataset index ``first``."""
     processor = collator.processor
     tokenizer = getattr(processor, "tokenizer", processor)
-    counter = _ImageTokenCounter(processor) if collator.has_images else None
+    counter = _VisionTokenCounter(processor) if collator.has_images else None
     conversations = [
         normalize_example(example, first + row, reserved_tokens=collator.reserved_tokens,
                           allow_images=collator.has_images, decode_images=False)
@@ -101,9 +117,9 @@ def _measure_chunk(collator: Any, examples: Sequence[Any], first: int) -> tuple[
     tokens, image_tokens, images = (np.zeros(len(examples), dtype=np.int64) for _ in range(3))
     for row, conversation in enumerate(conversations):
         sizes = [
-            image_size(part["image"], f"sample {first + row}, turn {turn}")
+            _vision_size(part, f"sample {first + row}, turn {turn}")
             for turn, message in enumerate(conversation)
-            for part in message["content"] if part["type"] == "image"
+            for part in message["content"] if part["type"] != "text"
         ]
         per_image = counter(sizes) if sizes else []
         images[row] = len(sizes)
