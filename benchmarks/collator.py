@@ -28,6 +28,7 @@ import torch
 import transformers
 from transformers import DataCollatorWithFlattening
 
+from vlm_pack.batch import packing_metadata
 from vlm_pack.chat import encode_conversations, normalize_example
 from vlm_pack.collator import VLMPackingCollator
 from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
@@ -81,7 +82,7 @@ def timed(fn, batch, timing: Timing, slots_of) -> None:
     timing.seconds.append(time.perf_counter() - start)
     timing.samples += len(batch)
     timing.slots += slots_of(out)
-    stats = out.get("stats") if isinstance(out, dict) else None
+    stats = packing_metadata(out).get("stats") if isinstance(out, dict) else None
     if stats is not None:
         timing.encode_s += stats.encode_s
         timing.batch_s += stats.batch_s

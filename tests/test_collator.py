@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoTokenizer
 
 from vlm_pack.chat import CHATML_TEMPLATE
-from vlm_pack.collator import METADATA_KEYS, CollatorStats, VLMPackingCollator, model_inputs
+from vlm_pack.collator import CollatorStats, VLMPackingCollator, model_inputs
 from vlm_pack.config import PackingConfig
 from vlm_pack.data import easy_vqa_examples, photo_examples, sample_photos, text_chat_examples
 from vlm_pack.tiny_models import qwen_tokenizer, qwen_tokenizer_path, tiny_model
@@ -42,12 +42,12 @@ def test_packed_row_concatenates_samples_in_order(processor, qwen2_config, colla
 
     assert "attention_mask" not in batch
     assert batch["input_ids"].shape == (1, cu[-1])
-    assert batch["cu_seqlens"].tolist() == cu.tolist()
-    assert batch["cu_seqlens_padded"].tolist() == cu.tolist()  # cp = tp = 1: no alignment
+    assert batch["vlm_pack"]["cu_seqlens"].tolist() == cu.tolist()
+    assert batch["vlm_pack"]["cu_seqlens_padded"].tolist() == cu.tolist()  # cp = tp = 1: no alignment
     for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
-        assert batch[key].dtype == torch.int32 and torch.equal(batch[key], batch["cu_seqlens_padded"])
+        assert batch[key].dtype == torch.int32 and torch.equal(batch[key], batch["vlm_pack"]["cu_seqlens_padded"])
     assert batch["max_length_q"] == batch["max_length_k"] == max(lengths)
-    assert batch["seq_lengths"].tolist() == lengths
+    assert batch["vlm_pack"]["seq_lengths"].tolist() == lengths
     for i, single in enumerate(alone):
         for key in ("input_ids", "labels", "mm_token_type_ids"):
             assert torch.equal(batch[key][0, cu[i] : cu[i + 1]], single[key][0]), (key, i)
@@ -62,7 +62,7 @@ def test_mrope_positions_are_per_sample_and_match_the_model(processor, qwen2_con
     batch = collator(examples)
     positions = batch["position_ids"]
     assert positions.shape == (4, 1, batch["input_ids"].shape[1])
-    cu = batch["cu_seqlens"].tolist()
+    cu = batch["vlm_pack"]["cu_seqlens"].tolist()
     for i, single in enumerate(singles(processor, qwen2_config, examples)):
         segment = positions[:, 0, cu[i] : cu[i + 1]]
         assert torch.equal(segment[0], torch.arange(cu[i + 1] - cu[i]))
@@ -88,7 +88,7 @@ def test_labels_only_on_assistant_turns(processor, collator):
     }
     batch = collator([example, text_chat_examples(1)[0]])
     ids, labels = batch["input_ids"][0], batch["labels"][0]
-    first = slice(0, batch["cu_seqlens"][1].item())
+    first = slice(0, batch["vlm_pack"]["cu_seqlens"][1].item())
     labelled = labels[first] != IGNORE
     assert torch.equal(labels[first][labelled], ids[first][labelled])  # aligned, unshifted
     # Contiguous labelled runs are exactly the two assistant answers, each closed by <|im_end|>.
@@ -111,17 +111,17 @@ def test_alignment_for_context_and_sequence_parallel(processor, qwen2_config, ex
     )
     assert collator.pad_to_multiple_of == 4
     batch = collator(examples)
-    cu_padded = batch["cu_seqlens_padded"]
+    cu_padded = batch["vlm_pack"]["cu_seqlens_padded"]
     assert torch.all(cu_padded.diff() % 4 == 0)
     assert torch.equal(batch["cu_seq_lens_q"], cu_padded)
     assert batch["max_length_q"] == int(cu_padded.diff().max())
     fill = torch.ones_like(batch["input_ids"][0], dtype=torch.bool)
-    for start, length in zip(cu_padded[:-1].tolist(), batch["seq_lengths"].tolist()):
+    for start, length in zip(cu_padded[:-1].tolist(), batch["vlm_pack"]["seq_lengths"].tolist()):
         fill[start : start + length] = False
         end = int(cu_padded[cu_padded.tolist().index(start) + 1])
         # text positions keep counting through the alignment slots
         assert batch["position_ids"][0, 0, start:end].tolist() == list(range(end - start))
-    assert fill.sum() == batch["stats"].padded_slots > 0
+    assert fill.sum() == batch["vlm_pack"]["stats"].padded_slots > 0
     assert torch.all(batch["input_ids"][0, fill] == processor.tokenizer.pad_token_id)
     assert torch.all(batch["labels"][0, fill] == IGNORE)
     assert torch.all(batch["mm_token_type_ids"][0, fill] == 0)
@@ -132,7 +132,7 @@ def test_padded_mode_is_an_ordinary_right_padded_batch(processor, qwen2_config, 
     padded = VLMPackingCollator(processor, max_length=512, model_config=qwen2_config, pack_sequences_in_batch=False)(
         examples
     )
-    lengths = packed["seq_lengths"]
+    lengths = packed["vlm_pack"]["seq_lengths"]
     assert padded["input_ids"].shape == (len(examples), int(lengths.max()))
     assert torch.equal(padded["attention_mask"].sum(1), lengths.long())
     assert "position_ids" not in padded and "cu_seq_lens_q" not in padded  # the model derives them
@@ -148,17 +148,17 @@ def test_text_only_llm_with_a_tokenizer():
     collator = VLMPackingCollator(tokenizer, max_length=512)
     examples = text_chat_examples(4, seed=2)
     batch = collator(examples)
-    cu = batch["cu_seqlens"].tolist()
+    cu = batch["vlm_pack"]["cu_seqlens"].tolist()
     assert batch["position_ids"].shape == batch["input_ids"].shape
     for start, end in zip(cu[:-1], cu[1:]):
         assert batch["position_ids"][0, start:end].tolist() == list(range(end - start))
     assert "pixel_values" not in batch and "mm_token_type_ids" not in batch
-    assert batch["stats"].images == 0 and batch["stats"].label_tokens > 0
+    assert batch["vlm_pack"]["stats"].images == 0 and batch["vlm_pack"]["stats"].label_tokens > 0
 
 
 def test_stats_count_the_batch(processor, qwen2_config, collator, examples):
     batch = collator(examples)
-    stats = batch["stats"]
+    stats = batch["vlm_pack"]["stats"]
     assert isinstance(stats, CollatorStats) and collator.last_stats == stats
     grids = batch["image_grid_thw"]
     assert stats.samples == len(examples) and stats.samples_dropped == 0
@@ -219,7 +219,7 @@ def test_real_photos_and_easy_vqa(processor, collator):
     assert torch.equal(batch["mm_token_type_ids"] == 1, batch["input_ids"] == processor.image_token_id)
     # every easy-vqa answer is a single word from its answer list, labelled with its end token
     tokenizer = processor.tokenizer
-    cu = batch["cu_seqlens"].tolist()
+    cu = batch["vlm_pack"]["cu_seqlens"].tolist()
     answers = [e["messages"][1]["content"] for e in examples[4:]]
     for i, answer in enumerate(answers, start=4):
         labels = batch["labels"][0, cu[i] : cu[i + 1]]
@@ -237,13 +237,15 @@ def test_dataloader_with_workers_and_pickling(collator):
         for key in ("input_ids", "labels", "position_ids", "cu_seq_lens_q", "pixel_values", "image_grid_thw"):
             assert torch.equal(got[key], want[key]), key
         # stats computed in the worker travel with the batch
-        assert got["stats"].samples == 4 and got["stats"].images == want["stats"].images
+        got_stats, want_stats = got["vlm_pack"]["stats"], want["vlm_pack"]["stats"]
+        assert got_stats.samples == 4 and got_stats.images == want_stats.images
 
 
 def test_model_inputs_drop_labels_and_packing_metadata(collator, examples):
     batch = collator(examples[:2])
     inputs = model_inputs(batch)
-    assert not set(METADATA_KEYS) & inputs.keys()
+    bookkeeping = {"cu_seqlens", "cu_seqlens_padded", "seq_lengths", "stats"}
+    assert bookkeeping == batch["vlm_pack"].keys() and not (bookkeeping | {"vlm_pack", "labels"}) & inputs.keys()
     assert {"input_ids", "position_ids", "cu_seq_lens_q", "max_length_k", "pixel_values"} <= inputs.keys()
     assert "labels" in model_inputs(batch, keep_labels=True)
 
@@ -258,7 +260,7 @@ def test_from_packing_config(processor, qwen2_config):
 def test_other_mrope_families_use_their_own_rope_index(processor, family, examples):
     model = tiny_model(family)
     batch = VLMPackingCollator(processor, max_length=512, model_config=model.config)(examples[:2])
-    cu = batch["cu_seqlens"].tolist()
+    cu = batch["vlm_pack"]["cu_seqlens"].tolist()
     single = VLMPackingCollator(processor, max_length=512, model_config=model.config, pack_sequences_in_batch=False)(
         examples[1:2]
     )
@@ -277,7 +279,7 @@ def test_text_only_batches_for_an_mrope_model(processor, qwen2_config):
     assert torch.equal(via_processor["position_ids"], via_tokenizer["position_ids"])
     positions = via_tokenizer["position_ids"]
     assert positions.shape == (4, 1, via_tokenizer["input_ids"].shape[1])
-    cu = via_tokenizer["cu_seqlens"].tolist()
+    cu = via_tokenizer["vlm_pack"]["cu_seqlens"].tolist()
     for start, end in zip(cu[:-1], cu[1:]):
         assert torch.equal(positions[:, 0, start:end], torch.arange(end - start).expand(4, -1))
 
@@ -288,4 +290,4 @@ def test_chatml_template_replaces_one_without_assistant_markers(qwen2_config):
     assert tokenizer.chat_template and "generation %}" not in tokenizer.chat_template
     collator = VLMPackingCollator(tokenizer, max_length=512)
     assert collator.chat_template == CHATML_TEMPLATE
-    assert collator(text_chat_examples(2))["stats"].label_tokens > 0
+    assert collator(text_chat_examples(2))["vlm_pack"]["stats"].label_tokens > 0

@@ -77,7 +77,7 @@ def test_overlong_sample_can_be_dropped_with_a_counted_warning(processor, qwen2_
     kept = collator([good(photo)])
     with pytest.warns(UserWarning, match=r"dropped 1 of 3 samples longer than max_length=40 \(indices \[1\]\)"):
         batch = collator([good(photo), long, good(photo)])
-    stats = batch["stats"]
+    stats = batch["vlm_pack"]["stats"]
     assert stats.samples == 2 and stats.samples_dropped == 1
     # the dropped sample's image went with it: pixels and grids are those of the two kept samples only
     assert torch.equal(batch["pixel_values"], torch.cat([kept["pixel_values"]] * 2))

@@ -9,6 +9,7 @@ from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from vlm_pack import get_packed_seq_params
+from vlm_pack.batch import model_inputs
 from vlm_pack.hf import ATTN_IMPLEMENTATION, enable_packing
 from vlm_pack.loss import loss_sum_and_count, shift_packed_labels
 from vlm_pack.offline.algorithms import packing_stats
@@ -44,48 +45,54 @@ def test_collate_known_pack_no_padding(known):
     ds = PackedSFTDataset(known, 12)
     assert len(ds) == 2 and ds.max_samples_per_bin == 2
     b = ds.collate_fn([ds[0]])
-    assert b["tokens"].tolist() == [[11, 12, 13, 21, 22, 23, 24, 25]]
+    assert b["input_ids"].tolist() == [[11, 12, 13, 21, 22, 23, 24, 25]]
     assert b["labels"].tolist() == [[-100, 12, 13, -100, -100, 23, 24, 25]]  # aligned, -100 off-response
-    assert b["loss_mask"].tolist() == [[0, 1, 1, 0, 0, 1, 1, 1]]
+    assert b["vlm_pack"]["loss_mask"].tolist() == [[0, 1, 1, 0, 0, 1, 1, 1]]
     assert b["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]
-    assert b["cu_seqlens"].tolist() == [[0, 3, 8]] and b["cu_seqlens"].dtype == torch.int32
-    assert b["cu_seqlens_argmin"].tolist() == [[3]] and b["max_seqlen"].tolist() == [[5]]
+    meta = b["vlm_pack"]
+    assert meta["cu_seqlens"].tolist() == [[0, 3, 8]] and meta["cu_seqlens"].dtype == torch.int32
+    assert meta["cu_seqlens_argmin"].tolist() == [[3]] and meta["max_seqlen"].tolist() == [[5]]
     assert b["cu_seq_lens_q"].tolist() == [0, 3, 8] and b["cu_seq_lens_k"] is b["cu_seq_lens_q"]
     assert b["max_length_q"] == b["max_length_k"] == 5
-    assert "cu_seqlens_unpadded" not in b and "attention_mask" not in b
+    assert "cu_seqlens_unpadded" not in b["vlm_pack"] and "attention_mask" not in b
 
 
 def test_first_token_of_a_sample_is_never_a_target(tmp_path):
     path = _write(tmp_path / "training_8.npy", [[([1, 2], [1, 1]), ([3, 4, 5], [1, 1, 1])]])
     ds = PackedSFTDataset(path, 8)
     b = ds.collate_fn([ds[0]])
-    assert b["labels"].tolist() == [[-100, 2, -100, 4, 5]] and b["loss_mask"].tolist() == [[0, 1, 0, 1, 1]]
+    assert b["labels"].tolist() == [[-100, 2, -100, 4, 5]]
+    assert b["vlm_pack"]["loss_mask"].tolist() == [[0, 1, 0, 1, 1]]
 
 
 def test_collate_aligned_and_padded_to_pack_size(known):
     ds = PackedSFTDataset(known, 12, pad_to_max_length=True, pad_seq_to_mult=2, pad_token_id=PAD)
     b = ds.collate_fn([ds[0]])
     # lengths 3, 5 aligned to 4, 6; the 2 fill slots form one trailing segment
-    assert b["tokens"].tolist() == [[11, 12, 13, PAD, 21, 22, 23, 24, 25, PAD, PAD, PAD]]
+    assert b["input_ids"].tolist() == [[11, 12, 13, PAD, 21, 22, 23, 24, 25, PAD, PAD, PAD]]
     assert b["labels"].tolist() == [[-100, 12, 13, -100, -100, -100, 23, 24, 25, -100, -100, -100]]
-    assert b["loss_mask"].tolist() == [[0, 1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0]]
+    assert b["vlm_pack"]["loss_mask"].tolist() == [[0, 1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0]]
     assert b["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1]]
-    assert b["cu_seqlens"].tolist() == [[0, 4, 10, 12]] and b["cu_seqlens_argmin"].tolist() == [[4]]
-    assert b["cu_seqlens_unpadded"].tolist() == [[0, 3, 8, 8]] and b["cu_seqlens_unpadded_argmin"].tolist() == [[4]]
-    assert b["max_seqlen"].tolist() == [[6]] and b["max_length_q"] == 6
+    meta = b["vlm_pack"]
+    assert meta["cu_seqlens"].tolist() == [[0, 4, 10, 12]] and meta["cu_seqlens_argmin"].tolist() == [[4]]
+    assert meta["cu_seqlens_unpadded"].tolist() == [[0, 3, 8, 8]] and meta["cu_seqlens_unpadded_argmin"].tolist() == [[4]]
+    assert meta["max_seqlen"].tolist() == [[6]] and b["max_length_q"] == 6
 
 
 def test_pad_cu_seqlens_gives_every_batch_the_same_shapes(known):
     ds = PackedSFTDataset(known, 12, metadata={"pack_size": 12, "max_samples_per_bin": 3}, pad_to_max_length=True,
                           pad_cu_seqlens=True, pad_seq_to_mult=2)
     batches = [ds.collate_fn([ds[i]]) for i in range(len(ds))]
-    assert batches[0]["cu_seqlens"].tolist() == [[0, 4, 10, 12, 12]]  # max_samples_per_bin + 2, last repeated
-    assert batches[1]["cu_seqlens"].tolist() == [[0, 2, 12, 12, 12]]
-    assert batches[1]["cu_seqlens_unpadded"].tolist() == [[0, 2, 2, 2, 2]]
-    assert [b["cu_seqlens_argmin"].item() for b in batches] == [4, 3]
-    for key in ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "cu_seqlens_unpadded", "max_seqlen"):
+    # max_samples_per_bin + 2 entries, the last boundary repeated
+    assert batches[0]["vlm_pack"]["cu_seqlens"].tolist() == [[0, 4, 10, 12, 12]]
+    assert batches[1]["vlm_pack"]["cu_seqlens"].tolist() == [[0, 2, 12, 12, 12]]
+    assert batches[1]["vlm_pack"]["cu_seqlens_unpadded"].tolist() == [[0, 2, 2, 2, 2]]
+    assert [b["vlm_pack"]["cu_seqlens_argmin"].item() for b in batches] == [4, 3]
+    for key in ("input_ids", "labels", "position_ids", "cu_seq_lens_q"):
         assert batches[0][key].shape == batches[1][key].shape, key
-    assert all(b["max_seqlen"].item() == 12 and b["max_length_q"] == 12 for b in batches)
+    for key in ("loss_mask", "cu_seqlens", "cu_seqlens_unpadded", "max_seqlen"):
+        assert batches[0]["vlm_pack"][key].shape == batches[1]["vlm_pack"][key].shape, key
+    assert all(b["vlm_pack"]["max_seqlen"].item() == 12 and b["max_length_q"] == 12 for b in batches)
     # the Megatron view trims the padding back off
     params = get_packed_seq_params(batches[0])
     assert params.cu_seqlens_q.tolist() == [0, 3, 8, 8] and params.cu_seqlens_q_padded.tolist() == [0, 4, 10, 12]
@@ -97,7 +104,7 @@ def test_metadata_file_and_largest_split_wins(known, tmp_path):
     meta.write_text('{"split": "training", "pack_size": 12, "max_samples_per_bin": 2}\n'
                     '{"split": "validation", "pack_size": 12, "max_samples_per_bin": 5}\n')
     ds = PackedSFTDataset(known, 12, metadata=meta, pad_to_max_length=True, pad_cu_seqlens=True)
-    assert ds.collate_fn([ds[1]])["cu_seqlens"].shape == (1, 7)
+    assert ds.collate_fn([ds[1]])["vlm_pack"]["cu_seqlens"].shape == (1, 7)
 
 
 @pytest.mark.parametrize(
@@ -129,7 +136,7 @@ def test_micro_batch_must_be_one(known):
     with pytest.raises(ValueError, match="micro_batch_size=1"):
         ds.collate_fn([ds[0], ds[1]])
     loader = torch.utils.data.DataLoader(ds, batch_size=1, collate_fn=ds.collate_fn)
-    assert [b["tokens"].shape[1] for b in loader] == [8, 2]
+    assert [b["input_ids"].shape[1] for b in loader] == [8, 2]
 
 
 def test_broken_files_are_reported(known):
@@ -209,14 +216,12 @@ def test_packed_loss_and_grads_equal_unpacked_on_tiny_llama(tmp_path):
     total, count = 0.0, 0
     for i in range(len(ds)):
         b = ds.collate_fn([ds[i]])
-        logits = packed_model(input_ids=b["tokens"], position_ids=b["position_ids"], use_cache=False,
-                              cu_seq_lens_q=b["cu_seq_lens_q"], cu_seq_lens_k=b["cu_seq_lens_k"],
-                              max_length_q=b["max_length_q"], max_length_k=b["max_length_k"]).logits
+        logits = packed_model(**model_inputs(b), use_cache=False).logits
         loss_sum, n = loss_sum_and_count(logits, shift_packed_labels(b["labels"], b["cu_seq_lens_q"]))
         total, count = total + loss_sum, count + int(n)
         # per-sample logits equal the unpacked model's logits
-        real = b["cu_seqlens_unpadded"][0].tolist()
-        phys = b["cu_seqlens"][0].tolist()
+        real = b["vlm_pack"]["cu_seqlens_unpadded"][0].tolist()
+        phys = b["vlm_pack"]["cu_seqlens"][0].tolist()
         for s, (tokens, _) in enumerate(packs[i]):
             ref_logits = reference(input_ids=torch.as_tensor(tokens, dtype=torch.long)[None], use_cache=False).logits
             got = logits[0, phys[s] : phys[s] + (real[s + 1] - real[s])]

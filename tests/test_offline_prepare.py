@@ -84,17 +84,17 @@ def test_every_row_once_and_tokens_round_trip(prepared, tokenizer):
         sample = 0
         for i in range(len(ds)):
             batch = ds.collate_fn([ds[i]])
-            cu = batch["cu_seqlens"][0].tolist()
-            assert cu[0] == 0 and cu[-1] == batch["tokens"].shape[1]
+            cu = batch["vlm_pack"]["cu_seqlens"][0].tolist()
+            assert cu[0] == 0 and cu[-1] == batch["input_ids"].shape[1]
             for lo, hi in zip(cu[:-1], cu[1:]):
                 record = RECORDS[int(source[sample])]
                 head = ALPACA_PROMPT.format(prompt=record["prompt"])
                 text = head + record["response"] + tokenizer.eos_token
-                assert batch["tokens"][0, lo:hi].tolist() == tokenizer(text, add_special_tokens=False)["input_ids"]
+                assert batch["input_ids"][0, lo:hi].tolist() == tokenizer(text, add_special_tokens=False)["input_ids"]
                 labels = batch["labels"][0, lo:hi]
                 targets = labels[labels != -100]
                 assert tokenizer.decode(targets) == record["response"] + tokenizer.eos_token
-                assert batch["loss_mask"][0, lo:hi].sum() == len(targets)
+                assert batch["vlm_pack"]["loss_mask"][0, lo:hi].sum() == len(targets)
                 assert batch["position_ids"][0, lo:hi].tolist() == list(range(hi - lo))
                 seen.append(int(source[sample]))
                 sample += 1

@@ -58,7 +58,7 @@ def packed_losses(model, batch: dict, route: str = "kwargs", **overrides) -> tor
         inputs = {k: v for k, v in inputs.items() if k not in BOUNDARY_KWARGS}
     inputs.update(overrides)
     logits = model(**inputs, use_cache=False).logits
-    return packed_cross_entropy(logits, batch["labels"], batch["cu_seqlens_padded"], reduction="none")[0]
+    return packed_cross_entropy(logits, batch["labels"], batch["cu_seq_lens_q"], reduction="none")[0]
 
 
 def reference_losses(model, collator: VLMPackingCollator, examples: list[dict]) -> list[torch.Tensor]:
@@ -79,8 +79,8 @@ def reference_losses(model, collator: VLMPackingCollator, examples: list[dict]) 
 
 def per_sample_view(losses: torch.Tensor, batch: dict) -> list[torch.Tensor]:
     """Split packed per-slot losses into each sample's real slots; alignment slots must carry no loss."""
-    starts = batch["cu_seqlens_padded"][:-1].tolist()
-    lengths = batch["seq_lengths"].tolist()
+    starts = batch["vlm_pack"]["cu_seqlens_padded"][:-1].tolist()
+    lengths = batch["vlm_pack"]["seq_lengths"].tolist()
     real = torch.zeros_like(losses, dtype=torch.bool)
     for start, length in zip(starts, lengths):
         real[start : start + length] = True
@@ -149,8 +149,8 @@ def test_packed_vlm_with_context_parallel_alignment(processor):
     collator = VLMPackingCollator(processor, max_length=1024, model_config=model.config, context_parallel_size=2)
     examples = vlm_examples(4, seed=7)
     batch = collator(examples)
-    assert torch.all(batch["cu_seqlens_padded"] % 4 == 0)
-    assert batch["stats"].padded_slots > 0
+    assert torch.all(batch["vlm_pack"]["cu_seqlens_padded"] % 4 == 0)
+    assert batch["vlm_pack"]["stats"].padded_slots > 0
     assert_exact(model, collator, examples, routes=("kwargs", "positions"))
 
 

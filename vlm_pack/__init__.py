@@ -16,7 +16,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "VLMPackingCollator": "collator",
     "CollatorStats": "collator",
-    "model_inputs": "collator",
+    "model_inputs": "batch",
+    "METADATA_KEY": "batch",
     "varlen_attention": "attention",
     "available_backends": "attention",
     "ATTN_IMPLEMENTATION": "hf",

@@ -9,17 +9,18 @@ Per micro-batch::
                                        cu_seq_lens_q/k + max_length_q/k, vision tensors in sample order
 
 The packed batch carries NO ``attention_mask``: with one, HF's own packed-boundary detection switches off
-and samples attend to each other (sdpa / eager / flash without ``cu_seq_lens``). Feed the model
-``model_inputs(batch)`` (the batch minus labels and packing metadata) and compute the loss with
-``vlm_pack.loss`` on ``batch["labels"]`` / ``batch["cu_seqlens_padded"]`` (labels are unshifted; the shift
-happens inside each sample).
+and samples attend to each other (sdpa / eager / flash without ``cu_seq_lens``). The batch is model-ready
+(``vlm_pack.batch``): ``model(**batch)`` is exact, bookkeeping sits in ``batch["vlm_pack"]`` (``cu_seqlens``,
+``cu_seqlens_padded``, ``seq_lengths``, ``stats``), and the first label of every sample is -100. Custom loops
+feed ``model_inputs(batch)`` and compute the loss with ``vlm_pack.loss`` on ``batch["labels"]`` /
+``batch["cu_seq_lens_q"]`` (labels are unshifted; the shift happens inside each sample).
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -27,13 +28,14 @@ import numpy as np
 import torch
 from transformers.configuration_utils import PreTrainedConfig
 
+from .batch import METADATA_KEY, mask_first_labels, model_inputs
 from .chat import encode_conversations, normalize_example, resolve_chat_template
 from .config import PackingConfig
 from .packing import IGNORE_INDEX, pack_batch_sequences, pad_multiple
 from .models import FamilySpec, get_family
 from .rope_index import MRopeIndex
 
-__all__ = ["CollatorStats", "METADATA_KEYS", "TOKEN_ALIGNED_KEYS", "VLMPackingCollator", "model_inputs"]
+__all__ = ["CollatorStats", "TOKEN_ALIGNED_KEYS", "VLMPackingCollator", "model_inputs"]
 
 # Per-token keys of a text tokenizer collator (no model_config): padded / packed exactly like input_ids. With a
 # model_config the family registry says which keys are per token. Every other tensor a processor returns
@@ -41,21 +43,10 @@ __all__ = ["CollatorStats", "METADATA_KEYS", "TOKEN_ALIGNED_KEYS", "VLMPackingCo
 TOKEN_ALIGNED_KEYS = ("input_ids", "labels", "token_type_ids")
 _TOKEN_FILL = {"labels": IGNORE_INDEX}
 
-# Batch entries that are not forward() arguments: the labels (use vlm_pack.loss) and packing bookkeeping.
-# ``cu_seqlens`` in particular must not reach a Qwen-VL forward: forwarded kwargs reach the vision blocks,
-# where it would replace the per-image boundaries (checked: the vision tower then fails on split sizes).
-METADATA_KEYS = ("labels", "cu_seqlens", "cu_seqlens_padded", "seq_lengths", "stats")
-
-
-def model_inputs(batch: Mapping[str, Any], *, keep_labels: bool = False) -> dict[str, Any]:
-    """The batch entries to pass as ``model(**...)``: everything but labels and packing metadata."""
-    drop = set(METADATA_KEYS) - ({"labels"} if keep_labels else set())
-    return {key: value for key, value in batch.items() if key not in drop}
-
 
 @dataclass
 class CollatorStats:
-    """Counts for one collated batch (also returned in ``batch["stats"]``, which survives DataLoader workers).
+    """Counts for one collated batch (also in ``batch["vlm_pack"]["stats"]``, which survives DataLoader workers).
 
     ``padded_slots``: alignment slots in packed mode, right-padding slots in padded mode.
     Wall times: ``encode_s`` rendering, image decoding and the processor; ``batch_s`` right-padding to
@@ -186,11 +177,12 @@ class VLMPackingCollator:
             batch = self._pack(padded, vision, positions)
         else:  # an ordinary batch: the model derives (mRoPE) positions of a padded batch itself
             clock.append(time.perf_counter())
-            batch = {**padded, **vision}
+            batch = {**padded, **vision, METADATA_KEY: {}}
+            batch["labels"][:, 0] = IGNORE_INDEX  # as in packed mode: a row's first token is never a target
         clock.append(time.perf_counter())
         timings = dict(zip(("encode_s", "batch_s", "positions_s", "pack_s"), np.diff(clock).tolist()))
         stats = self._stats(batch, samples, dropped, timings)
-        batch["stats"] = stats
+        batch[METADATA_KEY]["stats"] = stats
         self.last_stats = stats
         return batch
 
@@ -285,7 +277,8 @@ class VLMPackingCollator:
             pad_to_length=self.pad_to_length,
         )
         real_slots = ~packed.padding_mask
-        batch: dict[str, Any] = {"input_ids": packed.tokens, "labels": packed.labels}
+        labels = mask_first_labels(packed.labels, packed.cu_seqlens_padded[:-1])
+        batch: dict[str, Any] = {"input_ids": packed.tokens, "labels": labels}
         for key in self.token_keys:
             if key in padded and key not in batch:
                 # Rows keep their order and fill slots are exactly padding_mask, so real values scatter back.
@@ -294,10 +287,12 @@ class VLMPackingCollator:
                 batch[key] = row
         batch["position_ids"] = packed.position_ids
         batch.update(packed.attention_kwargs())
-        batch.update(
-            cu_seqlens=packed.cu_seqlens, cu_seqlens_padded=packed.cu_seqlens_padded, seq_lengths=packed.seq_lengths
-        )
         batch.update(vision)
+        batch[METADATA_KEY] = {
+            "cu_seqlens": packed.cu_seqlens,
+            "cu_seqlens_padded": packed.cu_seqlens_padded,
+            "seq_lengths": packed.seq_lengths,
+        }
         return batch
 
     def _stats(

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from .batch import METADATA_KEY
 from .packed_seq_params import packed_boundaries
 
 __all__ = [
@@ -190,11 +191,16 @@ def partition_for_context_parallel(batch: BatchT, cp_size: int, cp_rank: int) ->
                 f"{key} has {value.shape[-1]} slots but the boundaries end at {total}: every slot must belong to a "
                 "segment (pack with pad_to_length so the trailing fill is its own segment)"
             )
-    changes = {
-        name: value.index_select(-1, index.to(value.device))
-        for name, value in items.items()
-        if _is_per_token(name, value, total)
-    }
+    def split(group: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            name: value.index_select(-1, index.to(value.device))
+            for name, value in group.items()
+            if _is_per_token(name, value, total)
+        }
+
+    changes = split(items)
+    if isinstance(items.get(METADATA_KEY), Mapping):  # per-token bookkeeping (e.g. Megatron's loss_mask)
+        changes[METADATA_KEY] = {**items[METADATA_KEY], **split(items[METADATA_KEY])}
     return _rebuild(batch, changes)
 
 
@@ -209,11 +215,16 @@ def unpartition_context_parallel(shards: Sequence[BatchT]) -> BatchT:
     first = per_rank[0]
     cu, _ = packed_boundaries(first)
     _, total = _validated_boundaries(cu, cp_size)
-    changes = {
-        name: gather_from_context_parallel([items[name] for items in per_rank], cu, dim=-1)
-        for name, value in first.items()
-        if _is_per_token(name, value, total // cp_size)
-    }
+    def join(groups: list[Mapping[str, Any]]) -> dict[str, Any]:
+        return {
+            name: gather_from_context_parallel([group[name] for group in groups], cu, dim=-1)
+            for name, value in groups[0].items()
+            if _is_per_token(name, value, total // cp_size)
+        }
+
+    changes = join(per_rank)
+    if isinstance(first.get(METADATA_KEY), Mapping):
+        changes[METADATA_KEY] = {**first[METADATA_KEY], **join([items[METADATA_KEY] for items in per_rank])}
     return _rebuild(shards[0], changes)
 
 

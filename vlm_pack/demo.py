@@ -78,6 +78,7 @@ def demo_examples(num: int, seed: int) -> list[dict]:
 
 
 def _run(model, batches, desc: str, lr: float) -> list[StepRecord]:
+    from .batch import packing_metadata
     from .train import train_step
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -85,7 +86,7 @@ def _run(model, batches, desc: str, lr: float) -> list[StepRecord]:
     records = []
     for batch in tqdm(batches, desc=desc, unit="step"):
         step = train_step(model, batch, optimizer)
-        stats = batch["stats"]
+        stats = packing_metadata(batch)["stats"]
         records.append(StepRecord(step.loss, step.seconds, stats.real_tokens, stats.padded_slots))
     return records
 

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .batch import METADATA_KEY
 from .packing import PackedBatch, segment_ids
 
 __all__ = [
@@ -60,19 +61,28 @@ def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> torc
     return segment_ids(cu_seqlens, int(total_tokens))
 
 
+def _fields(batch: PackedBatch | Mapping[str, Any]) -> Mapping[str, Any]:
+    """A flat view: a ``PackedBatch``'s fields, or a batch dict with its ``batch["vlm_pack"]`` metadata lifted up."""
+    if isinstance(batch, PackedBatch):
+        return batch.to_dict()
+    if isinstance(batch.get(METADATA_KEY), Mapping):
+        return {**batch, **batch[METADATA_KEY]}
+    return batch
+
+
 def packed_boundaries(batch: PackedBatch | Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(physical, real)`` boundaries of a packed batch, flat, ``-1`` sentinels trimmed; ``real`` may be None.
 
     Reads both conventions of the library:
 
-    * in-batch packing (``PackedBatch`` or its dict, ``VLMPackingCollator`` output): ``cu_seqlens_padded`` is
-      physical and ``cu_seqlens`` real; ``real`` is None when the two are equal (no alignment slots, no fill);
-    * offline packing (``PackedSFTDataset``): ``cu_seqlens`` ``[1, K]`` is physical (valid up to
-      ``cu_seqlens_argmin``), ``cu_seqlens_unpadded`` (+ argmin), when present, real;
+    * in-batch packing (``PackedBatch`` or its dict, ``VLMPackingCollator`` output, whose bookkeeping sits in
+      ``batch["vlm_pack"]``): ``cu_seqlens_padded`` is physical and ``cu_seqlens`` real; ``real`` is None when
+      the two are equal (no alignment slots, no fill);
+    * offline packing (``PackedSFTDataset``, in ``batch["vlm_pack"]``): ``cu_seqlens`` ``[1, K]`` is physical
+      (valid up to ``cu_seqlens_argmin``), ``cu_seqlens_unpadded`` (+ argmin), when present, real;
     * a bare Hugging Face batch (``PackedDataset.collate``): ``cu_seq_lens_q``, physical.
     """
-    if isinstance(batch, PackedBatch):
-        batch = batch.to_dict()
+    batch = _fields(batch)
     if batch.get("cu_seqlens_padded") is not None:
         physical = batch["cu_seqlens_padded"].reshape(-1)  # in-batch boundaries carry no sentinels
         real = batch.get("cu_seqlens")
@@ -100,8 +110,7 @@ def get_packed_seq_params(batch: PackedBatch | Mapping[str, Any], total_tokens: 
     ``seq_idx``) from the argument, ``total_tokens``, or the width of ``tokens`` / ``input_ids``.
     """
     physical, unpadded = packed_boundaries(batch)
-    if isinstance(batch, PackedBatch):
-        batch = batch.to_dict()
+    batch = _fields(batch)
     max_seqlen = batch.get("max_seqlen", batch.get("max_length_q"))
     if isinstance(max_seqlen, torch.Tensor) and max_seqlen.numel() == 1:
         max_seqlen = int(max_seqlen)

@@ -4,7 +4,7 @@ Used by the demo, the examples and the benchmarks so that "packed vs padded" com
 
 * in-batch packed row (``VLMPackingCollator``, ``cu_seq_lens_q`` present): varlen attention, loss shifted
   inside each sample;
-* offline pack (``PackedSFTDataset``: ``tokens``/``labels``/``position_ids`` + ``cu_seq_lens_q``): the same;
+* offline pack (``PackedSFTDataset`` / ``PackedDataset``: the same Hugging Face names): the same;
 * padded batch (``attention_mask`` present): the model masks padding, loss shifted per row.
 
 All normalise the same way (``"token"``: mean over the micro-batch's loss tokens, or ``"sample"``).
@@ -20,13 +20,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .collator import model_inputs
+from .batch import model_inputs
 from .loss import Reduction, packed_cross_entropy
 
 __all__ = ["StepResult", "batch_loss", "train", "train_step"]
-
-_HF_VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-
 
 def _padded_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: Reduction) -> torch.Tensor:
     """A ``[B, S]`` batch is a packed row whose segments are its rows: the same loss code serves both."""
@@ -37,10 +34,6 @@ def _padded_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: Reductio
 
 def batch_loss(model: torch.nn.Module, batch: Mapping[str, Any], reduction: Reduction = "token") -> torch.Tensor:
     """Forward ``batch`` through ``model`` and return the causal-LM loss, whatever the batch layout."""
-    if "tokens" in batch:  # offline pack (Megatron-style names)
-        varlen = {key: batch[key] for key in _HF_VARLEN_KEYS}
-        logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], use_cache=False, **varlen).logits
-        return packed_cross_entropy(logits, batch["labels"], batch["cu_seq_lens_q"], reduction=reduction)
     logits = model(**model_inputs(batch), use_cache=False).logits
     if "cu_seq_lens_q" in batch:
         return packed_cross_entropy(logits, batch["labels"], batch["cu_seq_lens_q"], reduction=reduction)

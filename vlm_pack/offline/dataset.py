@@ -1,14 +1,15 @@
 """Offline packing, step 2: serve packs for training.
 
 * :class:`PackedSFTDataset` reads what ``vlm-pack prepare`` wrote (memory-mapped, no pickle) and its
-  ``collate_fn`` turns ONE pack (micro-batch size 1) into the packed-batch contract: ``tokens``, ``labels``
-  (aligned with tokens, -100 outside responses and at every sample's first token; the shift happens in the
-  loss, inside each sample),
-  ``loss_mask``, ``position_ids`` (restarting per sample) all ``[1, T]``; ``cu_seqlens`` ``[1, K]`` int32
-  (physical boundaries) + ``cu_seqlens_argmin`` (valid entries); with ``pad_seq_to_mult > 1`` also
-  ``cu_seqlens_unpadded`` (+ argmin, real boundaries); ``max_seqlen`` ``[1, 1]``; and the Hugging Face kwargs
-  ``cu_seq_lens_q/k`` (1-D) and ``max_length_q/k`` (int). The per-sample alignment padding, fill segment and
-  position ids come from the core ``pack_batch_sequences``.
+  ``collate_fn`` turns ONE pack (micro-batch size 1) into a model-ready batch (``vlm_pack.batch``):
+  ``input_ids``, ``labels`` (aligned with the tokens, -100 outside responses and at every sample's first token;
+  the shift happens in the loss, inside each sample), ``position_ids`` (restarting per sample), all ``[1, T]``,
+  and the Hugging Face varlen kwargs ``cu_seq_lens_q/k`` (1-D int32, physical boundaries) and
+  ``max_length_q/k`` (int). Megatron-style fields sit in ``batch["vlm_pack"]``: ``loss_mask`` ``[1, T]``,
+  ``cu_seqlens`` ``[1, K]`` int32 (physical) + ``cu_seqlens_argmin`` (valid entries); with
+  ``pad_seq_to_mult > 1`` also ``cu_seqlens_unpadded`` (+ argmin, real boundaries); ``max_seqlen`` ``[1, 1]``
+  (Megatron's ``tokens`` is ``input_ids``). The per-sample alignment padding, fill segment and position ids come
+  from the core ``pack_batch_sequences``.
   ``pad_to_max_length`` makes T = pack size (the fill is one trailing segment); ``pad_cu_seqlens`` (CUDA
   graphs) also fixes the shape of ``cu_seqlens`` to ``max_samples_per_bin + 2`` entries (the final boundary
   repeated: zero-length segments every kernel accepts) and ``max_seqlen`` to the pack size.
@@ -25,6 +26,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from ..batch import METADATA_KEY
 from ..packing import IGNORE_INDEX, pack_batch_sequences
 from .algorithms import group_by_pack, pack_lengths, packing_stats
 from .storage import gather_segments, open_packed, read_metadata
@@ -163,20 +165,23 @@ class PackedSFTDataset(torch.utils.data.Dataset):
             pad_to_multiple_of=self.pad_seq_to_mult,
             pad_to_length=self.pack_size if self.pad_to_max_length else None,
         )
-        out: dict[str, Any] = {
-            "tokens": packed.tokens,
-            "labels": packed.labels,
-            "loss_mask": packed.loss_mask,
-            "position_ids": packed.position_ids,
-        }
-        out["cu_seqlens"], out["cu_seqlens_argmin"] = self._cu(packed.cu_seqlens_padded)
+        meta: dict[str, Any] = {"loss_mask": packed.loss_mask}
+        meta["cu_seqlens"], meta["cu_seqlens_argmin"] = self._cu(packed.cu_seqlens_padded)
         if self.pad_seq_to_mult > 1:
-            out["cu_seqlens_unpadded"], out["cu_seqlens_unpadded_argmin"] = self._cu(packed.cu_seqlens)
+            meta["cu_seqlens_unpadded"], meta["cu_seqlens_unpadded_argmin"] = self._cu(packed.cu_seqlens)
         max_seqlen = self.pack_size if self.pad_cu_seqlens else int(packed.max_seqlen)
-        out["max_seqlen"] = torch.tensor([[max_seqlen]], dtype=torch.int32)
-        out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = out["cu_seqlens"][0]
-        out["max_length_q"] = out["max_length_k"] = max_seqlen
-        return out
+        meta["max_seqlen"] = torch.tensor([[max_seqlen]], dtype=torch.int32)
+        boundaries = meta["cu_seqlens"][0]
+        return {
+            "input_ids": packed.tokens,
+            "labels": packed.labels,
+            "position_ids": packed.position_ids,
+            "cu_seq_lens_q": boundaries,
+            "cu_seq_lens_k": boundaries,
+            "max_length_q": max_seqlen,
+            "max_length_k": max_seqlen,
+            METADATA_KEY: meta,
+        }
 
     def _cu(self, cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[1, K]`` int32 boundaries (padded by repeating the last one under ``pad_cu_seqlens``) and argmin."""
