@@ -13,6 +13,7 @@ from PIL import Image
 
 from vlm_pack.budget import TokenBudgetPackDataset, TokenBudgetPlan, measure_lengths, plan_token_budget_packs
 from vlm_pack.budget.lengths import SampleLengths
+from vlm_pack.batch import model_inputs
 from vlm_pack.collator import VLMPackingCollator
 from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
 
@@ -148,14 +149,13 @@ def test_a_pack_through_the_model_equals_its_samples_alone(processor, mix):
     plan = plan_token_budget_packs(measure_lengths(chosen, collator, progress=False), 512)
     assert plan.num_packs == 1
     batch = TokenBudgetPackDataset(chosen, plan, collator, fixed_width=True)[0]
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", "cu_seqlens", "cu_seqlens_padded", "seq_lengths",
-                                                          "stats")}
+    inputs = model_inputs(batch)
     with torch.no_grad():
         logits = packed_model(**inputs, use_cache=False).logits[0]
     bounds = batch["cu_seq_lens_q"].tolist()
     for slot, index in enumerate(plan.pack(0).tolist()):
         alone = single([chosen[index]])
-        inputs_alone = {k: v for k, v in alone.items() if k not in ("labels", "stats")}
+        inputs_alone = model_inputs(alone)
         with torch.no_grad():
             reference = stock(**inputs_alone, use_cache=False).logits[0]
         n = reference.shape[0]

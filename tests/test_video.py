@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from vlm_pack.batch import packing_metadata
 from vlm_pack.chat import CHATML_TEMPLATE
 from vlm_pack.collator import VLMPackingCollator, model_inputs
 from vlm_pack.data import photo_examples, sample_photos, text_chat_examples
@@ -72,9 +73,9 @@ def test_video_packed_equals_each_sample_alone(family):
         assert batch["second_per_grid_ts"].shape == (2,)
 
     logits = packed_model(**model_inputs(batch), use_cache=False).logits[0]
-    labels, starts = batch["labels"][0], batch["cu_seqlens_padded"][:-1].tolist()
+    labels, starts = batch["labels"][0], batch["cu_seq_lens_q"][:-1].tolist()
     total, reference_total, tokens = 0.0, 0.0, 0
-    for start, length, example in zip(starts, batch["seq_lengths"].tolist(), batch_examples):
+    for start, length, example in zip(starts, packing_metadata(batch)["seq_lengths"].tolist(), batch_examples):
         ref_logits, ref_sum, count = alone_loss_sum(stock, alone, example)
         mine = logits[start:start + length]
         assert (mine - ref_logits).abs().max() < 1e-4

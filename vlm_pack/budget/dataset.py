@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..batch import packing_metadata
 from .plan import TokenBudgetPlan
 
 __all__ = ["TokenBudgetPackDataset"]
@@ -56,7 +57,7 @@ class TokenBudgetPackDataset(torch.utils.data.Dataset):
     def __getitem__(self, k: int) -> dict[str, Any]:
         indices = self.plan.pack(k)
         batch = self.collator([self.examples[int(i)] for i in indices])
-        real = torch.diff(batch["cu_seqlens"]).tolist()
+        real = torch.diff(packing_metadata(batch)["cu_seqlens"]).tolist()
         planned = self.plan.lengths.tokens[indices].tolist()
         for index, got, want in zip(indices.tolist(), real, planned):
             if got != want:
