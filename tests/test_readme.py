@@ -40,3 +40,16 @@ def test_core_quick_start_runs():
     exec(block("pack_batch_sequences(input_ids"), namespace)
     assert namespace["logits"].shape[1] == namespace["packed"].tokens.shape[1]
     assert namespace["params"].cu_seqlens_q_padded is not None  # pad_multiple(cp=2) aligned the sequences
+
+
+def test_token_budget_quick_start_serves_fixed_width_packs(processor):
+    from vlm_pack import VLMPackingCollator
+    from vlm_pack.data import easy_vqa_examples, photo_examples
+    from vlm_pack.tiny_models import tiny_model
+
+    namespace = {"VLMPackingCollator": VLMPackingCollator, "processor": processor, "model": tiny_model("qwen2_vl"),
+                 "examples": photo_examples(3, seed=1) + easy_vqa_examples(3, seed=1)}
+    exec(block("TokenBudgetPackDataset(examples"), namespace)
+    rows = list(namespace["loader"])
+    assert len(rows) == namespace["plan"].num_packs >= 1
+    assert all(row["input_ids"].shape == (1, 4096) for row in rows)
