@@ -108,7 +108,20 @@ def resolve_chat_template(processor: Any, chat_template: str | None) -> str:
 
 
 def load_image(value: Any, where: str) -> Image.Image:
-    """Decode an image given as PIL image, path, bytes, ``{"bytes"|"path": ...}`` or HxWxC array, as RGB."""
+    """Decode an image (PIL image, path, bytes, ``{"bytes"|"path": ...}`` or array) as 8-bit RGB.
+
+    Pixel depth is scaled, never clipped: 16-bit data (``I;16`` PNGs, uint16 arrays) by 255/65535, float data in
+    [0, 1] by 255 (rounded). Transparency is composited onto white, as ``transformers``' ``convert_to_rgb`` does.
+    Anything whose scale is ambiguous (floats outside [0, 1] or not finite, wider integers beyond 255, 32-bit
+    ``I``/``F`` images likewise) is refused with a ``ValueError`` naming ``where`` and the fix.
+    """
+    if isinstance(value, Mapping) and (value.get("bytes") or value.get("path")):
+        return load_image(value.get("bytes") or value["path"], where)
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        value = (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+    if isinstance(value, np.ndarray):
+        return _array_to_rgb(value, where)
     try:
         if isinstance(value, Image.Image):
             image = value
@@ -116,23 +129,71 @@ def load_image(value: Any, where: str) -> Image.Image:
             image = Image.open(pathlib.Path(value))
         elif isinstance(value, (bytes, bytearray, memoryview)):
             image = Image.open(io.BytesIO(value))
-        elif isinstance(value, Mapping) and (value.get("bytes") or value.get("path")):
-            source = value.get("bytes") or value["path"]
-            return load_image(source, where)
-        elif isinstance(value, (np.ndarray, torch.Tensor)):
-            array = np.asarray(value)
-            if array.dtype != np.uint8:
-                array = np.clip(array * (255.0 if array.max() <= 1.0 else 1.0), 0, 255).astype(np.uint8)
-            image = Image.fromarray(array)
         else:
             raise TypeError(f"unsupported image type {type(value).__name__}")
         image.load()
-        return image.convert("RGB")
+        if image.mode not in _WIDE_MODES:
+            return _composite_rgb(image)
     except Exception as exc:  # PIL raises many types (OSError, SyntaxError, ...); report them all the same way
         raise ValueError(
             f"{where}: image could not be read ({type(exc).__name__}: {exc}). Give a PIL image, an existing "
             "file path, encoded bytes (PNG/JPEG/...) or an HxWxC uint8 array."
         ) from exc
+    return _array_to_rgb(np.asarray(image), where)
+
+
+# PIL modes with more than 8 bits per pixel: converted through numpy so that depth is scaled, not saturated.
+_WIDE_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
+
+
+def _array_to_rgb(array: np.ndarray, where: str) -> Image.Image:
+    """An HxW / HxWxC array (C = 1..4, any real dtype) -> RGB, with the depth rules of :func:`load_image`."""
+    channels = 1 if array.ndim == 2 else array.shape[-1] if array.ndim == 3 else 0
+    if channels not in (1, 2, 3, 4):  # grey, grey + alpha, RGB, RGBA
+        raise ValueError(
+            f"{where}: image array has shape {tuple(array.shape)}; expected HxW or HxWxC with C in 1..4 "
+            "(channels last). For a CxHxW tensor pass tensor.permute(1, 2, 0)."
+        )
+    if array.size == 0:
+        raise ValueError(f"{where}: image array has shape {tuple(array.shape)} (no pixels); drop the sample")
+    array = array.reshape(array.shape[:2] + (channels,))
+    if array.dtype == np.uint8:
+        pixels = array
+    elif array.dtype == np.bool_:
+        pixels = array.astype(np.uint8) * 255
+    elif array.dtype.kind == "u" and array.dtype.itemsize == 2:  # 16-bit, either byte order
+        pixels = ((array.astype(np.uint32) + 128) // 257).astype(np.uint8)  # round(v * 255 / 65535)
+    elif np.issubdtype(array.dtype, np.integer):
+        low, high = int(array.min()), int(array.max())
+        if low < 0 or high > 255:
+            raise ValueError(
+                f"{where}: {array.dtype} image values span [{low}, {high}], outside the 8-bit range [0, 255]; "
+                "convert to uint8 (or uint16 for 16-bit data) with the scaling your data needs"
+            )
+        pixels = array.astype(np.uint8)
+    elif np.issubdtype(array.dtype, np.floating):
+        if not np.isfinite(array).all():
+            raise ValueError(f"{where}: float image contains NaN or infinity; fix or drop the sample")
+        low, high = float(array.min()), float(array.max())
+        if low < 0.0 or high > 1.0:
+            raise ValueError(
+                f"{where}: float image values span [{low:g}, {high:g}]; float pixels must lie in [0, 1]. Divide "
+                "by 255 (data in 0..255) or convert to uint8 yourself"
+            )
+        pixels = np.floor(array.astype(np.float64) * 255.0 + 0.5).astype(np.uint8)
+    else:
+        raise ValueError(f"{where}: image array dtype {array.dtype} is not a pixel type; give uint8, uint16 or float")
+    pixels = pixels[..., 0] if channels == 1 else pixels
+    return _composite_rgb(Image.fromarray(np.ascontiguousarray(pixels)))  # L, LA, RGB or RGBA
+
+
+def _composite_rgb(image: Image.Image) -> Image.Image:
+    """RGB, with any transparency composited onto white (what ``transformers.image_transforms.convert_to_rgb`` does)."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        image = image.convert("RGBA")
+        background = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, image).convert("RGB")
+    return image.convert("RGB")
 
 
 def load_video(value: Any, where: str) -> np.ndarray:
