@@ -18,9 +18,31 @@ def test_trim_at_first_sentinel_without_argmin():
 
 
 def test_seq_idx_from_total_tokens():
-    expected = [0] * 5 + [1] * 2 + [2] * 4 + [3] * 5
-    assert seq_idx_from_cu_seqlens(torch.tensor([0, 5, 7, 11]), 16).tolist() == expected
-    assert seq_idx_from_cu_seqlens(torch.tensor([0, 5, 7, 11, 16]), 16).tolist() == expected
+    expected = [[0] * 5 + [1] * 2 + [2] * 4 + [3] * 5]
+    for cu in ([0, 5, 7, 11], [0, 5, 7, 11, 16]):
+        for dtype in (torch.int32, torch.int64):
+            seq_idx = seq_idx_from_cu_seqlens(torch.tensor(cu, dtype=dtype), 16)
+            assert seq_idx.dtype == torch.int32 and seq_idx.shape == (1, 16)  # Megatron-Core's contract
+            assert seq_idx.tolist() == expected
+
+
+def test_seq_idx_of_get_packed_seq_params_is_int32_1_by_t():
+    p = get_packed_seq_params(pack_batch_sequences(torch.tensor([[1, 2, 0], [3, 4, 5]]), pad_to_multiple_of=2))
+    assert p.seq_idx.dtype == torch.int32 and p.seq_idx.shape == (1, 6)
+    assert p.seq_idx.tolist() == [[0, 0, 1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("max_seqlen", [torch.tensor([[8], [6]]), torch.tensor([8, 6]), [8, 6]])
+def test_several_max_seqlen_values_are_an_error(max_seqlen):
+    batch = {"cu_seqlens": torch.tensor([[0, 8, 14]]), "max_seqlen": max_seqlen}
+    with pytest.raises(ValueError, match="max_seqlen has 2 elements.*micro_batch_size=1"):
+        get_packed_seq_params(batch)
+
+
+@pytest.mark.parametrize("max_seqlen", [torch.tensor([[8]]), torch.tensor(8), 8, [[8]]])
+def test_one_max_seqlen_value_becomes_an_int(max_seqlen):
+    p = get_packed_seq_params({"cu_seqlens": torch.tensor([[0, 8, 14]]), "max_seqlen": max_seqlen})
+    assert type(p.max_seqlen_q) is int and p.max_seqlen_q == p.max_seqlen_kv == 8
 
 
 def test_dict_batch_without_unpadded_leaves_padded_fields_none():
@@ -32,7 +54,7 @@ def test_dict_batch_without_unpadded_leaves_padded_fields_none():
     assert p.cu_seqlens_q.dtype == torch.int32
     assert p.cu_seqlens_q_padded is None and p.cu_seqlens_kv_padded is None
     assert p.max_seqlen_q == p.max_seqlen_kv == 128
-    assert p.total_tokens == 384 and p.seq_idx.tolist() == [0] * 128 + [1] * 128 + [2] * 128
+    assert p.total_tokens == 384 and p.seq_idx.tolist() == [[0] * 128 + [1] * 128 + [2] * 128]
 
 
 def test_dict_batch_with_unpadded_variant():
@@ -52,7 +74,7 @@ def test_from_packed_batch_aligned_and_not():
     assert aligned.max_seqlen_q == 8 and aligned.total_tokens == 12
     plain = get_packed_seq_params(pack_batch_sequences(tokens))
     assert plain.cu_seqlens_q.tolist() == [0, 3, 8] and plain.cu_seqlens_q_padded is None
-    assert plain.seq_idx.tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert plain.seq_idx.tolist() == [[0, 0, 0, 1, 1, 1, 1, 1]]
 
 
 def test_in_batch_dict_reads_physical_boundaries_from_cu_seqlens_padded():
@@ -65,7 +87,7 @@ def test_in_batch_dict_reads_physical_boundaries_from_cu_seqlens_padded():
     assert p.cu_seqlens_q.tolist() == [0, 3, 8]
     assert p.cu_seqlens_q_padded.tolist() == p.cu_seqlens_kv_padded.tolist() == [0, 4, 12]
     assert p.max_seqlen_q == 8 and p.total_tokens == 12
-    assert p.seq_idx.tolist() == [0] * 4 + [1] * 8
+    assert p.seq_idx.tolist() == [[0] * 4 + [1] * 8]
     same = get_packed_seq_params(packed)
     assert same.cu_seqlens_q.tolist() == [0, 3, 8] and same.cu_seqlens_q_padded.tolist() == [0, 4, 12]
 
@@ -74,6 +96,6 @@ def test_bare_hugging_face_batch_and_missing_boundaries():
     p = get_packed_seq_params({"input_ids": torch.zeros(1, 9, dtype=torch.long),
                                "cu_seq_lens_q": torch.tensor([0, 4, 9], dtype=torch.int32), "max_length_q": 5})
     assert p.cu_seqlens_q.tolist() == [0, 4, 9] and p.cu_seqlens_q_padded is None
-    assert p.max_seqlen_q == 5 and p.seq_idx.tolist() == [0] * 4 + [1] * 5
+    assert p.max_seqlen_q == 5 and p.seq_idx.tolist() == [[0] * 4 + [1] * 5]
     with pytest.raises(ValueError, match="cannot find the packed sequence boundaries"):
         get_packed_seq_params({"input_ids": torch.zeros(1, 9, dtype=torch.long)})

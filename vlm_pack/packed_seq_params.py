@@ -30,7 +30,8 @@ class PackedSeqParams:
 
     ``cu_seqlens_q/kv`` are the boundaries attention uses. When sequences were padded for alignment, they hold
     the real (unpadded) boundaries and ``*_padded`` the physical ones; otherwise ``*_padded`` stay ``None``
-    (TransformerEngine picks a slower kernel when they are set needlessly).
+    (TransformerEngine picks a slower kernel when they are set needlessly). ``seq_idx``: int32 ``[1, T]``, the
+    segment of every token (what Megatron-Core's Mamba / linear-attention layers read).
     """
 
     qkv_format: str
@@ -38,8 +39,8 @@ class PackedSeqParams:
     cu_seqlens_kv: torch.Tensor
     cu_seqlens_q_padded: torch.Tensor | None
     cu_seqlens_kv_padded: torch.Tensor | None
-    max_seqlen_q: int | torch.Tensor | None
-    max_seqlen_kv: int | torch.Tensor | None
+    max_seqlen_q: int | None
+    max_seqlen_kv: int | None
     total_tokens: int | None = None
     seq_idx: torch.Tensor | None = None
 
@@ -54,11 +55,12 @@ def trim_cu_seqlens(cu_seqlens: torch.Tensor, argmin: torch.Tensor | int | None 
 
 
 def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
-    """Segment id of every token: ``[0, 5, 7, 11]`` with 16 tokens -> ``[0]*5 + [1]*2 + [2]*4 + [3]*5``.
+    """Segment id of every token, int32 ``[1, T]`` as Megatron-Core's ``PackedSeqParams.seq_idx`` is:
+    ``[0, 5, 7, 11]`` with 16 tokens -> ``[[0]*5 + [1]*2 + [2]*4 + [3]*5]``.
 
     Tokens past ``cu_seqlens[-1]`` form one more segment. No host sync (``vlm_pack.packing.segment_ids``).
     """
-    return segment_ids(cu_seqlens, int(total_tokens))
+    return segment_ids(cu_seqlens, int(total_tokens)).to(torch.int32).unsqueeze(0)
 
 
 def _fields(batch: PackedBatch | Mapping[str, Any]) -> Mapping[str, Any]:
@@ -111,9 +113,7 @@ def get_packed_seq_params(batch: PackedBatch | Mapping[str, Any], total_tokens: 
     """
     physical, unpadded = packed_boundaries(batch)
     batch = _fields(batch)
-    max_seqlen = batch.get("max_seqlen", batch.get("max_length_q"))
-    if isinstance(max_seqlen, torch.Tensor) and max_seqlen.numel() == 1:
-        max_seqlen = int(max_seqlen)
+    max_seqlen = _single_max_seqlen(batch.get("max_seqlen", batch.get("max_length_q")))
     if total_tokens is None:
         total_tokens = batch.get("total_tokens")
     if total_tokens is None:
@@ -138,3 +138,16 @@ def get_packed_seq_params(batch: PackedBatch | Mapping[str, Any], total_tokens: 
         total_tokens=total_tokens,
         seq_idx=seq_idx,
     )
+
+
+def _single_max_seqlen(value: Any) -> int | None:
+    """``max_seqlen`` as one int: a one-element tensor is read, several values (a batch of packs) are an error."""
+    if value is None:
+        return None
+    values = torch.as_tensor(value)
+    if values.numel() != 1:
+        raise ValueError(
+            f"max_seqlen has {values.numel()} elements (shape {tuple(values.shape)}); a packed row has ONE longest "
+            "sequence. Collate one pack per micro-batch (micro_batch_size=1) or pass the max over the packs"
+        )
+    return int(values.reshape(()))
