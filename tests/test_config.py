@@ -1,12 +1,20 @@
 """Every validation rule has a passing and a failing case; YAML recipes load and validate."""
 
+import importlib.util
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+import yaml
 
 from vlm_pack import PackedSequenceSpecs, PackingConfig
+from vlm_pack.config import check_field_types
+from vlm_pack.recipe import DataSpec, ModelSpec, Recipe, TrainSpec, offline_packed_datasets
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
 
 
 def offline(size=4096, **spec_kwargs):
@@ -83,3 +91,189 @@ def test_yaml_roundtrip(tmp_path):
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_recipes_validate(path):
     PackingConfig.from_yaml(path)
+
+
+# --- strict field types (issue 12.6): a wrong type names the field and the fix, in code and in YAML -------------
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        # a quoted boolean is a non-empty string, i.e. truthy: 'False' used to switch in-batch packing ON
+        ({"pack_sequences_in_batch": "False"}, r"pack_sequences_in_batch='False' must be true or false, not str; "
+                                               r"remove the quotes"),
+        ({"sequence_parallel": 1}, r"sequence_parallel=1 must be true or false, not int"),
+        ({"tensor_parallel_size": 2.5}, r"tensor_parallel_size=2.5 must be an integer, not float"),
+        ({"seq_length": 4096.0}, r"seq_length=4096.0 must be an integer, not float; write 4096"),
+        ({"seq_length": "4096"}, r"seq_length='4096' must be an integer, not str; remove the quotes"),
+        ({"micro_batch_size": True}, r"micro_batch_size=True must be an integer, not bool"),
+        ({"packed_sequence_specs": {"pad_seq_to_mult": 2.5}},
+         r"packed_sequence_specs.pad_seq_to_mult=2.5 must be an integer, not float"),
+        ({"packed_sequence_specs": {"pad_cu_seqlens": "true"}},
+         r"packed_sequence_specs.pad_cu_seqlens='true' must be true or false"),
+        ({"packed_sequence_specs": {"packed_train_data_path": 7}},
+         r"packed_sequence_specs.packed_train_data_path=7 must be a string or null, not int"),
+    ],
+)
+def test_wrong_types_are_named_in_code_and_in_yaml(tmp_path, values, message):
+    with pytest.raises(ValueError, match=message):
+        PackingConfig.from_dict(values)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"packing": values}))
+    with pytest.raises(ValueError, match=rf"{path}: {message}"):
+        PackingConfig.from_yaml(path)
+    with pytest.raises(ValueError, match=rf"{path}: {message}"):
+        Recipe.from_yaml(path)
+
+
+def test_wrong_types_in_the_constructor():
+    with pytest.raises(ValueError, match=r"^pack_sequences_in_batch='False' must be true or false"):
+        PackingConfig(pack_sequences_in_batch="False", micro_batch_size=1)
+    with pytest.raises(ValueError, match=r"^packed_sequence_specs.packed_sequence_size=2.5 must be an integer"):
+        PackedSequenceSpecs(packed_sequence_size=2.5)
+    with pytest.raises(ValueError, match=r"packed_sequence_specs=\{.*\} must be a PackedSequenceSpecs.*from_dict"):
+        PackingConfig(packed_sequence_specs={"packed_sequence_size": 8})
+    with pytest.raises(ValueError, match=r"^train.steps='10' must be an integer"):
+        TrainSpec(steps="10")
+    with pytest.raises(ValueError, match=r"^train.lr='1e-3' must be a number"):
+        TrainSpec(lr="1e-3")  # YAML 1.1 reads 1e-3 (no dot) as a string: the classic trap
+
+
+def test_accepted_equivalents_are_normalised():
+    config = PackingConfig(seq_length=np.int64(8), micro_batch_size=2, global_batch_size=4)
+    assert type(config.seq_length) is int and config.seq_length == 8
+    assert TrainSpec(lr=1).lr == 1.0 and type(TrainSpec(lr=1).lr) is float
+    specs = PackedSequenceSpecs(packed_sequence_size=8, packed_metadata_path=Path("a/8_metadata.jsonl"))
+    assert specs.packed_metadata_path == "a/8_metadata.jsonl"
+
+
+def test_non_mapping_sections_are_named(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("train: 5\n")
+    with pytest.raises(ValueError, match=r"section 'train' must be a mapping"):
+        Recipe.from_yaml(path)
+    with pytest.raises(ValueError, match=r"packing.packed_sequence_specs must be a mapping"):
+        PackingConfig.from_dict({"packed_sequence_specs": [1024]})
+
+
+# --- packed-data paths (issue 11.6): validated, and what the dataset builder opens -----------------------------
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """Packs of the shipped sample data at size 256, written by prepare (training + validation split)."""
+    from vlm_pack.offline import prepare_packed_sequence_data
+    from vlm_pack.tiny_models import qwen_tokenizer_path
+
+    root = tmp_path_factory.mktemp("prepared")
+    written = prepare_packed_sequence_data(
+        ROOT / "examples" / "data" / "sft_sample.jsonl", str(qwen_tokenizer_path()), root, [256],
+        validation_fraction=0.25, max_seq_length=256, progress=False, log=lambda line: None)
+    paths = {split.split: str(split.path) for split in written}
+    return paths["training"], paths["validation"], str(written[0].path.parent / "256_metadata.jsonl")
+
+
+def offline_config(**paths):
+    return PackingConfig(seq_length=256, micro_batch_size=1, packed_sequence_specs=PackedSequenceSpecs(
+        packed_sequence_size=256, pad_to_max_length=True, pad_cu_seqlens=True, **paths))
+
+
+def test_packed_paths_are_validated(prepared, tmp_path):
+    train, val, meta = prepared
+    offline_config(packed_train_data_path=train, packed_val_data_path=val, packed_metadata_path=meta).validate()
+    cases = [
+        (dict(packed_train_data_path=str(tmp_path / "training_256.npy")), "packed_train_data_path=.*does not exist"),
+        (dict(packed_val_data_path=meta), r"packed_val_data_path=.*must name a \.npy file"),
+        (dict(packed_metadata_path=train), r"packed_metadata_path=.*must name a \.jsonl file"),
+        (dict(packed_metadata_path=str(tmp_path / "256_metadata.jsonl")), "packed_metadata_path=.*does not exist"),
+    ]
+    for paths, message in cases:
+        with pytest.raises(ValueError, match=message):
+            offline_config(**paths).validate()
+    with pytest.raises(ValueError, match="packed_train_data_path=.*switches offline packing off"):
+        PackingConfig(packed_sequence_specs=PackedSequenceSpecs(packed_train_data_path=train)).validate()
+
+
+def test_dataset_builder_opens_the_configured_paths(prepared):
+    from vlm_pack.offline import PackedSFTDataset
+
+    train, val, meta = prepared
+    config = offline_config(packed_train_data_path=train, packed_val_data_path=val, packed_metadata_path=meta)
+    training, validation = offline_packed_datasets(config)
+    assert str(training.path) == train and str(validation.path) == val
+    direct = PackedSFTDataset(val, 256, metadata=meta, pad_to_max_length=True, pad_cu_seqlens=True)
+    assert len(validation) == len(direct) and len(training) > 0
+    batch, expected = validation.collate_fn([validation[0]]), direct.collate_fn([direct[0]])
+    assert batch["tokens"].shape == (1, 256)  # pad_to_max_length honoured
+    assert batch["cu_seqlens"].shape[-1] == direct.cu_seqlens_entries  # pad_cu_seqlens + metadata honoured
+    assert all(torch.equal(batch[key], expected[key]) for key in ("tokens", "labels", "cu_seqlens"))
+    train_only, none = offline_packed_datasets(offline_config(packed_train_data_path=train, packed_metadata_path=meta))
+    assert none is None and len(train_only) == len(training)
+    with pytest.raises(ValueError, match="need packed_sequence_specs.packed_sequence_size > 0 and packed_train"):
+        offline_packed_datasets(offline_config(packed_metadata_path=meta))
+
+
+# --- every key of a shipped recipe is read by its example (issue 11.6: a key nothing reads is a defect) -------
+
+SECTIONS = {ModelSpec: "model", DataSpec: "data", TrainSpec: "train", PackingConfig: "packing",
+            PackedSequenceSpecs: "packing.packed_sequence_specs"}
+EXAMPLES = {"qwen2vl_in_batch_packing.yaml": "finetune_vlm_packed",
+            "llm_offline_packing.yaml": "finetune_llm_offline_packed"}
+
+
+def yaml_keys(mapping, prefix=""):
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            yield from yaml_keys(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
+
+
+def keys_the_example_reads(monkeypatch, example: str, argv: list[str]) -> set[str]:
+    """Run ``example`` (training replaced by a no-op) and record which recipe fields it reads after loading.
+
+    Reads made while validating or type-checking do not count: a key only validation looks at configures nothing.
+    """
+    ignored = {PackingConfig.validate.__code__, check_field_types.__code__}
+    reads: set[str] = set()
+
+    def recorder(section):
+        def __getattribute__(self, name):
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code not in ignored:
+                frame = frame.f_back
+            if frame is None:
+                reads.add(f"{section}.{name}")
+            return object.__getattribute__(self, name)
+        return __getattribute__
+
+    load = Recipe.from_yaml
+
+    def load_then_record(path):
+        recipe = load(path)
+        for cls, section in SECTIONS.items():
+            monkeypatch.setattr(cls, "__getattribute__", recorder(section), raising=False)
+        return recipe
+
+    monkeypatch.setattr(Recipe, "from_yaml", staticmethod(load_then_record))
+    spec = importlib.util.spec_from_file_location(example, ROOT / "examples" / f"{example}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "train", lambda model, batches, optimizer, steps, **kwargs: [1.0] * steps)
+    module.main(argv)
+    monkeypatch.undo()
+    return reads
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_every_yaml_key_is_read_by_its_example(monkeypatch, tmp_path, name):
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(EXAMPLES)  # a new recipe needs an entry here
+    raw = yaml.safe_load((CONFIGS / name).read_text())
+    keys = set(yaml_keys(raw))
+    # plant one key this example does not use: the walk must report it, and nothing else
+    planted = "packing.seq_length" if "offline" in name else "packing.global_batch_size"
+    section, key = planted.split(".")
+    assert planted not in keys
+    raw[section][key] = 1024 if key == "seq_length" else 32
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(raw))
+    argv = ["--config", str(path)] + (["--prepared-root", str(tmp_path)] if "offline" in name else [])
+    assert (keys | {planted}) - keys_the_example_reads(monkeypatch, EXAMPLES[name], argv) == {planted}

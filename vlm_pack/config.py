@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -11,7 +14,7 @@ import yaml
 
 from .packing import pad_multiple
 
-__all__ = ["PackedSequenceSpecs", "PackingConfig", "load_yaml_section", "reject_unknown_keys"]
+__all__ = ["PackedSequenceSpecs", "PackingConfig", "check_field_types", "load_yaml_section", "reject_unknown_keys"]
 
 
 @dataclass
@@ -21,6 +24,10 @@ class PackedSequenceSpecs:
     ``packed_sequence_size > 0`` switches offline packing on (then micro-batch size must be 1).
     ``pad_cu_seqlens`` gives every batch the same ``cu_seqlens`` shape for CUDA graphs and needs
     ``pad_to_max_length``. ``pad_seq_to_mult`` aligns each sequence inside a pack (context parallelism).
+    ``packed_train_data_path`` / ``packed_val_data_path`` (``training_<size>.npy`` / ``validation_<size>.npy``) and
+    ``packed_metadata_path`` (``<size>_metadata.jsonl``) name what ``vlm-pack prepare`` wrote; they must exist
+    when set, and :func:`vlm_pack.recipe.offline_packed_datasets` opens them. ``tokenizer_model_name`` names the
+    ``packed/<tokenizer_model_name>/`` folder packs are prepared into (default: the tokenizer's folder name).
     """
 
     packed_sequence_size: int = -1
@@ -31,6 +38,9 @@ class PackedSequenceSpecs:
     pad_to_max_length: bool = False
     pad_cu_seqlens: bool = False
     pad_seq_to_mult: int = 1
+
+    def __post_init__(self) -> None:
+        check_field_types(self, "packed_sequence_specs.")
 
     @property
     def enabled(self) -> bool:
@@ -57,6 +67,9 @@ class PackingConfig:
     average_in_collective: bool = True
     packed_sequence_specs: PackedSequenceSpecs = field(default_factory=PackedSequenceSpecs)
 
+    def __post_init__(self) -> None:
+        check_field_types(self)
+
     @property
     def pad_to_multiple_of(self) -> int:
         """Per-sequence alignment implied by the parallel layout (see :func:`vlm_pack.pad_multiple`)."""
@@ -65,8 +78,13 @@ class PackingConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "PackingConfig":
         """Build from a plain mapping; unknown keys are errors (a typo must not silently disable packing)."""
+        if not isinstance(values, Mapping):
+            raise ValueError(f"packing must be a mapping of keys, got {type(values).__name__} {values!r:.60}")
         values = dict(values)
-        specs = values.pop("packed_sequence_specs", None) or {}
+        specs = values.pop("packed_sequence_specs", None)
+        specs = {} if specs is None else specs
+        if not isinstance(specs, Mapping):
+            raise ValueError(f"packing.packed_sequence_specs must be a mapping of keys, got {type(specs).__name__}")
         reject_unknown_keys(cls, values, "packing")
         reject_unknown_keys(PackedSequenceSpecs, specs, "packing.packed_sequence_specs")
         return cls(**values, packed_sequence_specs=PackedSequenceSpecs(**specs))
@@ -74,9 +92,10 @@ class PackingConfig:
     @classmethod
     def from_yaml(cls, path: str | Path, section: str = "packing") -> "PackingConfig":
         """Load the ``section`` mapping of a YAML recipe (the whole file when it has no such key) and validate."""
-        config = cls.from_dict(load_yaml_section(path, section))
-        config.validate()
-        return config
+        try:
+            return cls.from_dict(load_yaml_section(path, section)).validate()
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
 
     def validate(self) -> "PackingConfig":
         """Enforce the packing rules; raise ``ValueError`` naming the field, its value and the fix."""
@@ -126,6 +145,8 @@ class PackingConfig:
                 f"seq_length={self.seq_length} must be a multiple of {self.pad_to_multiple_of} (the per-sequence "
                 f"alignment for cp={cp}, tp={self.tensor_parallel_size}, sequence_parallel={self.sequence_parallel})"
             )
+        for name, suffix in _PACKED_PATH_SUFFIXES.items():
+            _check_packed_path(specs, name, suffix)
         if specs.pad_cu_seqlens and not specs.pad_to_max_length:
             raise ValueError(
                 "packed_sequence_specs.pad_cu_seqlens=True needs pad_to_max_length=True: fixed-shape cu_seqlens "
@@ -142,6 +163,27 @@ class PackingConfig:
                 "(the alignment that context/sequence parallelism needs)"
             )
         return self
+
+
+# The files `vlm-pack prepare` writes, by the spec field that points at them.
+_PACKED_PATH_SUFFIXES = {"packed_train_data_path": ".npy", "packed_val_data_path": ".npy", "packed_metadata_path": ".jsonl"}
+
+
+def _check_packed_path(specs: PackedSequenceSpecs, name: str, suffix: str) -> None:
+    """A packed-data path, when set, must belong to offline packing, end in ``suffix`` and exist."""
+    value = getattr(specs, name)
+    if value is None:
+        return
+    where = f"packed_sequence_specs.{name}={value!r}"
+    if not specs.enabled:
+        raise ValueError(
+            f"{where} is set but packed_sequence_size={specs.packed_sequence_size} switches offline packing off; set "
+            "packed_sequence_size to the pack size the data was prepared with, or remove the path"
+        )
+    if not value.endswith(suffix):
+        raise ValueError(f"{where} must name a {suffix} file written by `vlm-pack prepare`")
+    if not Path(value).is_file():
+        raise ValueError(f"{where} does not exist; run `vlm-pack prepare` first or fix the path")
 
 
 def load_yaml_section(path: str | Path, section: str) -> dict[str, Any]:
@@ -162,3 +204,53 @@ def reject_unknown_keys(cls: type, values: Mapping[str, Any], where: str) -> Non
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown key(s) {unknown} in '{where}'; known keys: {sorted(known)}")
+
+
+# What each annotated type accepts, and how an error names it. bool is not an int here: YAML's `1` for a flag and
+# `true` for a size are both mistakes.
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
+
+
+def check_field_types(obj: Any, prefix: str = "") -> None:
+    """Check every field of dataclass ``obj`` against its annotation; raise ``ValueError`` naming the field.
+
+    Strict on purpose: ``'False'`` (a quoted YAML boolean) is not a bool (it would be truthy), ``2.5`` is not an
+    int, ``'4096'`` is not an int. Integral numpy scalars are accepted as int and path-likes as str (both are
+    normalised in place); an int is accepted where a float is expected.
+    """
+    hints = typing.get_type_hints(type(obj))
+    for item in dataclasses.fields(obj):
+        value = getattr(obj, item.name)
+        allowed = typing.get_args(hints[item.name]) or (hints[item.name],)
+        normalised = _normalise(value, allowed)
+        if normalised is _MISMATCH:
+            expected = " or ".join(_TYPE_NAMES.get(kind, f"a {kind.__name__}") for kind in allowed)
+            hint = "; remove the quotes" if isinstance(value, str) else ""
+            if isinstance(value, float) and int in allowed and value.is_integer():
+                hint = f"; write {int(value)}"
+            if any(dataclasses.is_dataclass(kind) for kind in allowed):
+                hint = "; build it from a mapping with PackingConfig.from_dict / from_yaml"
+            raise ValueError(
+                f"{prefix}{item.name}={value!r} must be {expected}, not {type(value).__name__}{hint}"
+            )
+        if normalised is not value:
+            object.__setattr__(obj, item.name, normalised)
+
+
+_MISMATCH = object()
+
+
+def _normalise(value: Any, allowed: tuple[type, ...]) -> Any:
+    """``value`` (possibly converted to the annotated type) if it is one of ``allowed``, else ``_MISMATCH``."""
+    if isinstance(value, bool):
+        return value if bool in allowed else _MISMATCH
+    if isinstance(value, numbers.Integral) and (int in allowed or float in allowed):
+        return int(value) if int in allowed else float(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) and float in allowed:
+        return float(value)
+    if isinstance(value, os.PathLike) and str in allowed:
+        return os.fspath(value)
+    for kind in allowed:
+        if kind not in (bool, int, float) and isinstance(value, kind):
+            return value
+    return _MISMATCH

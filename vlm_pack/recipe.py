@@ -16,9 +16,10 @@ from typing import Any
 
 import yaml
 
-from .config import PackingConfig, reject_unknown_keys
+from .config import PackingConfig, check_field_types, reject_unknown_keys
+from .offline.dataset import PackedSFTDataset
 
-__all__ = ["DataSpec", "ModelSpec", "Recipe", "TrainSpec"]
+__all__ = ["DataSpec", "ModelSpec", "Recipe", "TrainSpec", "offline_packed_datasets"]
 
 
 @dataclass
@@ -27,6 +28,9 @@ class ModelSpec:
 
     family: str = "qwen2_vl"
     checkpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        check_field_types(self, "model.")
 
 
 @dataclass
@@ -41,6 +45,9 @@ class DataSpec:
     prepared_root: str = "runs/prepared"
     algorithm: str = "first_fit_decreasing"
 
+    def __post_init__(self) -> None:
+        check_field_types(self, "data.")
+
 
 @dataclass
 class TrainSpec:
@@ -49,6 +56,9 @@ class TrainSpec:
     loss_reduction: str = "token"
     num_workers: int = 0
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_field_types(self, "train.")
 
 
 @dataclass
@@ -63,20 +73,54 @@ class Recipe:
         """Load and validate a recipe; unknown keys are errors naming the section and the key."""
         with open(path, encoding="utf-8") as handle:
             raw = yaml.safe_load(handle) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a YAML mapping with sections model, data, train, packing")
         unknown = sorted(set(raw) - {"model", "data", "train", "packing"})
         if unknown:
             raise ValueError(f"{path}: unknown section(s) {unknown}; expected model, data, train, packing")
-        recipe = cls(
-            model=_build(ModelSpec, raw.get("model"), f"{path}: model"),
-            data=_build(DataSpec, raw.get("data"), f"{path}: data"),
-            train=_build(TrainSpec, raw.get("train"), f"{path}: train"),
-            packing=PackingConfig.from_dict(raw.get("packing") or {}),
-        )
-        recipe.packing.validate()
+        try:
+            recipe = cls(
+                model=_build(ModelSpec, raw.get("model"), "model"),
+                data=_build(DataSpec, raw.get("data"), "data"),
+                train=_build(TrainSpec, raw.get("train"), "train"),
+                packing=PackingConfig.from_dict({} if raw.get("packing") is None else raw["packing"]),
+            )
+            recipe.packing.validate()
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
         return recipe
 
 
-def _build(cls: type, values: dict[str, Any] | None, where: str) -> Any:
-    values = values or {}
+def _build(cls: type, values: Any, where: str) -> Any:
+    values = {} if values is None else values
+    if not isinstance(values, dict):
+        raise ValueError(f"section '{where}' must be a mapping of keys, got {type(values).__name__} {values!r:.60}")
     reject_unknown_keys(cls, values, where)
     return cls(**values)
+
+
+def offline_packed_datasets(
+    config: PackingConfig, *, pad_token_id: int = 0
+) -> tuple[PackedSFTDataset, PackedSFTDataset | None]:
+    """Training and (when ``packed_val_data_path`` is set) validation packs named by ``config.packed_sequence_specs``.
+
+    Every spec field is honoured: the paths, ``packed_sequence_size``, ``pad_to_max_length``, ``pad_cu_seqlens``
+    and ``pad_seq_to_mult``; the config is validated first (paths exist and have the right suffix).
+    """
+    config.validate()
+    specs = config.packed_sequence_specs
+    if not specs.enabled or specs.packed_train_data_path is None:
+        raise ValueError(
+            "offline packed datasets need packed_sequence_specs.packed_sequence_size > 0 and packed_train_data_path "
+            "(the training_<size>.npy written by `vlm-pack prepare`); set both"
+        )
+
+    def open_split(path: str) -> PackedSFTDataset:
+        return PackedSFTDataset(
+            path, specs.packed_sequence_size, metadata=specs.packed_metadata_path,
+            pad_to_max_length=specs.pad_to_max_length, pad_cu_seqlens=specs.pad_cu_seqlens,
+            pad_seq_to_mult=specs.pad_seq_to_mult, pad_token_id=pad_token_id,
+        )
+
+    validation = None if specs.packed_val_data_path is None else open_split(specs.packed_val_data_path)
+    return open_split(specs.packed_train_data_path), validation
