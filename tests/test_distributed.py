@@ -3,8 +3,10 @@
 A tiny causal LM (embedding + learned positions -> one multi-head self-attention layer -> LM head) runs on
 CP-partitioned packed rows: each rank projects Q/K/V for its zigzag slice, all-gathers K/V across the CP
 group (autograd-aware), and attends with its queries' GLOBAL slots (same segment, key slot <= query slot).
-Loss and gradients, reduced with sums and counts over the DP x CP group, must equal the single-process
-packed result. World sizes 2 (cp=2) and 4 (cp=4, and dp=2 x cp=2); each world is spawned once.
+Loss and gradients, reduced with sums and counts over the DP x CP group, must equal the reference: every
+sample forwarded ALONE (no packing, no boundaries) with a plain shifted cross entropy per sample. Segment ids
+in the test model come from ``repeat_interleave`` over the sample lengths, not from the library. World sizes 2
+(cp=2) and 4 (cp=4, and dp=2 x cp=2); each world is spawned once.
 """
 
 import dataclasses
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_pack import pack_batch_sequences, pad_multiple
-from vlm_pack.packing import segment_ids
+from vlm_pack.packing import segment_ids as library_segment_ids
 from vlm_pack.context_parallel import (
     context_parallel_all_gather,
     context_parallel_gather_index,
@@ -38,13 +40,19 @@ from vlm_pack.loss import (
     loss_sum_and_count,
     packed_cross_entropy,
     per_sample_loss_sums,
-    sample_mean,
     shift_packed_labels,
 )
 
 VOCAB, DIM, HEADS, MAX_POS = 40, 16, 2, 64
 RTOL, ATOL = 1e-4, 1e-6
 SPAWN_TIMEOUT_S = 90
+
+
+def segment_ids(cu_seqlens: torch.Tensor, slots: torch.Tensor | int) -> torch.Tensor:
+    """Segment of each slot, built independently of the library: one id per slot, repeated over each length."""
+    cu = cu_seqlens.reshape(-1).long()
+    per_slot = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu.diff())
+    return per_slot if isinstance(slots, int) else per_slot[slots]
 
 
 class TinyAttentionLM(nn.Module):
@@ -101,27 +109,45 @@ def _grads(model):
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
-def _reference(batches, targets_per_batch, normalisation):
-    """Single-process packed loss and gradients over the global batch (all DP rows)."""
+def _samples(batch):
+    """``(start slot, real length)`` of each sample of a packed row."""
+    starts, real = batch.cu_seqlens_padded.tolist(), batch.cu_seqlens.diff().tolist()
+    return list(zip(starts, real))
+
+
+def _reference(batches, normalisation, targets_per_batch=None):
+    """Loss and gradients of the global batch with every sample run ALONE (no packing) and a plain shifted CE.
+
+    Targets default to the Hugging Face shift of each sample's own labels (``labels[1:]``, last token none);
+    ``targets_per_batch`` (packed slot coordinates) overrides them, e.g. to leave a rank without loss tokens.
+    """
     model = TinyAttentionLM()
     sums, counts = [], []
-    for batch, targets in zip(batches, targets_per_batch):
-        logits = _full_forward(model, batch)
-        if normalisation == "token":
-            s, c = loss_sum_and_count(logits, targets)
-        else:
-            seg = segment_ids(batch.cu_seqlens_padded, logits.shape[0])
-            s, c = per_sample_loss_sums(logits, targets, seg, batch.num_sequences)
-        sums.append(s.reshape(-1))
-        counts.append(c.reshape(-1).float())
-    sums, counts = torch.cat(sums), torch.cat(counts)
-    loss = sums.sum() / counts.sum().clamp_min(1) if normalisation == "token" else sample_mean(sums, counts)
+    for index, batch in enumerate(batches):
+        for start, length in _samples(batch):
+            positions = torch.arange(length)
+            logits = model(batch.tokens[0, start : start + length], positions, positions, torch.tensor([0, length]))
+            if targets_per_batch is None:
+                labels = batch.labels[0, start : start + length]
+                logits, targets = logits[:-1], labels[1:]
+            else:
+                targets = targets_per_batch[index][0, start : start + length]
+            sums.append(F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"))
+            counts.append((targets != -100).sum())
+    sums, counts = torch.stack(sums), torch.stack(counts)
+    if normalisation == "token":
+        loss = sums.sum() / counts.sum().clamp_min(1)
+    else:
+        present = counts > 0
+        loss = (sums[present] / counts[present]).mean() if present.any() else sums.sum() * 0
     loss.backward()
     return loss.detach(), _grads(model)
 
 
-def _cp_step(batch, targets, cp_group, reduce_group, normalisation, sample_offset=0, num_samples=None):
-    """This rank's CP forward/backward; loss reduced over ``reduce_group``, grads summed over it."""
+def _cp_step(batch, targets, cp_group, reduce_group, normalisation, sample_offset=0, num_samples=None,
+             grad_sync="sum"):
+    """This rank's CP forward/backward; loss reduced over ``reduce_group``, grads summed over it (averaged, as
+    DDP does, with ``grad_sync="mean"``)."""
     cp, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     cu = batch.cu_seqlens_padded
     # Labels are shifted on the GLOBAL row, then split like the tokens.
@@ -138,13 +164,17 @@ def _cp_step(batch, targets, cp_group, reduce_group, normalisation, sample_offse
     logits = model(part.tokens[0], part.position_ids[0], slots, cu, gather_kv)
     if normalisation == "token":
         loss_sum, count = loss_sum_and_count(logits, local_targets)
-        reduced = reduce_per_token_loss(loss_sum, count, reduce_group)
+        reduced = reduce_per_token_loss(loss_sum, count, reduce_group, grad_sync=grad_sync)
     else:
-        sums, counts = per_sample_loss_sums(logits, local_targets, segment_ids(cu, slots), batch.num_sequences)
+        seg = library_segment_ids(cu, slots)  # the code under test, as its docstring tells users to call it
+        sums, counts = per_sample_loss_sums(logits, local_targets, seg, batch.num_sequences)
         pad = (sample_offset, num_samples - sample_offset - sums.numel())
-        reduced = reduce_per_sample_mean_loss(F.pad(sums, pad), F.pad(counts, pad), reduce_group)
+        reduced = reduce_per_sample_mean_loss(F.pad(sums, pad), F.pad(counts, pad), reduce_group, grad_sync=grad_sync)
     reduced.loss.backward()
     all_reduce_gradients(model.parameters(), reduce_group)
+    if grad_sync == "mean":
+        for param in model.parameters():
+            param.grad /= dist.get_world_size(reduce_group)
     return reduced, _grads(model), int(count) if normalisation == "token" else None
 
 
@@ -160,9 +190,11 @@ def _check_cp_exact(cp_group, lengths, seed):
     batch = _batch(lengths, dist.get_world_size(cp_group), seed)
     targets = shift_packed_labels(batch.labels, batch.cu_seqlens_padded)
     for normalisation in ("token", "sample"):
-        ref_loss, ref_grads = _reference([batch], [targets], normalisation)
-        reduced, grads, _ = _cp_step(batch, targets, cp_group, cp_group, normalisation, num_samples=batch.num_sequences)
-        _assert_matches(reduced, grads, ref_loss, ref_grads, f"cp exact {normalisation}")
+        ref_loss, ref_grads = _reference([batch], normalisation)
+        for grad_sync in ("sum", "mean"):  # "mean": the loss is pre-scaled by the group size, grads averaged
+            reduced, grads, _ = _cp_step(batch, targets, cp_group, cp_group, normalisation,
+                                         num_samples=batch.num_sequences, grad_sync=grad_sync)
+            _assert_matches(reduced, grads, ref_loss, ref_grads, f"cp exact {normalisation} grad_sync={grad_sync}")
 
 
 def _check_zero_token_rank(group):
@@ -172,12 +204,14 @@ def _check_zero_token_rank(group):
     cu = batch.cu_seqlens_padded
     targets = shift_packed_labels(batch.labels, cu).clone()
     targets[..., zigzag_indices(cu, cp, 1)] = -100
-    ref_loss, ref_grads = _reference([batch], [targets], "token")
+    ref_loss, ref_grads = _reference([batch], "token", [targets])
     reduced, grads, count = _cp_step(batch, targets, group, group, "token")
     if rank == 1:
-        assert count == 0
-        assert torch.isnan(torch.tensor(0.0) / count)  # what a per-rank mean would feed the all-reduce
-        assert reduced.loss.item() == 0.0
+        assert count == 0 and reduced.loss.item() == 0.0  # a local mean here would be 0 / 0
+    # the ranks' shares add up to the reference loss (rank 1 contributes exactly nothing)
+    shares = reduced.loss.detach().clone()
+    dist.all_reduce(shares, group=group)
+    torch.testing.assert_close(shares, ref_loss, rtol=RTOL, atol=ATOL)
     _assert_matches(reduced, grads, ref_loss, ref_grads, "zero-token rank")
     # No loss token anywhere: loss 0 and zero gradients, not NaN.
     none = torch.full_like(targets, -100)
@@ -229,11 +263,11 @@ def _check_dp_cp(world_rank):
     offsets = [0, batches[0].num_sequences]
     total_samples = sum(b.num_sequences for b in batches)
     for normalisation in ("token", "sample"):
-        ref_loss, ref_grads = _reference(batches, targets, normalisation)
-        reduced, grads, _ = _cp_step(
-            batches[dp_rank], targets[dp_rank], cp_group, None, normalisation, offsets[dp_rank], total_samples
-        )
-        _assert_matches(reduced, grads, ref_loss, ref_grads, f"dp2 x cp2 {normalisation}")
+        ref_loss, ref_grads = _reference(batches, normalisation)
+        for grad_sync in ("sum", "mean"):
+            reduced, grads, _ = _cp_step(batches[dp_rank], targets[dp_rank], cp_group, None, normalisation,
+                                         offsets[dp_rank], total_samples, grad_sync=grad_sync)
+            _assert_matches(reduced, grads, ref_loss, ref_grads, f"dp2 x cp2 {normalisation} grad_sync={grad_sync}")
 
 
 def _worker(rank, world_size, port):
@@ -297,7 +331,7 @@ def test_packed_reference_equals_unpacked_samples():
         torch.testing.assert_close(logits[start : start + length], alone, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(
         packed_cross_entropy(logits, batch.labels, batch.cu_seqlens_padded),
-        _reference([batch], [shift_packed_labels(batch.labels, batch.cu_seqlens_padded)], "token")[0],
+        _reference([batch], "token")[0],
     )
 
 
@@ -321,6 +355,29 @@ def test_reductions_without_a_process_group():
     assert skipped.value.item() == pytest.approx((2.0 / 4 + 3.0 / 1) / 2)
     scaled = reduce_per_token_loss(torch.tensor(6.0), torch.tensor(3), grad_sync="mean")
     assert scaled.loss.item() == 2.0  # group size 1
+
+
+def test_grad_sync_mean_scales_by_the_group_size(monkeypatch):
+    """Group of 4 ranks holding the same stats (the all-reduce multiplies by 4): with gradient AVERAGING the
+    share must be 4x the summing share, so that averaged gradients equal the global ones. The spawned test
+    checks the same on a real gloo group."""
+    import vlm_pack.distributed as distributed
+
+    monkeypatch.setattr(distributed, "_group_size", lambda group: 4)
+    monkeypatch.setattr(distributed, "_all_reduce_sum", lambda stats, group: stats * 4)
+    loss_sum = torch.tensor(6.0, requires_grad=True)
+    summed = reduce_per_token_loss(loss_sum, 3, grad_sync="sum")
+    averaged = reduce_per_token_loss(loss_sum, 3, grad_sync="mean")
+    assert summed.value.item() == averaged.value.item() == 2.0  # global: 24 / 12 on every rank
+    assert summed.loss.item() == 0.5 and averaged.loss.item() == 2.0  # this rank's share 6/12, and 4 x that
+    (grad,) = torch.autograd.grad(averaged.loss, loss_sum)
+    assert grad.item() == pytest.approx(4 / 12)  # / 4 by averaging = 1/12 = d(global loss) / d(this rank's sum)
+    sums, counts = torch.tensor([2.0, 0.0, 3.0]), torch.tensor([4.0, 0.0, 1.0])
+    per_sample = reduce_per_sample_mean_loss(sums, counts, grad_sync="mean")
+    # global sums [8, 0, 12], counts [16, 0, 4]: sample means 0.5 and 3.0 -> 1.75; this rank's share
+    # 2/16/2 + 3/4/2 = 0.4375, times 4 for averaging
+    assert per_sample.value.item() == pytest.approx(1.75)
+    assert per_sample.loss.item() == pytest.approx(4 * 0.4375)
 
 
 def test_reduction_input_errors():
