@@ -1,4 +1,4 @@
-"""Fixtures shared by the collator and VLM exactness tests.
+"""Fixtures shared by the collator and VLM exactness tests, and the Hypothesis settings profile.
 
 Imports happen inside the fixtures, so test files that need none of this (packing, attention, ...) do not pay
 for loading transformers.
@@ -6,7 +6,17 @@ for loading transformers.
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import settings
+
+# Property tests are derandomized by default (the same examples on every run and machine: a CI failure
+# reproduces locally, and a pass is not luck of the draw), without a deadline (a loaded 2-core CI box) and
+# without an example database. `HYPOTHESIS_PROFILE=explore pytest ...` searches fresh random examples.
+settings.register_profile("ci", derandomize=True, deadline=None, database=None, max_examples=50)
+settings.register_profile("explore", deadline=None, max_examples=500)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")

@@ -52,6 +52,13 @@ def test_labels_never_leak_across_a_boundary(lengths):
         assert target == (-100 if is_last else slot + 1), f"slot {slot} got target {target}"
 
 
+def test_property_tests_are_derandomized():
+    """conftest.py loads the derandomized profile; explicit @settings inherit it (they only set max_examples)."""
+    assert settings.default.derandomize and settings.default.database is None
+    used = test_labels_never_leak_across_a_boundary._hypothesis_internal_use_settings
+    assert used.derandomize and used.max_examples == 100
+
+
 def make_samples(lengths, seed, ignore_prefix=2):
     """Per-sample logits/labels with a prompt prefix ignored (-100), like an SFT recipe."""
     g = torch.Generator().manual_seed(seed)
