@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+import sys
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -342,3 +346,155 @@ def test_gpu_backends_match_reference_bf16(monkeypatch, causal):
         grads = torch.autograd.grad((out * grad_out).sum(), (q, k, v))
         for g, e in zip(grads, ref_grads):
             torch.testing.assert_close(g.double().cpu(), e, atol=5e-2, rtol=5e-2, msg=lambda m: f"{backend}: {m}")
+
+
+# ------------------------------------------------------------------ grouped-query attention, Hq=4 / Hkv=2
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, (2, 0)), (False, (3, 1))],
+                         ids=["causal", "full", "causal-window", "full-window"])
+def test_gqa_four_query_heads_on_two_kv_heads(causal, window):
+    """Query heads 0, 1 read KV head 0 and heads 2, 3 read KV head 1 (repeat_interleave, as in HF's repeat_kv);
+    the reference with the other mapping (heads 0, 2 -> KV 0) is far off, so the test tells them apart."""
+    cu = cu_of([5, 1, 8, 3])
+    q, k, v = random_qkv(17, 17, 4, 2, 8, seed=11)
+    expected = reference(q, k, v, cu, cu, causal=causal, window=window)
+    interleaved_wrongly = reference(q, k.repeat(1, 2, 1), v.repeat(1, 2, 1), cu, cu, causal=causal, window=window)
+    assert (expected - interleaved_wrongly).abs().max() > 0.1
+    for backend in cpu_backends() if window is None else ["sdpa_segments"]:  # eager flex is slow: windows once
+        out = varlen_attention(q, k, v, cu, cu, 8, 8, causal=causal, window=window, backend=backend)
+        torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0, msg=lambda m: f"{backend}: {m}")
+
+
+# ---------------------------------------------- GPU kernels on CPU: recording fakes check what they are passed
+
+
+FLASH_WINDOWS = {  # (causal, window asked for) -> (left, right) every kernel must receive
+    (True, None): (-1, 0), (False, None): (-1, -1), (True, (3, 2)): (3, 0), (False, (3, 2)): (3, 2),
+}
+
+
+def emulate(q, k, v, cu_q, cu_k, window, scale):
+    """What a correct kernel returns for the arguments it RECEIVED (window carries causality, right = 0)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return reference(q, k, v, cu_q, cu_k, causal=False, window=tuple(window), scale=scale).to(q.dtype)
+
+
+class FakeKernels:
+    """Installs recording stand-ins for flash-attn, torch's varlen_attn and TransformerEngine, with the real
+    keyword names (a renamed argument fails to bind), and makes them look available on a CUDA machine."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[tuple[str, dict]] = []
+        fake_machine(monkeypatch, cuda=True, installed={"flash_attn", "transformer_engine"})
+        flash = types.ModuleType("flash_attn")
+        flash.flash_attn_varlen_func = self.flash_attn_varlen_func
+        te, te_pytorch = types.ModuleType("transformer_engine"), types.ModuleType("transformer_engine.pytorch")
+        te_pytorch.DotProductAttention = self.dot_product_attention_class()
+        te.pytorch = te_pytorch
+        monkeypatch.setitem(sys.modules, "flash_attn", flash)
+        monkeypatch.setitem(sys.modules, "transformer_engine", te)
+        monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te_pytorch)
+        import torch.nn.attention.varlen as torch_varlen
+
+        self.real_varlen_signature = inspect.signature(torch_varlen.varlen_attn)
+        monkeypatch.setattr(torch_varlen, "varlen_attn", self.varlen_attn)
+        attention._te_module.cache_clear()
+
+    def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                               alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+        self.calls.append(("flash_attn", dict(q=q, k=k, v=v, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, max_q=max_seqlen_q,
+                                              max_k=max_seqlen_k, scale=softmax_scale, window=tuple(window_size),
+                                              causal=causal, dropout_p=dropout_p)))
+        left, right = window_size
+        return emulate(q, k, v, cu_seqlens_q, cu_seqlens_k, (left, 0 if causal else right), softmax_scale)
+
+    def varlen_attn(self, *args, **kwargs):
+        bound = self.real_varlen_signature.bind(*args, **kwargs)  # the call must fit torch's real signature
+        bound.apply_defaults()
+        a = bound.arguments
+        self.calls.append(("torch_varlen", dict(q=a["query"], k=a["key"], v=a["value"], cu_q=a["cu_seq_q"],
+                                                cu_k=a["cu_seq_k"], max_q=a["max_q"], max_k=a["max_k"], scale=a["scale"],
+                                                window=tuple(a["window_size"]), enable_gqa=a["enable_gqa"])))
+        return emulate(a["query"], a["key"], a["value"], a["cu_seq_q"], a["cu_seq_k"], a["window_size"], a["scale"])
+
+    def dot_product_attention_class(self):
+        calls = self.calls
+
+        class DotProductAttention:
+            def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
+                         qkv_format="sbhd", attn_mask_type="causal", window_size=None, sequence_parallel=False,
+                         tp_size=1, get_rng_state_tracker=None, tp_group=None, layer_number=None,
+                         attention_type="self", cp_group=None, cp_global_ranks=None, cp_stream=None,
+                         cp_comm_type="p2p", softmax_scale=None):
+                self.init = dict(heads=num_attention_heads, head_dim=kv_channels, kv_heads=num_gqa_groups,
+                                 dropout=attention_dropout, qkv_format=qkv_format, scale=softmax_scale)
+
+            def __call__(self, query_layer, key_layer, value_layer, attention_mask=None, qkv_format=None,
+                         cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+                         max_seqlen_q=None, max_seqlen_kv=None, attn_mask_type=None, window_size=None):
+                calls.append(("transformer_engine", dict(
+                    q=query_layer, k=key_layer, v=value_layer, cu_q=cu_seqlens_q, cu_k=cu_seqlens_kv,
+                    max_q=max_seqlen_q, max_k=max_seqlen_kv, scale=self.init["scale"], window=tuple(window_size),
+                    init=self.init, qkv_format=qkv_format, mask_type=attn_mask_type,
+                    padded=(cu_seqlens_q_padded, cu_seqlens_kv_padded))))
+                assert attn_mask_type in ("padding", "padding_causal_bottom_right"), attn_mask_type
+                left, right = window_size
+                window = (left, 0 if attn_mask_type.startswith("padding_causal") else right)
+                out = emulate(query_layer, key_layer, value_layer, cu_seqlens_q, cu_seqlens_kv, window,
+                              self.init["scale"])
+                return out.reshape(out.shape[0], -1)  # TE returns THD with heads flattened: [T, H * D]
+
+        return DotProductAttention
+
+
+KERNEL_CASES = [(backend, causal, window, scale) for backend in ("flash_attn", "torch_varlen", "transformer_engine")
+                for causal, window in FLASH_WINDOWS for scale in (None, 0.3)]
+
+
+@pytest.mark.parametrize("backend,causal,window,scale", KERNEL_CASES,
+                         ids=[f"{b}-{'causal' if c else 'full'}-{w}-{s}" for b, c, w, s in KERNEL_CASES])
+def test_gpu_kernels_get_int32_boundaries_int_lengths_and_the_window(monkeypatch, backend, causal, window, scale):
+    kernels = FakeKernels(monkeypatch)
+    lengths = [3, 5, 1]
+    cu = cu_of(lengths).long()  # int64 from the caller: the kernel must still get int32
+    q, k, v = (x.bfloat16() for x in random_qkv(9, 9, 4, 2, 8, seed=2))
+    out = varlen_attention(q, k, v, cu, cu, torch.tensor(5), torch.tensor(5), causal=causal, window=window,
+                           softmax_scale=scale, backend=backend)
+    ((name, call),) = kernels.calls
+    assert name == backend
+    assert call["cu_q"].dtype == call["cu_k"].dtype == torch.int32 and call["cu_q"].tolist() == cu.tolist()
+    assert type(call["max_q"]) is int and type(call["max_k"]) is int and call["max_q"] == call["max_k"] == 5
+    assert call["window"] == FLASH_WINDOWS[(causal, window)]
+    assert call["scale"] == scale
+    assert all(call[x].dtype == torch.bfloat16 for x in "qkv") and call["k"].shape[1] == 2  # no upcast, no KV repeat
+    if backend == "flash_attn":
+        assert call["causal"] is causal and call["dropout_p"] == 0.0
+    if backend == "torch_varlen":
+        assert call["enable_gqa"] is True
+    if backend == "transformer_engine":
+        assert call["qkv_format"] == call["init"]["qkv_format"] == "thd"
+        assert call["init"]["heads"] == 4 and call["init"]["kv_heads"] == 2 and call["init"]["head_dim"] == 8
+        assert call["init"]["dropout"] == 0.0 and call["padded"] == (None, None)
+        assert call["mask_type"] == ("padding_causal_bottom_right" if causal else "padding")
+    expected = emulate(q, k, v, cu, cu, FLASH_WINDOWS[(causal, window)], scale)
+    assert out.shape == q.shape and torch.equal(out, expected)
+    attention._te_module.cache_clear()
+
+
+@pytest.mark.parametrize("installed,torch_varlen,expected", [
+    ({"flash_attn", "transformer_engine"}, True, "flash_attn"),
+    ({"transformer_engine"}, True, "torch_varlen"),
+    ({"transformer_engine"}, False, "transformer_engine"),
+])
+def test_auto_routes_half_precision_cuda_tensors_to_the_kernel(monkeypatch, installed, torch_varlen, expected):
+    """``backend="auto"`` as on a CUDA machine (the tensors stay on CPU; the device probe is faked)."""
+    kernels = FakeKernels(monkeypatch)
+    fake_machine(monkeypatch, cuda=True, installed=installed, torch_varlen=torch_varlen)
+    monkeypatch.setattr(attention, "_auto_backend", lambda device_type, dtype: select_backend("cuda", dtype))
+    cu = cu_of([2, 4])
+    q, k, v = (x.half() for x in random_qkv(6, 6, 2, 2, 8, seed=4))
+    varlen_attention(q, k, v, cu, cu, 4, 4)
+    assert [name for name, _ in kernels.calls] == [expected]
+    attention._te_module.cache_clear()
