@@ -2,8 +2,10 @@
 
 For tiny random Qwen2-VL / Qwen2.5-VL / Qwen3-VL (fp32, CPU, real photos of several sizes, 1-3 images per
 sample) and a tiny Llama on text, the packed row's per-token losses equal each sample run ALONE through the
-same model (no padding, positions computed by the model itself), position by position within 1e-5, and the
-parameter gradients match (rtol 1e-4).
+STOCK Hugging Face model with the same weights (``attn_implementation="sdpa"``: none of our attention code; no
+padding, positions computed by the model itself; loss a plain shifted cross entropy), position by position
+within 1e-5, and the parameter gradients match (rtol 1e-4). A test below shows why the reference must be the
+stock model: an error in our attention that a lone sample also sees is invisible against our own model.
 
 Two routes read packed boundaries, and the collator's batch must be exact on both:
 * "kwargs": ``cu_seq_lens_q/k`` forward kwargs into the ``vlm_pack_varlen`` attention (our main route);
@@ -61,8 +63,18 @@ def packed_losses(model, batch: dict, route: str = "kwargs", **overrides) -> tor
     return packed_cross_entropy(logits, batch["labels"], batch["cu_seq_lens_q"], reduction="none")[0]
 
 
+def stock_sdpa(model, family: str):
+    """The reference model: the same weights in the stock HF class with ``attn_implementation="sdpa"``."""
+    stock = tiny_model(family, attn_implementation="sdpa")
+    stock.load_state_dict(model.state_dict())
+    text_config = getattr(stock.config, "text_config", stock.config)
+    assert text_config._attn_implementation == "sdpa"
+    return stock
+
+
 def reference_losses(model, collator: VLMPackingCollator, examples: list[dict]) -> list[torch.Tensor]:
-    """Each sample alone, unpadded, positions left to the model: per-token losses ``[L_i]`` (last slot 0)."""
+    """Each sample alone through ``model`` (the stock sdpa twin), unpadded, positions left to the model, loss the
+    plain HF shifted cross entropy: per-token losses ``[L_i]`` (last slot 0)."""
     alone = VLMPackingCollator(
         collator.processor, max_length=collator.max_length, pack_sequences_in_batch=False, model_config=model.config
     )
@@ -92,17 +104,18 @@ def max_loss_diff(packed: torch.Tensor, batch: dict, reference: list[torch.Tenso
     return max((p - r).abs().max().item() for p, r in zip(per_sample_view(packed, batch), reference))
 
 
-def assert_exact(model, collator: VLMPackingCollator, examples: list[dict], routes=("kwargs",)) -> None:
-    """Per-token losses equal the per-sample reference on every route; gradients equal on the first."""
+def assert_exact(model, stock, collator: VLMPackingCollator, examples: list[dict], routes=("kwargs",)) -> None:
+    """Per-token losses equal the per-sample reference of the ``stock`` sdpa model on every route; gradients
+    equal on the first."""
     batch = collator(examples)
     assert "attention_mask" not in batch
     n_tokens = int((batch["labels"] != -100).sum())
     assert n_tokens > 0
 
-    model.zero_grad()
-    reference = reference_losses(model, collator, examples)
+    stock.zero_grad()
+    reference = reference_losses(stock, collator, examples)
     torch.stack([r.sum() for r in reference]).sum().div(n_tokens).backward()
-    ref_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    ref_grads = {name: p.grad.clone() for name, p in stock.named_parameters() if p.grad is not None}
 
     for i, route in enumerate(routes):
         model.zero_grad()
@@ -118,14 +131,15 @@ def assert_exact(model, collator: VLMPackingCollator, examples: list[dict], rout
                 torch.testing.assert_close(grad, ref_grads[name], rtol=GRAD_RTOL, atol=1e-6 * scale, msg=name)
 
 
-def exact_setup(model, processor, seed: int = 5):
-    """Collator, packed batch of 3 VLM samples and their per-sample reference losses, after asserting that the
-    clean batch is exact on the "positions" route (so a corruption test's difference comes from its change)."""
+def exact_setup(model, processor, stock, seed: int = 5):
+    """Collator, packed batch of 3 VLM samples and their per-sample reference losses (``stock`` sdpa model), after
+    asserting that the clean batch is exact on the "positions" route (so a corruption test's difference comes
+    from its change)."""
     collator = VLMPackingCollator(processor, max_length=1024, model_config=model.config)
     examples = vlm_examples(3, seed=seed)
     batch = collator(examples)
     with torch.no_grad():
-        reference = reference_losses(model, collator, examples)
+        reference = reference_losses(stock, collator, examples)
         assert max_loss_diff(packed_losses(model, batch, "positions"), batch, reference) <= LOSS_ATOL
     return collator, batch, reference
 
@@ -140,7 +154,7 @@ def test_packed_vlm_equals_per_sample(processor, family, micro_batch):
     collator = VLMPackingCollator(processor, max_length=1024, model_config=model.config)
     examples = vlm_examples(micro_batch, seed=micro_batch)
     assert sum(len(m["content"]) for e in examples for m in e["messages"] if isinstance(m["content"], list)) > 0
-    assert_exact(model, collator, examples, routes=("kwargs", "positions"))
+    assert_exact(model, stock_sdpa(model, family), collator, examples, routes=("kwargs", "positions"))
 
 
 def test_packed_vlm_with_context_parallel_alignment(processor):
@@ -151,14 +165,14 @@ def test_packed_vlm_with_context_parallel_alignment(processor):
     batch = collator(examples)
     assert torch.all(batch["vlm_pack"]["cu_seqlens_padded"] % 4 == 0)
     assert batch["vlm_pack"]["stats"].padded_slots > 0
-    assert_exact(model, collator, examples, routes=("kwargs", "positions"))
+    assert_exact(model, stock_sdpa(model, "qwen2_5_vl"), collator, examples, routes=("kwargs", "positions"))
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
 def test_hf_sdpa_route_reads_boundaries_from_text_row(processor, family):
     """Plain transformers (sdpa, no cu_seq_lens): the 4-row position ids alone keep samples apart."""
     model = tiny_model(family, attn_implementation="sdpa")
-    exact_setup(model, processor, seed=3)  # asserts the "positions" route is exact
+    exact_setup(model, processor, model, seed=3)  # asserts the "positions" route is exact
 
 
 def test_padded_mode_equals_per_sample(processor):
@@ -185,7 +199,7 @@ def test_padded_mode_equals_per_sample(processor):
 @pytest.fixture(scope="module")
 def qwen2_setup(processor):
     model = enable_packing(tiny_model("qwen2_vl"))
-    return (model, *exact_setup(model, processor))
+    return (model, *exact_setup(model, processor, stock_sdpa(model, "qwen2_vl")))
 
 
 def test_dropping_text_row_of_position_ids_is_caught(qwen2_setup):
@@ -211,7 +225,7 @@ def test_positions_over_whole_packed_row_are_caught(qwen2_setup):
 def test_attention_mask_on_packed_row_is_caught(processor):
     """HF's own packed detection is off as soon as an attention_mask is given: samples attend to each other."""
     model = tiny_model("qwen2_vl", attn_implementation="sdpa")
-    _, batch, reference = exact_setup(model, processor)
+    _, batch, reference = exact_setup(model, processor, model)
     with torch.no_grad():
         masked = packed_losses(model, batch, "positions", attention_mask=torch.ones_like(batch["input_ids"]))
     assert max_loss_diff(masked, batch, reference) > 100 * LOSS_ATOL
@@ -224,24 +238,24 @@ def test_attention_mask_on_packed_row_is_caught(processor):
 def llama_setup(tokenizer):
     model = enable_packing(tiny_model("llama"))
     collator = VLMPackingCollator(tokenizer, max_length=1024)
-    return model, collator
+    return model, collator, stock_sdpa(model, "llama")
 
 
 @pytest.mark.parametrize("micro_batch", [2, 5])
 def test_packed_llama_equals_per_sample(llama_setup, micro_batch):
-    model, collator = llama_setup
+    model, collator, stock = llama_setup
     examples = text_chat_examples(micro_batch, seed=micro_batch)
     batch = collator(examples)
     assert batch["position_ids"].shape == batch["input_ids"].shape
-    assert_exact(model, collator, examples, routes=("kwargs", "positions"))
+    assert_exact(model, stock, collator, examples, routes=("kwargs", "positions"))
 
 
 def test_llama_corruptions_are_caught(llama_setup):
-    model, collator = llama_setup
+    model, collator, stock = llama_setup
     examples = text_chat_examples(4, seed=1)
     batch = collator(examples)
     with torch.no_grad():
-        reference = reference_losses(model, collator, examples)
+        reference = reference_losses(stock, collator, examples)
         whole_row = torch.arange(batch["input_ids"].shape[1]).unsqueeze(0)
         wrong_positions = packed_losses(model, batch, "positions", position_ids=whole_row)
         sdpa = tiny_model("llama", attn_implementation="sdpa")
@@ -255,3 +269,27 @@ def test_model_is_really_on_packing_attention():
     model = enable_packing(tiny_model("qwen2_vl"))
     assert model.config._attn_implementation == ATTN_IMPLEMENTATION
     assert model.config.text_config._attn_implementation == ATTN_IMPLEMENTATION
+
+
+def test_reference_is_independent_of_our_attention(llama_setup, monkeypatch):
+    """Corrupt our attention in a way a lone sample sees too (softmax scale x 1.25): against our own model run
+    per sample the packed losses would still agree; against the stock sdpa reference they do not."""
+    import vlm_pack.hf as hf
+
+    model, collator, stock = llama_setup
+    examples = text_chat_examples(3, seed=2)
+    batch = collator(examples)
+    def wrong_scale(real):
+        def attend(q, *args, softmax_scale=None, **kwargs):
+            scale = (q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale) * 1.25
+            return real(q, *args, softmax_scale=scale, **kwargs)
+        return attend
+
+    for kernel in ("varlen_attention", "dense_attention"):  # packed rows, and a lone unpacked sample
+        monkeypatch.setattr(hf, kernel, wrong_scale(getattr(hf, kernel)))
+    with torch.no_grad():
+        packed = packed_losses(model, batch)
+        against_ourselves = reference_losses(model, collator, examples)
+        against_stock = reference_losses(stock, collator, examples)
+    assert max_loss_diff(packed, batch, against_ourselves) <= LOSS_ATOL  # the shared error is invisible ...
+    assert max_loss_diff(packed, batch, against_stock) > 100 * LOSS_ATOL  # ... the stock model exposes it
