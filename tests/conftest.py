@@ -41,3 +41,20 @@ def collator(processor, qwen2_config):
     from vlm_pack.collator import VLMPackingCollator
 
     return VLMPackingCollator(processor, max_length=512, model_config=qwen2_config)
+
+
+@pytest.fixture(scope="session")
+def aligned_packs(tmp_path_factory):
+    """The shipped SFT sample prepared once at pack size 128 with every sample aligned to a multiple of 4 (and a
+    validation split): ``{"training": path, "validation": path, "metadata": path}``."""
+    from pathlib import Path
+
+    from vlm_pack.offline import prepare_packed_sequence_data
+    from vlm_pack.tiny_models import qwen_tokenizer_path
+
+    source = Path(__file__).resolve().parents[1] / "examples" / "data" / "sft_sample.jsonl"
+    written = prepare_packed_sequence_data(
+        source, str(qwen_tokenizer_path()), tmp_path_factory.mktemp("aligned"), [128], pad_seq_to_mult=4,
+        validation_fraction=0.25, max_seq_length=128, progress=False, log=lambda line: None)
+    paths = {split.split: split.path for split in written}
+    return {**paths, "metadata": paths["training"].parent / "128_metadata.jsonl"}

@@ -158,32 +158,24 @@ def test_non_mapping_sections_are_named(tmp_path):
 # --- packed-data paths (issue 11.6): validated, and what the dataset builder opens -----------------------------
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """Packs of the shipped sample data at size 256, written by prepare (training + validation split)."""
-    from vlm_pack.offline import prepare_packed_sequence_data
-    from vlm_pack.tiny_models import qwen_tokenizer_path
-
-    root = tmp_path_factory.mktemp("prepared")
-    written = prepare_packed_sequence_data(
-        ROOT / "examples" / "data" / "sft_sample.jsonl", str(qwen_tokenizer_path()), root, [256],
-        validation_fraction=0.25, max_seq_length=256, progress=False, log=lambda line: None)
-    paths = {split.split: str(split.path) for split in written}
-    return paths["training"], paths["validation"], str(written[0].path.parent / "256_metadata.jsonl")
+def prepared(aligned_packs):
+    """Training, validation and metadata paths (str) of packs prepared at size 128, samples aligned to 4."""
+    return tuple(str(aligned_packs[key]) for key in ("training", "validation", "metadata"))
 
 
 def offline_config(**paths):
-    return PackingConfig(seq_length=256, micro_batch_size=1, packed_sequence_specs=PackedSequenceSpecs(
-        packed_sequence_size=256, pad_to_max_length=True, pad_cu_seqlens=True, **paths))
+    return PackingConfig(seq_length=128, micro_batch_size=1, packed_sequence_specs=PackedSequenceSpecs(
+        packed_sequence_size=128, pad_to_max_length=True, pad_cu_seqlens=True, pad_seq_to_mult=4, **paths))
 
 
 def test_packed_paths_are_validated(prepared, tmp_path):
     train, val, meta = prepared
     offline_config(packed_train_data_path=train, packed_val_data_path=val, packed_metadata_path=meta).validate()
     cases = [
-        (dict(packed_train_data_path=str(tmp_path / "training_256.npy")), "packed_train_data_path=.*does not exist"),
+        (dict(packed_train_data_path=str(tmp_path / "training_128.npy")), "packed_train_data_path=.*does not exist"),
         (dict(packed_val_data_path=meta), r"packed_val_data_path=.*must name a \.npy file"),
         (dict(packed_metadata_path=train), r"packed_metadata_path=.*must name a \.jsonl file"),
-        (dict(packed_metadata_path=str(tmp_path / "256_metadata.jsonl")), "packed_metadata_path=.*does not exist"),
+        (dict(packed_metadata_path=str(tmp_path / "128_metadata.jsonl")), "packed_metadata_path=.*does not exist"),
     ]
     for paths, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -199,12 +191,13 @@ def test_dataset_builder_opens_the_configured_paths(prepared):
     config = offline_config(packed_train_data_path=train, packed_val_data_path=val, packed_metadata_path=meta)
     training, validation = offline_packed_datasets(config)
     assert str(training.path) == train and str(validation.path) == val
-    direct = PackedSFTDataset(val, 256, metadata=meta, pad_to_max_length=True, pad_cu_seqlens=True)
+    direct = PackedSFTDataset(val, 128, metadata=meta, pad_to_max_length=True, pad_cu_seqlens=True, pad_seq_to_mult=4)
     assert len(validation) == len(direct) and len(training) > 0
     batch, expected = validation.collate_fn([validation[0]]), direct.collate_fn([direct[0]])
-    assert batch["tokens"].shape == (1, 256)  # pad_to_max_length honoured
-    assert batch["cu_seqlens"].shape[-1] == direct.cu_seqlens_entries  # pad_cu_seqlens + metadata honoured
-    assert all(torch.equal(batch[key], expected[key]) for key in ("tokens", "labels", "cu_seqlens"))
+    assert batch["input_ids"].shape == (1, 128)  # pad_to_max_length honoured
+    assert "cu_seqlens_unpadded" in batch["vlm_pack"]  # pad_seq_to_mult honoured
+    assert batch["vlm_pack"]["cu_seqlens"].shape[-1] == direct.cu_seqlens_entries  # pad_cu_seqlens + metadata
+    assert all(torch.equal(batch[key], expected[key]) for key in ("input_ids", "labels", "cu_seq_lens_q"))
     train_only, none = offline_packed_datasets(offline_config(packed_train_data_path=train, packed_metadata_path=meta))
     assert none is None and len(train_only) == len(training)
     with pytest.raises(ValueError, match="need packed_sequence_specs.packed_sequence_size > 0 and packed_train"):

@@ -13,8 +13,6 @@ import torch
 
 from vlm_pack import get_packed_seq_params, pack_batch_sequences
 
-ROOT_DATA = "examples/data/sft_sample.jsonl"
-
 
 # --------------------------------------------------- max_seqlen covers a pad_to_length fill longer than any sample
 
@@ -50,7 +48,7 @@ def test_image_inside_an_assistant_turn_gets_no_labels(collator, processor):
                                              {"role": "assistant", "content": "Hello."}]}])
     tokenizer = processor.tokenizer
     image_pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    start, end = batch["cu_seqlens_padded"][:2].tolist()
+    start, end = batch["cu_seq_lens_q"][:2].tolist()
     ids, labels = batch["input_ids"][0, start:end], batch["labels"][0, start:end]
     assert (ids == image_pad).sum() > 0
     assert (labels[ids == image_pad] == -100).all(), "image tokens in an assistant turn must not be targets"
@@ -60,22 +58,12 @@ def test_image_inside_an_assistant_turn_gets_no_labels(collator, processor):
 # ------------------------------------- prepare with pad_seq_to_mult > 1: the packs open and collate aligned
 
 
-@pytest.fixture(scope="module")
-def aligned_packs(tmp_path_factory):
-    from vlm_pack.offline import prepare_packed_sequence_data
-    from vlm_pack.tiny_models import qwen_tokenizer_path
-
-    root = tmp_path_factory.mktemp("aligned")
-    (written,) = prepare_packed_sequence_data(ROOT_DATA, str(qwen_tokenizer_path()), root, [128], pad_seq_to_mult=4,
-                                              max_seq_length=128, progress=False, log=lambda line: None)
-    return written.path, written.path.parent / "128_metadata.jsonl"
-
-
 def test_prepare_with_pad_seq_to_mult_opens_and_collates_aligned(aligned_packs):
     from vlm_pack.offline import PackedSFTDataset
 
-    path, metadata = aligned_packs
-    dataset = PackedSFTDataset(path, 128, metadata=metadata, pad_seq_to_mult=4, pad_to_max_length=True)
+    """``aligned_packs`` (conftest.py) ran prepare with pad_seq_to_mult=4 and pack size 128."""
+    dataset = PackedSFTDataset(aligned_packs["training"], 128, metadata=aligned_packs["metadata"], pad_seq_to_mult=4,
+                               pad_to_max_length=True)
     unaligned_samples = 0
     for index in range(len(dataset)):
         item = dataset[index]
@@ -84,13 +72,15 @@ def test_prepare_with_pad_seq_to_mult_opens_and_collates_aligned(aligned_packs):
         assert sum(aligned) <= 128, f"pack {index} does not fit once its samples are aligned"
         unaligned_samples += sum(n % 4 != 0 for n in lengths)
         batch = dataset.collate_fn([item])
-        physical = batch["cu_seqlens"][0, : int(batch["cu_seqlens_argmin"])].tolist()
-        real = batch["cu_seqlens_unpadded"][0, : int(batch["cu_seqlens_unpadded_argmin"])].tolist()
+        meta = batch["vlm_pack"]
+        physical = meta["cu_seqlens"][0, : int(meta["cu_seqlens_argmin"])].tolist()
+        real = meta["cu_seqlens_unpadded"][0, : int(meta["cu_seqlens_unpadded_argmin"])].tolist()
+        assert batch["cu_seq_lens_q"].tolist() == physical
         fill = [128 - sum(aligned)] if sum(aligned) < 128 else []
         assert physical == np.cumsum([0, *aligned, *fill]).tolist()
         assert real == np.cumsum([0, *lengths, *[0] * len(fill)]).tolist()
         assert all(b % 4 == 0 for b in physical)
-        tokens, labels, positions = batch["tokens"][0], batch["labels"][0], batch["position_ids"][0]
+        tokens, labels, positions = batch["input_ids"][0], batch["labels"][0], batch["position_ids"][0]
         assert tokens.shape == (128,)
         offsets = np.cumsum([0, *lengths])
         for i, (n, start) in enumerate(zip(lengths, physical)):
