@@ -100,17 +100,25 @@ class TokenizerSource:
 
     def load(self):
         if self._object is None:
-            from transformers import AutoTokenizer
-
-            try:  # local files only: a folder never needs the network, so never wait for one
-                self._object = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
-            except Exception as err:  # transformers raises many types for a folder it cannot read
-                reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                raise ValueError(
-                    f"tokenizer {self.path}: cannot load it ({reason}); give a folder with tokenizer.json and "
-                    "tokenizer_config.json"
-                ) from None
+            self._object = _LOADED.get(self.fingerprint) or self._from_folder()
+            _LOADED.clear()  # keep only the latest: a loaded tokenizer holds tens of MB
+            _LOADED[self.fingerprint] = self._object
         return self._object
+
+    def _from_folder(self):
+        from transformers import AutoTokenizer
+
+        try:  # local files only: a folder never needs the network, so never wait for one
+            return AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+        except Exception as err:  # transformers raises many types for a folder it cannot read
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(
+                f"tokenizer {self.path}: cannot load it ({reason}); give a folder with tokenizer.json and "
+                "tokenizer_config.json"
+            ) from None
+
+
+_LOADED: dict[str, Any] = {}  # content fingerprint -> tokenizer loaded from a folder (re-runs in one process)
 
 
 def tokenized_splits(
