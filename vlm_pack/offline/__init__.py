@@ -1,42 +1,48 @@
 """Offline packed SFT for LLMs: prepare packs once (``vlm-pack prepare``), then train on them (micro-batch 1).
 
 * :mod:`.algorithms` - bin packing on a length array (first/best fit, decreasing/shuffled), millions per second;
-* :mod:`.storage` - the pickle-free, memory-mappable on-disk format and its metadata;
+* :mod:`.records` - reading and checking the input (JSONL lines or a saved ``datasets`` directory);
+* :mod:`.encoding` - templates and tokenisation with loss masks (chat labels from ``{% generation %}`` spans);
+* :mod:`.cache` - tokenised splits cached under a key of the input's CONTENT and every token-changing setting;
+* :mod:`.output` - locked, atomic writes of a run into the output folder;
+* :mod:`.storage` - the pickle-free, memory-mappable on-disk format, its metadata and checksums;
+* :mod:`.verify` - ``vlm-pack verify DIR``: full, streamed integrity check of written packs;
 * :mod:`.prepare` - tokenise + template + pack + write (:func:`prepare_packed_sequence_data`);
 * :mod:`.dataset` - :class:`PackedSFTDataset` (reads packs, collates the packed-batch contract) and
   :class:`PackedDataset` (in-memory packing of a tokenised dataset for the Hugging Face ``Trainer``).
+
+Names load on first use, so ``prepare`` on a warm cache and ``verify`` never import torch or transformers.
 """
 
-from .algorithms import (
-    ALGORITHMS,
-    PackingStats,
-    best_fit_decreasing,
-    best_fit_shuffle,
-    first_fit_decreasing,
-    first_fit_shuffle,
-    group_by_pack,
-    pack_lengths,
-    packing_stats,
-)
-from .dataset import PackedDataset, PackedSFTDataset
-from .prepare import prepare_packed_sequence_data
-from .storage import PackedArrays, open_packed, read_metadata, write_packed
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "ALGORITHMS",
-    "PackedArrays",
-    "PackedDataset",
-    "PackedSFTDataset",
-    "PackingStats",
-    "best_fit_decreasing",
-    "best_fit_shuffle",
-    "first_fit_decreasing",
-    "first_fit_shuffle",
-    "group_by_pack",
-    "open_packed",
-    "pack_lengths",
-    "packing_stats",
-    "prepare_packed_sequence_data",
-    "read_metadata",
-    "write_packed",
-]
+_LAZY = {
+    "ALGORITHMS": "algorithms",
+    "PackingStats": "algorithms",
+    "best_fit_decreasing": "algorithms",
+    "best_fit_shuffle": "algorithms",
+    "first_fit_decreasing": "algorithms",
+    "first_fit_shuffle": "algorithms",
+    "group_by_pack": "algorithms",
+    "pack_lengths": "algorithms",
+    "packing_stats": "algorithms",
+    "PackedDataset": "dataset",
+    "PackedSFTDataset": "dataset",
+    "prepare_packed_sequence_data": "prepare",
+    "PackedArrays": "storage",
+    "open_packed": "storage",
+    "read_metadata": "storage",
+    "write_packed": "storage",
+    "verify_packed": "verify",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'vlm_pack.offline' has no attribute {name!r}")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .algorithms import ALGORITHMS
-from .prepare import TEMPLATES, prepare_packed_sequence_data
+from .encoding import TEMPLATES
+from .prepare import prepare_packed_sequence_data
 
 
 def add_prepare_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -28,22 +30,31 @@ def add_prepare_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--validation", default=None, help="validation data (same formats as --input)")
     p.add_argument("--validation-fraction", type=float, default=0.0,
                    help="hold out this seeded random fraction of the training rows instead of --validation")
-    p.add_argument("--template", choices=TEMPLATES, default="alpaca", help="prompt template (default: alpaca)")
+    p.add_argument("--template", choices=TEMPLATES, default="auto",
+                   help="auto (default): chat when the records have a messages list, else alpaca (prompt/response)")
     p.add_argument("--prompt-field", default="prompt")
     p.add_argument("--response-field", default="response")
-    p.add_argument("--messages-field", default="messages", help="chat messages field (with --template chat)")
+    p.add_argument("--messages-field", default="messages", help="chat messages field")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="jinja chat template file whose assistant turns sit in {%% generation %%} blocks (default: the "
+                        "tokenizer's if it has such blocks, else vlm_pack's ChatML for ChatML tokenizers)")
     p.add_argument("--max-seq-length", type=int, default=None,
                    help="truncate longer samples to this many tokens (counted; samples left without response dropped)")
     p.add_argument("--algorithm", choices=ALGORITHMS, default="first_fit_decreasing")
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffle algorithms and of --validation-fraction")
     p.add_argument("--pad-seq-to-mult", type=int, default=1,
                    help="pack on lengths rounded up to this multiple (context parallelism pads each sample to it)")
-    p.add_argument("--num-proc", type=int, default=1, help="tokenisation worker processes")
+    p.add_argument("--num-proc", type=int, default=1,
+                   help="tokenisation worker processes; the fast tokenizer already uses every core per batch, so this "
+                        "only spreads Python-side rendering (chat templates) and is ignored for small inputs")
     p.add_argument("--global-batch-size", type=int, default=None, help="print the packs per step to use (GBS / n)")
     p.add_argument("--tokenizer-name", default=None,
                    help="output sub-folder name (default: the tokenizer folder's name)")
-    p.add_argument("--cache-dir", default=None, help="datasets cache directory (default: the Hugging Face cache)")
-    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    p.add_argument("--cache-dir", default=None,
+                   help="tokenisation cache, keyed on the input's content and settings (default: $VLM_PACK_CACHE or "
+                        "~/.cache/vlm_pack); a re-run with the same content skips tokenising")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace existing output (the old output stays readable until the new one is complete)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="allow reading a reference .npy (pickle: trusted files only)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
@@ -56,6 +67,12 @@ add_parser = add_prepare_parser  # the name the `vlm-pack` dispatcher (vlm_pack/
 
 def run_prepare(args: argparse.Namespace) -> int:
     """Run ``prepare`` from parsed arguments; returns the exit code."""
+    chat_template = None
+    if args.chat_template is not None:
+        try:
+            chat_template = Path(args.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"--chat-template {args.chat_template}: cannot read it ({err})") from None
     prepare_packed_sequence_data(
         args.input,
         args.tokenizer,
@@ -67,6 +84,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         prompt_field=args.prompt_field,
         response_field=args.response_field,
         messages_field=args.messages_field,
+        chat_template=chat_template,
         max_seq_length=args.max_seq_length,
         algorithm=args.algorithm,
         seed=args.seed,

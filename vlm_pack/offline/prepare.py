@@ -1,16 +1,17 @@
 """Offline packing, step 1: tokenise an SFT dataset once, bin-pack it, write packs + metadata to disk.
 
 Input: a JSONL file (one object per line) or a local ``datasets`` directory (``save_to_disk``), with a prompt
-and a response field (names configurable) or, for the ``chat`` template, a ``messages`` list
-(``[{"role": ..., "content": ...}]``). Templates:
+and a response field (names configurable) or a ``messages`` list (``[{"role": ..., "content": ...}]``,
+detected automatically). Templates and label masks: :mod:`.encoding` (chat labels come from the template's
+``{% generation %}`` spans, never from searching the reply's text). Reading and line-numbered errors:
+:mod:`.records`.
 
-* ``alpaca``: ``<bos>`` + an instruction header around the prompt + response + ``<eos>``;
-* ``chat``: the tokenizer's own chat template (``apply_chat_template``).
+Re-runs: tokenised splits are cached under a key of the input's CONTENT and every token-changing setting
+(:mod:`.cache`); a hit skips transformers entirely, so a re-run costs the hashing, packing and writing.
 
-The loss covers response tokens only (every assistant turn and its end-of-turn token for ``chat``); the mask
-is built from character spans and the fast tokenizer's offsets, so each sample's tokens are exactly the
-tokenizer's output for the rendered text. Tokenisation runs through ``datasets.Dataset.map`` (batched,
-``num_proc`` workers, cached next to the loaded data: re-running with the same input and settings is instant).
+Writes: locked and atomic (:mod:`.output`): the output folder is locked and checked writable before any
+tokenising, every file goes to a temporary folder first, and the old output stays readable until the new one is
+complete. A failed or killed run leaves no output the reader accepts that differs from an uninterrupted run.
 
 Lengths: with ``max_seq_length`` a longer sample keeps its first ``max_seq_length`` tokens (counted as
 ``num_truncated``); a sample whose whole response was cut off is dropped (``num_dropped``). Without it, a sample
@@ -23,195 +24,45 @@ subset, taken after tokenisation, so ``source_index`` always points at the input
 Output per pack size ``S`` (see ``storage.py`` for the files): ``<root>/packed/<tokenizer_name>/training_S.npy``,
 ``validation_S.npy`` and ``S_metadata.jsonl`` (one line per split: ``max_samples_per_bin``,
 ``dataset_max_seqlen``, ``min_packed_seqlen``, ``packing_factor``, ``packing_efficiency``, ``pack_size``,
-``num_packs``, ``num_samples``, ``num_tokens``, ``algorithm``, ``seed``, ``pad_seq_to_mult``, ...).
+``num_packs``, ``num_samples``, ``num_tokens``, ``algorithm``, ``seed``, ``pad_seq_to_mult``, ``files`` (bytes and
+sha256 of every file), ...).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-from tqdm.auto import tqdm
 
+from ..chat_template import CHATML_TEMPLATE
 from .algorithms import ALGORITHMS, PackingStats, group_by_pack, pack_lengths, packing_stats
+from .cache import TokenCache, cache_key, tokenizer_fingerprint
+from .encoding import (
+    ALPACA_PROMPT,
+    TEMPLATES,
+    SampleEncoder,
+    SampleFormat,
+    TokenizedSplit,
+    check_records,
+    tokenize_records,
+)
+from .output import RunOutput
+from .records import Records, read_dataset_dir, read_jsonl
 from .storage import (
     FORMAT,
     PackedArrays,
     build_index,
-    gather_segments,
+    file_checksums,
     metadata_path,
     open_packed,
-    sibling_paths,
     split_path,
     write_metadata,
     write_packed,
 )
 
-TEMPLATES = ("alpaca", "chat")
-ALPACA_PROMPT = (
-    "Below is an instruction that describes a task. Write a response that appropriately completes the request."
-    "\n\n### Instruction:\n{prompt}\n\n### Response:\n"
-)
-
-
-@dataclass(frozen=True)
-class SampleFormat:
-    """How records are read and rendered."""
-
-    template: str = "alpaca"
-    prompt_field: str = "prompt"
-    response_field: str = "response"
-    messages_field: str = "messages"
-
-    def __post_init__(self):
-        if self.template not in TEMPLATES:
-            raise ValueError(f"unknown template {self.template!r}; choose one of {', '.join(TEMPLATES)}")
-
-    def check(self, record: Any, where: str) -> None:
-        """Raise a ValueError naming ``where`` (file and line/row) when a record cannot become a sample."""
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        messages = record.get(self.messages_field)
-        if self.template == "chat" and messages is not None:
-            if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages
-            ):
-                raise ValueError(f"{where}: field {self.messages_field!r} must be a list of {{role, content}} strings")
-            answers = [m["content"] for m in messages if m["role"] == "assistant"]
-            if not answers:
-                raise ValueError(f"{where}: {self.messages_field!r} has no assistant message, so nothing to train on")
-            if not all(a.strip() for a in answers):
-                raise ValueError(f"{where}: empty response (an assistant message has no content); fill or drop it")
-            return
-        for name, flag in ((self.prompt_field, "--prompt-field"), (self.response_field, "--response-field")):
-            if record.get(name) is None:
-                present = ", ".join(sorted(k for k, v in record.items() if v is not None))
-                chat = f" or a {self.messages_field!r} list with --template chat" if self.template == "alpaca" else ""
-                raise ValueError(
-                    f"{where}: missing field {name!r} (present: {present}); name the right field with {flag}{chat}"
-                )
-            if not isinstance(record[name], str):
-                raise ValueError(f"{where}: field {name!r} must be a string, got {type(record[name]).__name__}")
-        if not record[self.response_field].strip():
-            raise ValueError(f"{where}: empty response in field {self.response_field!r}; fill or drop the sample")
-
-
-class SampleEncoder:
-    """``datasets.map`` function (batched, with indices): records -> input_ids, loss_mask, truncated flag."""
-
-    def __init__(self, tokenizer, fmt: SampleFormat, max_seq_length: int | None, source: str):
-        if not getattr(tokenizer, "is_fast", False):
-            raise ValueError("a fast tokenizer (tokenizer.json) is needed: loss masks come from its offset mapping")
-        if fmt.template == "chat" and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template; use template 'alpaca' or a tokenizer with one")
-        self.tokenizer = tokenizer
-        self.fmt = fmt
-        self.max_seq_length = max_seq_length
-        self.source = source
-
-    def fingerprint(self, dataset) -> str:
-        """Cache key of ``dataset.map(self)``: the input's fingerprint + everything that shapes the output.
-
-        Computed here because letting ``datasets`` hash the function pickles the whole tokenizer (seconds).
-        """
-        tok = self.tokenizer
-        h = hashlib.sha256()
-        for part in (
-            FORMAT, getattr(dataset, "_fingerprint", None) or repr(dataset.cache_files), repr(self.fmt),
-            repr(self.max_seq_length), type(tok).__name__, tok.backend_tokenizer.to_str(),
-            repr(getattr(tok, "chat_template", None)), repr((tok.bos_token, tok.eos_token)),
-        ):
-            h.update(part.encode("utf-8"))
-            h.update(b"\0")
-        return h.hexdigest()[:32]
-
-    def render(self, record: dict, where: str) -> tuple[str, list[tuple[int, int]]]:
-        """Full text of one sample and the character spans that carry the loss."""
-        self.fmt.check(record, where)
-        fmt, tok = self.fmt, self.tokenizer
-        eos = tok.eos_token or ""
-        if fmt.template == "alpaca":
-            head = (tok.bos_token or "") + ALPACA_PROMPT.format(prompt=record[fmt.prompt_field])
-            text = head + record[fmt.response_field] + eos
-            return text, [(len(head), len(text))]
-        messages = record.get(fmt.messages_field)
-        if messages is None:
-            messages = [
-                {"role": "user", "content": record[fmt.prompt_field]},
-                {"role": "assistant", "content": record[fmt.response_field]},
-            ]
-        text = tok.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages], tokenize=False)
-        spans, cursor = [], 0
-        for turn, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            content = message["content"].strip()
-            start = text.find(content, cursor)
-            if start < 0:
-                raise ValueError(
-                    f"{where}: assistant message {turn} does not appear verbatim in the chat template's output, so its "
-                    "loss span is unknown; use template 'alpaca' or a chat template that keeps assistant text as is"
-                )
-            end = start + len(content)
-            if eos and text.startswith(eos, end):
-                end += len(eos)  # the model must learn to end its turn
-            spans.append((start, end))
-            cursor = end
-        return text, spans
-
-    def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        columns = list(batch)
-        texts, spans = [], []
-        for row, index in enumerate(indices):
-            text, span = self.render({c: batch[c][row] for c in columns}, f"{self.source}, row {index}")
-            texts.append(text)
-            spans.append(span)
-        encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-        out: dict[str, list] = {"input_ids": [], "loss_mask": [], "source_index": list(indices), "truncated": []}
-        for ids, offsets, span, index in zip(encoded["input_ids"], encoded["offset_mapping"], spans, indices):
-            starts = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
-            mask = np.zeros(len(ids), dtype=np.uint8)
-            for lo, hi in span:
-                mask |= (starts >= lo) & (starts < hi)
-            if not mask.any():
-                raise ValueError(
-                    f"{self.source}, row {index}: the response has no token of its own after tokenisation "
-                    "(it merged into the prompt); check the template and the response text"
-                )
-            cut = self.max_seq_length is not None and len(ids) > self.max_seq_length
-            if cut:
-                ids, mask = ids[: self.max_seq_length], mask[: self.max_seq_length]
-            out["input_ids"].append(list(ids))
-            out["loss_mask"].append(mask.tolist())
-            out["truncated"].append(cut)
-        return out
-
-
-@dataclass
-class TokenizedSplit:
-    """Samples of one split as flat arrays: tokens/loss_mask with per-sample offsets."""
-
-    tokens: np.ndarray  # int32 [num_tokens]
-    loss_mask: np.ndarray  # uint8 [num_tokens]
-    offsets: np.ndarray  # int64 [num_samples + 1]
-    source_index: np.ndarray  # int64 [num_samples]
-    num_truncated: int = 0
-    num_dropped: int = 0
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-    def take(self, rows: np.ndarray) -> "TokenizedSplit":
-        """The samples ``rows`` (in that order), with counters reset."""
-        tokens, offsets = gather_segments(self.tokens, self.offsets, rows)
-        mask, _ = gather_segments(self.loss_mask, self.offsets, rows)
-        return TokenizedSplit(tokens, mask, offsets, self.source_index[rows])
+__all__ = ["ALPACA_PROMPT", "TEMPLATES", "PreparedSplit", "prepare_packed_sequence_data", "tokenized_splits"]
 
 
 @dataclass
@@ -224,80 +75,115 @@ class PreparedSplit:
     metadata: dict
 
 
-def load_records(path: str | Path, fmt: SampleFormat, *, cache_dir: str | None = None, progress: bool = True):
-    """Load a JSONL file (validated line by line first: errors name the line) or a ``save_to_disk`` directory.
+class TokenizerSource:
+    """The tokenizer as given (local folder or object), loaded only when a cache miss needs it."""
 
-    Returns ``(train, validation_or_None)`` as ``datasets.Dataset`` objects backed by cache files.
-    """
-    import datasets
+    def __init__(self, tokenizer: str | Path | Any):
+        if isinstance(tokenizer, (str, Path)):
+            folder = Path(tokenizer)
+            if not folder.is_dir():
+                state = "is a file" if folder.exists() else "does not exist"
+                raise FileNotFoundError(
+                    f"tokenizer {folder} {state}; give a local tokenizer folder (the one holding tokenizer.json and "
+                    "tokenizer_config.json; download a hub tokenizer once with `hf download NAME --local-dir DIR`)"
+                )
+            self._object, self.path = None, folder
+        else:
+            self._object, self.path = tokenizer, None
+        self.fingerprint = tokenizer_fingerprint(self.path or tokenizer)
 
-    path = Path(path)
+    @property
+    def name(self) -> str:
+        if self.path is not None:
+            return self.path.resolve().name
+        return Path(getattr(self._object, "name_or_path", "") or "tokenizer").name
+
+    def load(self):
+        if self._object is None:
+            self._object = _LOADED.get(self.fingerprint) or self._from_folder()
+            _LOADED.clear()  # keep only the latest: a loaded tokenizer holds tens of MB
+            _LOADED[self.fingerprint] = self._object
+        return self._object
+
+    def _from_folder(self):
+        from transformers import AutoTokenizer
+
+        try:  # local files only: a folder never needs the network, so never wait for one
+            return AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+        except Exception as err:  # transformers raises many types for a folder it cannot read
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(
+                f"tokenizer {self.path}: cannot load it ({reason}); give a folder with tokenizer.json and "
+                "tokenizer_config.json"
+            ) from None
+
+
+_LOADED: dict[str, Any] = {}  # content fingerprint -> tokenizer loaded from a folder (re-runs in one process)
+
+
+def tokenized_splits(
+    train_path: str | Path, tokenizer: TokenizerSource, fmt: SampleFormat, *, validation_path: str | Path | None = None,
+    max_seq_length: int | None = None, chat_template: str | None = None, cache_dir: str | Path | None = None,
+    num_proc: int = 1, progress: bool = False, log: Callable[[str], None] = print,
+) -> tuple[dict[str, TokenizedSplit], str]:
+    """``{"training": ..., ["validation": ...]}`` tokenised (from the cache when the content was seen) and the
+    resolved template name."""
+    cache = TokenCache(cache_dir)
+    settings = {"template": fmt.template, "prompt_field": fmt.prompt_field, "response_field": fmt.response_field,
+                "messages_field": fmt.messages_field, "max_seq_length": max_seq_length,
+                "chat_template": chat_template, "fallback_chat_template": CHATML_TEMPLATE}
+    parts = [("training", Path(train_path), "train")]
+    if validation_path is not None:
+        parts.append(("validation", Path(validation_path), "train"))
+    elif Path(train_path).is_dir():
+        parts.append(("validation", Path(train_path), "validation"))  # a DatasetDict's own split, if it has one
+    keys = {split: cache_key(path, tokenizer.fingerprint, {**settings, "part": part}) for split, path, part in parts}
+    splits, template = {}, fmt.template
+    for split, path, part in parts:
+        if split in splits:  # filled while tokenising the other split of the same folder
+            continue
+        hit = cache.load(keys[split])
+        if hit is not None:
+            result, info = hit
+            template = info["template"]
+            if not info.get("absent"):
+                log(f"{split}: tokenised samples from the cache ({cache.root / keys[split]})")
+                splits[split] = result
+            continue
+        for other_part, records in _read_input(path).items():  # a folder's other split is cached on the way
+            other = next((s for s, p, q in parts if p == path and q == other_part), None)
+            if other is None or other in splits:
+                continue
+            result, template = _tokenize(records, tokenizer, fmt, max_seq_length, chat_template, num_proc,
+                                         progress, log)
+            info = {"template": template, "absent": result is None, "source": str(path), "part": other_part}
+            cache.store(keys[other], result if result is not None else _EMPTY, info)
+            if result is not None:
+                splits[other] = result
+    return {s: splits[s] for s in ("training", "validation") if s in splits}, template
+
+
+_EMPTY = TokenizedSplit(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64), np.zeros(0, np.int64))
+
+
+def _read_input(path: Path) -> dict[str, Records | None]:
     if not path.exists():
         raise FileNotFoundError(f"input {path} not found")
     if path.is_dir():
-        loaded = datasets.load_from_disk(str(path))
-        if isinstance(loaded, datasets.DatasetDict):
-            train_key = next((k for k in ("train", "training") if k in loaded), None)
-            if train_key is None:
-                raise ValueError(f"{path}: DatasetDict has splits {list(loaded)}; expected 'train' (and 'validation')")
-            return loaded[train_key], loaded.get("validation")
-        return loaded, None
-    count = 0
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(tqdm(f, desc=f"checking {path.name}", unit=" lines", disable=not progress), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"{path}, line {number}: malformed JSON ({err.msg} at column {err.colno}); fix or remove the line"
-                ) from None
-            fmt.check(record, f"{path}, line {number}")
-            count += 1
-    if count == 0:
-        raise ValueError(f"{path}: no records (the file is empty)")
-    return datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir), None
+        train, validation = read_dataset_dir(path)
+        return {"train": train, "validation": validation}
+    return {"train": read_jsonl(path)}
 
 
-def tokenize_records(dataset, encoder: SampleEncoder, *, num_proc: int = 1, desc: str = "tokenizing") -> TokenizedSplit:
-    """Tokenise with ``Dataset.map`` (batched, parallel, cached) and flatten to arrays; drop loss-free samples."""
-    from datasets import Features, List, Value
-
-    features = Features({
-        "input_ids": List(Value("int32")), "loss_mask": List(Value("uint8")),
-        "source_index": Value("int64"), "truncated": Value("bool"),
-    })
-    mapped = dataset.map(
-        encoder, batched=True, with_indices=True, remove_columns=dataset.column_names, features=features,
-        num_proc=num_proc if num_proc > 1 else None, desc=desc, new_fingerprint=encoder.fingerprint(dataset),
-    )
-    tokens, lengths = flat_list_column(mapped, "input_ids", np.int32)
-    mask, _ = flat_list_column(mapped, "loss_mask", np.uint8)
-    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
-    source = np.asarray(mapped.data.column("source_index").to_numpy(), dtype=np.int64)
-    truncated = np.asarray(mapped.data.column("truncated").to_numpy(zero_copy_only=False), dtype=bool)
-    split = TokenizedSplit(tokens, mask, offsets, source)
-    has_loss = np.add.reduceat(mask.astype(np.int64), offsets[:-1]) > 0 if len(lengths) else np.zeros(0, bool)
-    has_loss &= lengths > 0
-    if not has_loss.all():
-        split = split.take(np.flatnonzero(has_loss))
-    split.num_truncated = int(truncated[has_loss].sum())
-    split.num_dropped = int((~has_loss).sum())
-    return split
-
-
-def flat_list_column(dataset, name: str, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """(flat values, per-row lengths) of a list column, chunk by chunk (no 2**31 offset limit)."""
-    import pyarrow.compute as pc
-
-    values, lengths = [], []
-    for chunk in dataset.data.column(name).chunks:
-        values.append(np.asarray(chunk.flatten().to_numpy(zero_copy_only=False), dtype=dtype))
-        lengths.append(np.asarray(pc.list_value_length(chunk).to_numpy(zero_copy_only=False), dtype=np.int64))
-    if not values:
-        return np.zeros(0, dtype=dtype), np.zeros(0, dtype=np.int64)
-    return np.concatenate(values), np.concatenate(lengths)
+def _tokenize(records: Records | None, tokenizer: TokenizerSource, fmt: SampleFormat, max_seq_length, chat_template,
+              num_proc, progress, log) -> tuple[TokenizedSplit | None, str]:
+    if records is None:
+        return None, fmt.template
+    if not len(records):
+        raise ValueError(f"{records.source}: no records")
+    resolved = check_records(records, fmt)
+    encoder = SampleEncoder(tokenizer.load(), resolved, max_seq_length, chat_template)
+    return tokenize_records(records, encoder, num_proc=num_proc, log=log, progress=progress), resolved.template
 
 
 def pack_split(samples: TokenizedSplit, pack_size: int, *, algorithm: str = "first_fit_decreasing", seed: int = 0,
@@ -335,10 +221,11 @@ def prepare_packed_sequence_data(
     *,
     validation_path: str | Path | None = None,
     validation_fraction: float = 0.0,
-    template: str = "alpaca",
+    template: str = "auto",
     prompt_field: str = "prompt",
     response_field: str = "response",
     messages_field: str = "messages",
+    chat_template: str | None = None,
     max_seq_length: int | None = None,
     algorithm: str = "first_fit_decreasing",
     seed: int = 0,
@@ -354,78 +241,68 @@ def prepare_packed_sequence_data(
 ) -> list[PreparedSplit]:
     """Tokenise, pack and write a dataset for every pack size; returns what was written.
 
-    ``tokenizer`` is a local path (loaded with ``AutoTokenizer``) or a tokenizer object; ``tokenizer_name``
-    (default: the path's folder name) names the output folder ``<output_root>/packed/<tokenizer_name>``.
-    Existing output is an error unless ``overwrite``. Prints, per pack size, the packing factor ``n``, the
-    efficiency and, with ``global_batch_size``, how many packs per step keep the same samples per step.
+    ``tokenizer`` is a local folder (loaded with ``AutoTokenizer``, local files only) or a tokenizer object;
+    ``tokenizer_name`` (default: the folder's name) names the output folder ``<output_root>/packed/<name>``.
+    ``template``: ``auto`` (chat if the records have ``messages_field``), ``alpaca`` or ``chat``;
+    ``chat_template`` (jinja text with ``{% generation %}`` blocks) overrides the tokenizer's for ``chat``.
+    Existing output is an error unless ``overwrite``. ``cache_dir``: where tokenised splits are cached (see
+    :mod:`.cache`). Prints, per pack size, the packing factor ``n``, the efficiency and, with
+    ``global_batch_size``, how many packs per step keep the same samples per step.
 
     A ``.npy`` input is taken as already-packed data in the reference pickle format and converted as is
     (packs unchanged, one pack size); reading it needs ``allow_pickle=True`` (trusted files only).
     """
-    sizes = sorted({int(s) for s in ([pack_sizes] if isinstance(pack_sizes, int) else pack_sizes)})
-    if not sizes or sizes[0] < 1:
-        raise ValueError(f"pack sizes must be positive integers, got {pack_sizes}")
+    sizes = sorted({_positive_int(s, "pack size") for s in ([pack_sizes] if _is_int(pack_sizes) else pack_sizes)})
+    if not sizes:
+        raise ValueError("give at least one pack size")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown packing algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-    if max_seq_length is not None and max_seq_length < 1:
-        raise ValueError(f"max_seq_length must be >= 1, got {max_seq_length}")
-    if pad_seq_to_mult < 1:
-        raise ValueError(f"pad_seq_to_mult must be >= 1, got {pad_seq_to_mult}")
+    if max_seq_length is not None:
+        _positive_int(max_seq_length, "max_seq_length (--max-seq-length)")
+    _positive_int(pad_seq_to_mult, "pad_seq_to_mult (--pad-seq-to-mult)")
+    _positive_int(num_proc, "num_proc (--num-proc)")
     if not 0.0 <= validation_fraction < 1.0:
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
     if validation_path is not None and validation_fraction:
         raise ValueError("give either validation_path or validation_fraction, not both")
     for source in (train_path, validation_path):
         if source is not None and not Path(source).exists():
-            raise FileNotFoundError(f"input {source} not found")
+            raise FileNotFoundError(f"input {source} not found; check the path (--input / --validation)")
     fmt = SampleFormat(template, prompt_field, response_field, messages_field)
-    if isinstance(tokenizer, (str, Path)):
-        tokenizer_name = tokenizer_name or Path(tokenizer).name
-    else:
-        tokenizer_name = tokenizer_name or Path(getattr(tokenizer, "name_or_path", "") or "tokenizer").name
-    out_dir = Path(output_root) / "packed" / tokenizer_name
     if Path(train_path).suffix == ".npy":
+        out_dir = Path(output_root) / "packed" / (tokenizer_name or _plain_name(tokenizer))
         inputs = {"training": train_path, "validation": validation_path}
         return _convert_reference(inputs, out_dir, sizes, allow_pickle=allow_pickle, overwrite=overwrite, log=log)
-    _claim_outputs(out_dir, sizes, overwrite)
-    if isinstance(tokenizer, (str, Path)):
-        from transformers import AutoTokenizer
+    source = TokenizerSource(tokenizer)
+    out_dir = Path(output_root) / "packed" / (tokenizer_name or source.name)
 
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
-
-    train_raw, dir_validation = load_records(train_path, fmt, cache_dir=cache_dir, progress=progress)
-    splits = {"training": tokenize_records(
-        train_raw, SampleEncoder(tokenizer, fmt, max_seq_length, str(train_path)), num_proc=num_proc,
-        desc="tokenizing training")}
-    if validation_path is not None:
-        val_raw, _ = load_records(validation_path, fmt, cache_dir=cache_dir, progress=progress)
-    else:
-        val_raw = dir_validation
-    if val_raw is not None:
-        splits["validation"] = tokenize_records(
-            val_raw, SampleEncoder(tokenizer, fmt, max_seq_length, str(validation_path or train_path)),
-            num_proc=num_proc, desc="tokenizing validation")
-    elif validation_fraction:
-        splits["training"], splits["validation"] = _split_off(splits["training"], validation_fraction, seed)
-
-    written = []
-    for size in tqdm(sizes, desc="packing", disable=not progress or len(sizes) == 1):
-        entries = []
-        for split, samples in splits.items():
-            if len(samples.source_index) == 0:
-                raise ValueError(f"the {split} split has no sample left to pack (all were dropped)")
-            arrays, stats = pack_split(samples, size, algorithm=algorithm, seed=seed,
-                                       pad_seq_to_mult=pad_seq_to_mult, split=split)
-            path = write_packed(split_path(out_dir, split, size), arrays)
-            entry = _metadata_entry(
-                stats, arrays, split, algorithm=algorithm, seed=seed, pad_seq_to_mult=pad_seq_to_mult,
-                max_seq_length=max_seq_length, template=template, tokenizer=tokenizer_name,
-                num_truncated=samples.num_truncated, num_dropped=samples.num_dropped,
-            )
-            entries.append(entry)
-            written.append(PreparedSplit(split, size, path, entry))
-            log(summary_line(entry, global_batch_size))
-        write_metadata(metadata_path(out_dir, size), entries)
+    with RunOutput(out_dir, sizes, overwrite=overwrite) as run:  # locked and writable before any tokenising
+        splits, template = tokenized_splits(
+            train_path, source, fmt, validation_path=validation_path, max_seq_length=max_seq_length,
+            chat_template=chat_template, cache_dir=cache_dir, num_proc=num_proc, progress=progress, log=log)
+        if "validation" not in splits and validation_fraction:
+            splits["training"], splits["validation"] = _split_off(splits["training"], validation_fraction, seed)
+        written = []
+        for size in sizes:
+            entries = []
+            for split, samples in splits.items():
+                if len(samples.source_index) == 0:
+                    raise ValueError(f"the {split} split has no sample left to pack (all were dropped)")
+                arrays, stats = pack_split(samples, size, algorithm=algorithm, seed=seed,
+                                           pad_seq_to_mult=pad_seq_to_mult, split=split)
+                final = split_path(out_dir, split, size)
+                staged = write_packed(run.staged(final), arrays)
+                entry = _metadata_entry(
+                    stats, arrays, split, algorithm=algorithm, seed=seed, pad_seq_to_mult=pad_seq_to_mult,
+                    max_seq_length=max_seq_length, template=template, tokenizer=out_dir.name,
+                    num_truncated=samples.num_truncated, num_dropped=samples.num_dropped,
+                    files=file_checksums(staged),
+                )
+                entries.append(entry)
+                written.append(PreparedSplit(split, size, final, entry))
+                log(summary_line(entry, global_batch_size))
+            write_metadata(run.staged(metadata_path(out_dir, size)), entries)
+        run.commit()
     log(f"wrote {len(written)} packed split(s) to {out_dir}")
     return written
 
@@ -460,28 +337,30 @@ def _convert_reference(inputs: dict, out_dir: Path, sizes: list[int], *, allow_p
             "runs pickle, which can execute code from the file. Pass --allow-pickle (allow_pickle=True) only if you "
             "trust it"
         )
-    _claim_outputs(out_dir, sizes, overwrite)
     written, entries = [], []
-    for split, source in inputs.items():
-        if source is None:
-            continue
-        arrays = open_packed(source, allow_pickle=True)
-        lengths = arrays.sample_lengths()
-        loads = arrays.pack_loads()
-        if len(loads) and loads.max() > size:
-            i = int(np.argmax(loads))
-            raise ValueError(
-                f"{source}: pack {i} holds {loads[i]} tokens, more than the pack size {size}; pass the size it was "
-                "packed to"
-            )
-        stats = packing_stats(lengths, np.repeat(np.arange(arrays.num_packs), arrays.samples_per_pack()), size)
-        path = write_packed(split_path(out_dir, split, size), arrays)
-        entry = _metadata_entry(stats, arrays, split, algorithm="reference", pad_seq_to_mult=1, num_truncated=0,
-                                num_dropped=0, converted_from=str(source))
-        entries.append(entry)
-        written.append(PreparedSplit(split, size, path, entry))
-        log(summary_line(entry))
-    write_metadata(metadata_path(out_dir, size), entries)
+    with RunOutput(out_dir, sizes, overwrite=overwrite) as run:
+        for split, source in inputs.items():
+            if source is None:
+                continue
+            arrays = open_packed(source, allow_pickle=True)
+            lengths = arrays.sample_lengths()
+            loads = arrays.pack_loads()
+            if len(loads) and loads.max() > size:
+                i = int(np.argmax(loads))
+                raise ValueError(
+                    f"{source}: pack {i} holds {loads[i]} tokens, more than the pack size {size}; pass the size it "
+                    "was packed to"
+                )
+            stats = packing_stats(lengths, np.repeat(np.arange(arrays.num_packs), arrays.samples_per_pack()), size)
+            final = split_path(out_dir, split, size)
+            staged = write_packed(run.staged(final), arrays)
+            entry = _metadata_entry(stats, arrays, split, algorithm="reference", pad_seq_to_mult=1, num_truncated=0,
+                                    num_dropped=0, converted_from=str(source), files=file_checksums(staged))
+            entries.append(entry)
+            written.append(PreparedSplit(split, size, final, entry))
+            log(summary_line(entry))
+        write_metadata(run.staged(metadata_path(out_dir, size)), entries)
+        run.commit()
     return written
 
 
@@ -504,19 +383,31 @@ def _split_off(samples: TokenizedSplit, fraction: float, seed: int) -> tuple[Tok
     return train, val
 
 
-def _claim_outputs(out_dir: Path, sizes: list[int], overwrite: bool) -> None:
-    """Refuse to clobber earlier output unless ``overwrite``; with it, remove every file we would write."""
-    existing = []
-    for size in sizes:
-        for split in ("training", "validation"):
-            index = split_path(out_dir, split, size)
-            existing += [index, *sibling_paths(index).values()]
-        existing.append(metadata_path(out_dir, size))
-    existing = [p for p in existing if p.exists()]
-    if existing and not overwrite:
-        raise FileExistsError(
-            f"{existing[0]} already exists ({len(existing)} output file(s) in {out_dir}); pass --overwrite "
-            "(overwrite=True) to replace them, or choose another output directory"
-        )
-    for p in existing:
-        p.unlink()
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _plain_name(tokenizer: Any) -> str:
+    if isinstance(tokenizer, (str, Path)):
+        return Path(tokenizer).resolve().name
+    return Path(getattr(tokenizer, "name_or_path", "") or "tokenizer").name
+
+
+def flat_list_column(dataset, name: str, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(flat values, per-row lengths) of a ``datasets`` list column, chunk by chunk (no 2**31 offset limit);
+    used by :class:`.dataset.PackedDataset`."""
+    import pyarrow.compute as pc
+
+    values, lengths = [], []
+    for chunk in dataset.data.column(name).chunks:
+        values.append(np.asarray(chunk.flatten().to_numpy(zero_copy_only=False), dtype=dtype))
+        lengths.append(np.asarray(pc.list_value_length(chunk).to_numpy(zero_copy_only=False), dtype=np.int64))
+    if not values:
+        return np.zeros(0, dtype=dtype), np.zeros(0, dtype=np.int64)
+    return np.concatenate(values), np.concatenate(lengths)

@@ -13,7 +13,14 @@ For one split (``training`` / ``validation``) and pack size ``S``, in ``<root>/p
     S_metadata.jsonl             one JSON object per line, one line per split (see ``prepare.py``)
 
 Every file loads with ``np.load(path, mmap_mode="r", allow_pickle=False)``: opening a dataset of any size
-costs no memory, and an untrusted file cannot execute code. Tokens are stored unpadded; alignment padding
+costs no memory, and an untrusted file cannot execute code.
+
+Integrity: opening checks, in time independent of the data size, every file's header (exact dtype, 1-D), its
+byte size against the header (a truncated file names itself and says to re-run ``prepare``), the array lengths
+and end points against each other and, when ``S_metadata.jsonl`` sits next to the index, against the counts it
+records (``num_packs``, ``num_samples``, ``num_tokens``, ``packing_factor``, file sizes). Reading pack ``i``
+checks that pack's own index record and sample offsets. The metadata also records every file's sha256:
+``vlm-pack verify DIR`` (:mod:`.verify`) re-hashes the files streamed and runs the full structural checks. Tokens are stored unpadded; alignment padding
 (``pad_seq_to_mult``) and fill up to the pack size are added at collate time.
 
 The reference systems' format (one ``.npy`` object array of dicts with ``input_ids``, ``loss_mask``,
@@ -34,6 +41,12 @@ PACK_INDEX_DTYPE = np.dtype(
     [("sample_start", "<i8"), ("sample_end", "<i8"), ("token_start", "<i8"), ("token_end", "<i8")]
 )
 _SIBLINGS = ("tokens", "loss_mask", "seq_offsets", "source_index")
+# Exact dtypes of the companion files: anything else (float tokens, uint8 tokens, ...) is refused.
+SIBLING_DTYPES = {"tokens": np.dtype("<i4"), "loss_mask": np.dtype("u1"), "seq_offsets": np.dtype("<i8"),
+                  "source_index": np.dtype("<i8")}
+# Metadata fields the readers use: when present they must be numbers (a null is refused, not guessed).
+NUMERIC_METADATA = ("max_samples_per_bin", "dataset_max_seqlen", "min_packed_seqlen", "packing_factor",
+                    "packing_efficiency", "pack_size", "num_packs", "num_samples", "num_tokens")
 
 
 def split_path(directory: str | Path, split: str, pack_size: int) -> Path:
@@ -64,6 +77,7 @@ class PackedArrays:
     loss_mask: np.ndarray  # uint8/bool [num_tokens]
     seq_offsets: np.ndarray  # int64 [num_samples + 1]
     source_index: np.ndarray  # int64 [num_samples]
+    source: str = "packed data"  # where the arrays came from, for error messages
 
     @property
     def num_packs(self) -> int:
@@ -74,13 +88,17 @@ class PackedArrays:
         return len(self.seq_offsets) - 1
 
     def pack(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(tokens, loss_mask, sample lengths)`` of pack ``i``."""
+        """``(tokens, loss_mask, sample lengths)`` of pack ``i``, after checking this pack's records."""
         s0, s1, t0, t1 = (int(v) for v in self.index[i].tolist())
-        return (
-            np.asarray(self.tokens[t0:t1]),
-            np.asarray(self.loss_mask[t0:t1]),
-            np.diff(np.asarray(self.seq_offsets[s0 : s1 + 1])),
-        )
+        offsets = np.asarray(self.seq_offsets[s0 : s1 + 1]) if 0 <= s0 < s1 <= self.num_samples else None
+        previous_end = int(self.index[i - 1]["sample_end"]) if i > 0 else 0
+        if (offsets is None or s0 != previous_end or offsets[0] != t0 or offsets[-1] != t1
+                or np.any(np.diff(offsets) <= 0)):
+            raise ValueError(
+                f"{self.source}: pack {i} is corrupt (its index record or sample offsets disagree); run "
+                "`vlm-pack verify` on the folder and re-run `vlm-pack prepare`"
+            )
+        return np.asarray(self.tokens[t0:t1]), np.asarray(self.loss_mask[t0:t1]), np.diff(offsets)
 
     def sample_lengths(self) -> np.ndarray:
         return np.diff(np.asarray(self.seq_offsets))
@@ -96,16 +114,37 @@ class PackedArrays:
         aligned = -(-lengths // pad_seq_to_mult) * pad_seq_to_mult
         return np.add.reduceat(aligned, np.asarray(self.index["sample_start"]))
 
+    def check_ends(self, source: str) -> "PackedArrays":
+        """O(1) consistency: array lengths and end points agree (a truncated or mixed-up file fails here)."""
+        n_tok, n_samp, n_packs = len(self.tokens), self.num_samples, self.num_packs
+        problems = []
+        if len(self.loss_mask) != n_tok:
+            problems.append(f"loss_mask has {len(self.loss_mask)} entries but tokens {n_tok}")
+        if len(self.source_index) != n_samp:
+            problems.append(f"source_index has {len(self.source_index)} entries but there are {n_samp} samples")
+        if n_samp < 0 or self.seq_offsets[0] != 0 or self.seq_offsets[-1] != n_tok:
+            problems.append(f"seq_offsets must run from 0 to the token count {n_tok}")
+        elif n_packs and (self.index[0]["sample_start"] != 0 or self.index[-1]["sample_end"] != n_samp
+                          or self.index[0]["token_start"] != 0 or self.index[-1]["token_end"] != n_tok):
+            problems.append("pack index must start at sample 0 / token 0 and end at the last sample / token")
+        elif not n_packs and n_samp:
+            problems.append(f"no pack holds the {n_samp} samples")
+        if problems:
+            raise ValueError(f"{source}: inconsistent packed data ({'; '.join(problems)}); re-run `vlm-pack prepare`")
+        return self
+
     def validate(self, source: str) -> "PackedArrays":
-        """Check that the arrays describe each other consistently (a truncated or mixed-up file fails here)."""
+        """Full consistency check, O(data): every offset and index record (``verify`` and writers use it)."""
         n_tok, n_samp = len(self.tokens), self.num_samples
         problems = []
         if len(self.loss_mask) != n_tok:
             problems.append(f"loss_mask has {len(self.loss_mask)} entries but tokens {n_tok}")
         if len(self.source_index) != n_samp:
             problems.append(f"source_index has {len(self.source_index)} entries but there are {n_samp} samples")
-        if n_samp >= 0 and (self.seq_offsets[0] != 0 or self.seq_offsets[-1] != n_tok):
+        if n_samp < 0 or self.seq_offsets[0] != 0 or self.seq_offsets[-1] != n_tok:
             problems.append(f"seq_offsets must run from 0 to the token count {n_tok}")
+        elif np.any(np.diff(np.asarray(self.seq_offsets)) <= 0):
+            problems.append("seq_offsets must increase strictly (every sample non-empty)")
         if self.num_packs:
             idx = self.index
             offsets = np.asarray(self.seq_offsets)
@@ -136,38 +175,78 @@ def write_packed(index_path: str | Path, arrays: PackedArrays) -> Path:
     return index_path
 
 
-def _header_dtype(path: Path) -> np.dtype:
-    """dtype of a ``.npy`` file, read from its header without loading (or unpickling) anything."""
+@dataclass(frozen=True)
+class NpyHeader:
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    fortran_order: bool
+    data_offset: int  # bytes before the array data
+
+    @property
+    def data_bytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def read_header(path: Path) -> NpyHeader:
+    """Header of a ``.npy`` file, read without loading (or unpickling) anything."""
     with open(path, "rb") as f:
         try:
             version = np.lib.format.read_magic(f)
+            reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran_order, dtype = reader(f)
         except ValueError as err:
-            raise ValueError(f"{path} is not a .npy file ({err})") from None
-        reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        return reader(f)[2]
+            raise ValueError(f"{path} is not a .npy file ({err}); re-run `vlm-pack prepare`") from None
+        return NpyHeader(dtype, tuple(shape), fortran_order, f.tell())
+
+
+def _map(path: Path, header: NpyHeader, expected: np.dtype, role: str) -> np.ndarray:
+    """Memory-map one of our 1-D arrays after checking its dtype and that the file holds all its bytes."""
+    if header.dtype != expected or len(header.shape) != 1:
+        raise ValueError(
+            f"{path}: {role} must be a 1-D {expected} array, found {header.dtype} with shape {header.shape}; the file "
+            "was not written by `vlm-pack prepare` (or was altered): re-run prepare"
+        )
+    size = path.stat().st_size
+    if size != header.data_offset + header.data_bytes:
+        state = "truncated" if size < header.data_offset + header.data_bytes else "longer than its header says"
+        raise ValueError(
+            f"{path} is {state} ({size} bytes on disk, {header.data_offset + header.data_bytes} expected); the "
+            "write was interrupted or the file was altered: re-run `vlm-pack prepare`"
+        )
+    if header.data_bytes == 0:
+        return np.zeros(header.shape, dtype=expected)
+    return np.memmap(path, dtype=expected, mode="r", offset=header.data_offset, shape=header.shape)
 
 
 def open_packed(
     path: str | Path, *, allow_pickle: bool = False, reference_loss_mask_shifted: bool = True
 ) -> PackedArrays:
-    """Open a packed split: our format memory-mapped, or (opt-in) the reference pickle format in memory."""
+    """Open a packed split: our format memory-mapped, or (opt-in) the reference pickle format in memory.
+
+    Our format is checked in O(1) of the data size (see the module docstring), including against the metadata
+    file next to it when there is one.
+    """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"packed data {path} not found; create it with `vlm-pack prepare`")
-    dtype = _header_dtype(path)
-    if dtype == PACK_INDEX_DTYPE:
+    header = read_header(path)
+    if header.dtype == PACK_INDEX_DTYPE:
         files = sibling_paths(path)
         missing = [str(p) for p in files.values() if not p.exists()]
         if missing:
             raise FileNotFoundError(
                 f"{path}: companion file(s) missing: {', '.join(missing)}; re-run `vlm-pack prepare`"
             )
-        load = lambda p: np.load(p, mmap_mode="r", allow_pickle=False)  # noqa: E731
-        return PackedArrays(
-            index=load(path), tokens=load(files["tokens"]), loss_mask=load(files["loss_mask"]),
-            seq_offsets=load(files["seq_offsets"]), source_index=load(files["source_index"]),
-        ).validate(str(path))
-    if dtype.hasobject:
+        arrays = PackedArrays(
+            index=_map(path, header, PACK_INDEX_DTYPE, "the pack index"),
+            **{name: _map(p, read_header(p), SIBLING_DTYPES[name], name) for name, p in files.items()},
+            source=str(path),
+        ).check_ends(str(path))
+        entry = metadata_entry_for(path)
+        if entry is not None:
+            check_against_metadata(arrays, entry, path)
+        return arrays
+    if header.dtype.hasobject:
         if not allow_pickle:
             raise ValueError(
                 f"{path} holds Python objects (the reference .npy-of-dicts format): loading it runs pickle, which can "
@@ -176,8 +255,64 @@ def open_packed(
             )
         return read_reference(path, loss_mask_shifted=reference_loss_mask_shifted)
     raise ValueError(
-        f"{path}: unrecognised packed data (dtype {dtype}); expected a pack index written by `vlm-pack prepare`"
+        f"{path}: unrecognised packed data (dtype {header.dtype}); expected a pack index written by `vlm-pack prepare`"
     )
+
+
+def parse_split_path(path: str | Path) -> tuple[str, int] | None:
+    """``(split, pack_size)`` of ``.../<split>_<size>.npy``, or None for another name."""
+    stem = Path(path).name.removesuffix(".npy")
+    split, _, size = stem.rpartition("_")
+    return (split, int(size)) if split in SPLITS and size.isdigit() else None
+
+
+def metadata_entry_for(index_path: str | Path) -> dict | None:
+    """The metadata line of this split in ``<size>_metadata.jsonl`` next to it (our format only), or None."""
+    parsed = parse_split_path(index_path)
+    if parsed is None:
+        return None
+    meta = metadata_path(Path(index_path).parent, parsed[1])
+    if not meta.exists():
+        return None
+    entries = [e for e in read_metadata(meta) if e.get("split") == parsed[0] and e.get("format") == FORMAT]
+    return entries[0] if entries else None
+
+
+def check_against_metadata(arrays: PackedArrays, entry: dict, path: Path) -> None:
+    """O(1): the counts and file sizes the metadata records must match the arrays (mixed-up or altered files)."""
+    actual = {"num_packs": arrays.num_packs, "num_samples": arrays.num_samples, "num_tokens": len(arrays.tokens)}
+    problems = [f"{k} {entry[k]} in the metadata, {v} in the files" for k, v in actual.items()
+                if k in entry and entry[k] != v]
+    parsed = parse_split_path(path)
+    if parsed and entry.get("pack_size") not in (None, parsed[1]):
+        problems.append(f"pack_size {entry['pack_size']} in the metadata but the file name says {parsed[1]}")
+    if "packing_factor" in entry and arrays.num_packs:
+        factor = arrays.num_samples / arrays.num_packs
+        if abs(entry["packing_factor"] - factor) > 1e-3 * max(1.0, factor):
+            problems.append(f"packing_factor {entry['packing_factor']} in the metadata, {factor:.4f} in the files")
+    for role, file in {"index": path, **sibling_paths(path)}.items():
+        recorded = entry.get("files", {}).get(role, {}).get("bytes")
+        if recorded is not None and file.stat().st_size != recorded:
+            problems.append(f"{file.name} has {file.stat().st_size} bytes, the metadata records {recorded}")
+    if problems:
+        raise ValueError(
+            f"{path}: files disagree with {metadata_path(path.parent, parsed[1]).name if parsed else 'the metadata'} "
+            f"({'; '.join(problems)}); re-run `vlm-pack prepare`"
+        )
+
+
+def file_checksums(index_path: str | Path) -> dict[str, dict]:
+    """``{"index" | "tokens" | ...: {"bytes": size, "sha256": hex}}`` of a split's files, hashed streamed."""
+    import hashlib
+
+    out = {}
+    for role, file in {"index": Path(index_path), **sibling_paths(index_path)}.items():
+        h = hashlib.sha256()
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        out[role] = {"bytes": file.stat().st_size, "sha256": h.hexdigest()}
+    return out
 
 
 def read_reference(path: str | Path, *, loss_mask_shifted: bool = True) -> PackedArrays:
@@ -217,6 +352,7 @@ def read_reference(path: str | Path, *, loss_mask_shifted: bool = True) -> Packe
         loss_mask=np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8),
         seq_offsets=seq_offsets,
         source_index=np.full(len(seq_lengths), -1, dtype=np.int64),  # unknown in the reference format
+        source=str(path),
     ).validate(str(path))
 
 
@@ -268,4 +404,12 @@ def read_metadata(path: str | Path) -> list[dict]:
                     raise ValueError(f"{path}: line {number} is not valid JSON ({err.msg})") from None
     if not all(isinstance(e, dict) for e in entries):
         raise ValueError(f"{path}: every metadata entry must be a JSON object")
+    for number, entry in enumerate(entries, start=1):
+        for field in NUMERIC_METADATA:
+            value = entry.get(field, 0)
+            if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(
+                    f"{path}: entry {number}: field {field!r} is {json.dumps(value)}, not a number; the metadata was "
+                    "altered or written by another tool: re-run `vlm-pack prepare`"
+                )
     return entries

@@ -1,0 +1,106 @@
+"""`prepare`'s token cache is keyed on content (not path + mtime) and a warm re-run needs no tokenizer."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from vlm_pack.offline import prepare
+from vlm_pack.offline.prepare import prepare_packed_sequence_data
+from vlm_pack.offline.storage import open_packed
+from vlm_pack.tiny_models import qwen_tokenizer_path
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "examples" / "data" / "sft_sample.jsonl"
+RECORDS = [json.loads(line) for line in SAMPLE.read_text().splitlines()]
+TOKENIZER = str(qwen_tokenizer_path())
+
+
+class LoadCounter:
+    """Counts how often prepare had to load (i.e. tokenise with) the tokenizer."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        original = prepare.TokenizerSource.load
+
+        def load(source):
+            self.calls += 1
+            return original(source)
+
+        monkeypatch.setattr(prepare.TokenizerSource, "load", load)
+
+
+def _run(path, root, tokenizer=TOKENIZER, **kw):
+    return prepare_packed_sequence_data(path, tokenizer, root, [2048], tokenizer_name="t", overwrite=True,
+                                        cache_dir=str(root / "cache"), progress=False, log=lambda _: None, **kw)
+
+
+def _tokens(written):
+    data = open_packed(written[0].path)
+    return np.asarray(data.tokens).tolist()
+
+
+def test_edited_file_with_restored_mtime_is_retokenised(tmp_path, monkeypatch):
+    loads = LoadCounter(monkeypatch)
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS[:8]))
+    first = _tokens(_run(path, tmp_path))
+    stat = path.stat()
+    edited = [dict(r) for r in RECORDS[:8]]
+    edited[2]["response"] = edited[2]["response"][::-1]  # same size, other content
+    path.write_text("".join(json.dumps(r) + "\n" for r in edited))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # what cp -p / rsync -a / tar do
+    assert path.stat().st_mtime_ns == stat.st_mtime_ns and path.stat().st_size == stat.st_size
+    second = _tokens(_run(path, tmp_path))
+    fresh = _tokens(_run(path, tmp_path / "fresh"))  # an independent run on the edited file, own cache
+    assert loads.calls == 3  # the edited content was tokenised again
+    assert second == fresh != first
+
+
+def test_everything_that_changes_tokens_is_in_the_key(tmp_path, monkeypatch):
+    loads = LoadCounter(monkeypatch)
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS[:6]))
+    tok = tmp_path / "tok"
+    shutil.copytree(TOKENIZER, tok)
+    _run(path, tmp_path, tokenizer=tok)
+    _run(path, tmp_path, tokenizer=tok)
+    assert loads.calls == 1  # a plain re-run is a cache hit
+    _run(path, tmp_path, tokenizer=tok, max_seq_length=64)
+    assert loads.calls == 2
+    _run(path, tmp_path, tokenizer=tok, template="chat")
+    assert loads.calls == 3
+    config = tok / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"model_max_length"', '"model_max_length_changed_by_test": 1, '
+                                                                        '"model_max_length"'))
+    _run(path, tmp_path, tokenizer=tok)  # tokenizer files changed (same folder path)
+    assert loads.calls == 4
+
+
+def test_warm_rerun_imports_neither_transformers_nor_torch(tmp_path):
+    """The CLI on a warm cache: only hashing, packing and writing (measured in benchmarks/prepare_rerun.py)."""
+    args = ["prepare", "--input", str(SAMPLE), "--tokenizer", TOKENIZER, "--output-dir", str(tmp_path),
+            "--pack-sizes", "2048", "--cache-dir", str(tmp_path / "cache"), "--overwrite", "--no-progress"]
+    code = ("import sys; from vlm_pack.cli import main; code = main(sys.argv[1:]); "
+            "print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules)); sys.exit(code)")
+    prepare_packed_sequence_data(SAMPLE, TOKENIZER, tmp_path / "cold", [2048], cache_dir=str(tmp_path / "cache"),
+                                 progress=False, log=lambda _: None)  # warms the cache (in this process)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "from the cache" in run.stdout and run.stdout.strip().endswith("[]")  # warm: nothing heavy imported
+
+
+def test_num_proc_says_when_it_cannot_help(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS[:10]))
+    lines = []
+    prepare_packed_sequence_data(path, TOKENIZER, tmp_path, [2048], tokenizer_name="t", num_proc=4,
+                                 cache_dir=str(tmp_path / "cache"), progress=False, log=lines.append)
+    note = next(line for line in lines if "--num-proc 4" in line)
+    assert "already encodes every batch on all" in note and "tokenising in this process" in note

@@ -1,0 +1,96 @@
+"""`vlm-pack prepare` / `stats`: bad input gives ONE line naming the file/line and the fix (exit 2), no traceback."""
+
+import json
+import os
+import pathlib
+import re
+
+import pytest
+
+from vlm_pack.cli import main
+from vlm_pack.offline.storage import open_packed
+from vlm_pack.tiny_models import qwen_tokenizer_path
+
+SAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "data" / "sft_sample.jsonl"
+GOOD = [json.loads(line) for line in SAMPLE.read_text().splitlines()[:3]]
+TOKENIZER = str(qwen_tokenizer_path())
+
+
+def _prepare(tmp_path, data, *extra, tokenizer=TOKENIZER, out=None):
+    return main(["prepare", "--input", str(data), "--tokenizer", str(tokenizer), "--output-dir", str(out or tmp_path),
+                 "--pack-sizes", "2048", "--cache-dir", str(tmp_path / "cache"), "--no-progress", *extra])
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def _lines(path, *lines: bytes):
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    return path
+
+
+def _json(record) -> bytes:
+    return json.dumps(record).encode()
+
+
+@pytest.mark.parametrize(("lines", "match"), [
+    ((_json(GOOD[0]), b"", _json(GOOD[1]), b'{"prompt": "caf\xe9", "response": "ok"}'),
+     r"bad.jsonl, line 4: not valid UTF-8 \(byte 0xe9 at column 16\); re-encode the file as UTF-8"),
+    ((_json(GOOD[0]), b'{"prompt": "a", "response": "b", "prompt": "c"}'),
+     r"bad.jsonl, line 2: duplicate key 'prompt' in one JSON object; keep only one"),
+    ((b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b', "response": "x"}',),
+     r"bad.jsonl, line 1: JSON nested too deeply for the parser"),
+    ((b"", b"", _json(GOOD[0]), _json({"prompt": "x"})),  # blank lines count: the file's own line numbers
+     r"bad.jsonl, line 4: missing field 'response'"),
+])
+def test_bad_input_names_the_file_line(tmp_path, capsys, lines, match):
+    assert _prepare(tmp_path, _lines(tmp_path / "bad.jsonl", *lines)) == 2
+    assert re.search(match, _error(capsys))
+
+
+def test_utf8_bom_is_accepted_and_messages_are_detected(tmp_path, capsys):
+    chat = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    data = _lines(tmp_path / "bom.jsonl", b"\xef\xbb\xbf" + _json(chat), _json(chat))
+    assert _prepare(tmp_path, data) == 0  # no --template chat needed
+    capsys.readouterr()
+    data = open_packed(tmp_path / "packed" / "tokenizer_files" / "training_2048.npy")
+    assert data.num_samples == 2
+
+
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_tokenizer_that_is_not_a_folder_fails_fast(tmp_path, capsys, kind):
+    tokenizer = tmp_path / "no_such_tokenizer"
+    if kind == "file":
+        tokenizer.write_text("{}")
+    assert _prepare(tmp_path, SAMPLE, tokenizer=tokenizer) == 2
+    err = _error(capsys)
+    state = "does not exist" if kind == "missing" else "is a file"
+    assert f"tokenizer {tokenizer} {state}; give a local tokenizer folder" in err
+
+
+def test_output_dir_that_is_a_file(tmp_path, capsys):
+    blocker = tmp_path / "out"
+    blocker.write_text("x")
+    assert _prepare(tmp_path, SAMPLE, out=blocker) == 2
+    assert "is a file, not a folder; choose another --output-dir" in _error(capsys)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through permission bits")
+def test_output_dir_not_writable(tmp_path, capsys):
+    locked = tmp_path / "ro"
+    locked.mkdir(mode=0o500)
+    assert _prepare(tmp_path, SAMPLE, out=locked) == 2
+    assert "permission denied); choose a writable --output-dir" in _error(capsys)
+
+
+def test_stats_options_are_checked_before_work(tmp_path, capsys):
+    assert main(["stats", str(SAMPLE), "--max-seq-length", "0", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "--max-seq-length must be >= 1, got 0" in _error(capsys)
+    assert main(["stats", str(SAMPLE), "--plot", str(tmp_path)]) == 2
+    assert "is a folder; give a file name" in _error(capsys)
+    (tmp_path / "file").write_text("x")
+    assert main(["stats", str(SAMPLE), "--plot", str(tmp_path / "file" / "p.png")]) == 2
+    assert "cannot write there" in _error(capsys) and not (tmp_path / "p.png").exists()

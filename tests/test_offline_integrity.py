@@ -1,0 +1,300 @@
+"""Offline data integrity: locked atomic writes, SIGKILL at many points, a reader that refuses altered files, verify."""
+
+import json
+import os
+import pathlib
+import random
+import shutil
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from vlm_pack.cli import main
+from vlm_pack.offline import output, prepare, storage
+from vlm_pack.offline.dataset import PackedSFTDataset
+from vlm_pack.offline.output import LOCK_NAME, OutputLockedError, RunOutput
+from vlm_pack.offline.prepare import prepare_packed_sequence_data
+from vlm_pack.offline.storage import metadata_path, open_packed, read_metadata, sibling_paths, split_path
+from vlm_pack.offline.verify import verify_packed
+from vlm_pack.tiny_models import qwen_tokenizer_path
+
+SAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "data" / "sft_sample.jsonl"
+RECORDS = [json.loads(line) for line in SAMPLE.read_text().splitlines()]
+ARRAYS = ("index", "tokens", "loss_mask", "seq_offsets", "source_index")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return str(qwen_tokenizer_path())  # a folder: hashed in ms (a loaded tokenizer is serialised to be keyed)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    train = root / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in RECORDS[:24]))
+    val = root / "val.jsonl"
+    val.write_text("".join(json.dumps(r) + "\n" for r in RECORDS[24:30]))
+    return train, val
+
+
+def _run(tokenizer, train, root, **kw):
+    kw.setdefault("progress", False)
+    kw.setdefault("log", lambda _: None)
+    kw.setdefault("cache_dir", str(train.parent / "cache"))  # shared by the module: each content tokenised once
+    kw.setdefault("tokenizer_name", "t")
+    return prepare_packed_sequence_data(train, tokenizer, root, kw.pop("sizes", [1024, 2048]), **kw)
+
+
+def _snapshot(out_dir):
+    """Every split the reader accepts (full checks): name -> arrays and its metadata line."""
+    seen = {}
+    for index in sorted(out_dir.glob("*_*.npy")):
+        if storage.parse_split_path(index) is None:
+            continue
+        try:
+            arrays = open_packed(index).validate(str(index))
+        except (OSError, ValueError):
+            continue
+        seen[index.name] = {name: np.asarray(getattr(arrays, name)).copy() for name in ARRAYS}
+    return seen
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- atomic writes, lock, writable check
+
+
+def test_failed_run_leaves_nothing_and_does_not_block(tmp_path, tokenizer, data):
+    train, val = data
+    bad_val = tmp_path / "bad_val.jsonl"
+    bad_val.write_text(json.dumps({"prompt": "word " * 1500, "response": "ok"}) + "\n")
+    with pytest.raises(ValueError, match=r"validation sample 0 .* more than the pack size 1024"):
+        _run(tokenizer, train, tmp_path, validation_path=bad_val)
+    out_dir = tmp_path / "packed" / "t"
+    assert sorted(p.name for p in out_dir.iterdir()) == [LOCK_NAME]  # no split, no metadata, no temporary folder
+    _run(tokenizer, train, tmp_path, validation_path=val)  # the re-run is not blocked (no --overwrite needed)
+    assert set(_snapshot(out_dir)) == {f"{s}_{n}.npy" for s in ("training", "validation") for n in (1024, 2048)}
+
+
+def test_failed_overwrite_keeps_old_output(tmp_path, tokenizer, data):
+    train, val = data
+    _run(tokenizer, train, tmp_path, validation_path=val)
+    out_dir = tmp_path / "packed" / "t"
+    before = _snapshot(out_dir)
+    meta_before = metadata_path(out_dir, 1024).read_text()
+    bad_val = tmp_path / "bad_val.jsonl"
+    bad_val.write_text(json.dumps({"prompt": "word " * 1500, "response": "ok"}) + "\n")
+    with pytest.raises(ValueError, match="more than the pack size"):
+        _run(tokenizer, train, tmp_path, validation_path=bad_val, overwrite=True)
+    after = _snapshot(out_dir)
+    assert after.keys() == before.keys() and all(_same(before[k], after[k]) for k in before)
+    assert metadata_path(out_dir, 1024).read_text() == meta_before
+
+
+def test_concurrent_run_fails_naming_the_lock(tmp_path, tokenizer, data, monkeypatch):
+    train, _ = data
+    out_dir = tmp_path / "packed" / "t"
+    monkeypatch.setattr(prepare.TokenizerSource, "load", lambda self: pytest.fail("tokenised before locking"))
+    with RunOutput(out_dir, [1024], overwrite=True):  # another run holds the folder
+        with pytest.raises(OutputLockedError, match=rf"another `vlm-pack prepare` \(lock {out_dir / LOCK_NAME} held "
+                                                    rf"by pid {os.getpid()}\)"):
+            _run(tokenizer, train, tmp_path, cache_dir=str(tmp_path / "cold"))
+    assert not list(out_dir.glob("training_*"))
+
+
+def test_output_folder_checked_before_tokenising(tmp_path, tokenizer, data, monkeypatch):
+    train, _ = data
+    monkeypatch.setattr(prepare.TokenizerSource, "load", lambda self: pytest.fail("tokenised before the check"))
+    blocker = tmp_path / "root_is_a_file"
+    blocker.write_text("x")
+    with pytest.raises(NotADirectoryError, match=r"root_is_a_file is a file, not a folder; choose another --output-dir"):
+        _run(str(qwen_tokenizer_path()), train, blocker, cache_dir=str(tmp_path / "cold"))
+    (tmp_path / "packed").mkdir()
+    (tmp_path / "packed" / "t").write_text("x")
+    with pytest.raises(NotADirectoryError, match=r"is a file, not a folder"):
+        _run(str(qwen_tokenizer_path()), train, tmp_path, cache_dir=str(tmp_path / "cold"))
+
+
+# ---------------------------------------------------------------- SIGKILL at many points
+
+
+class _Killed(Exception):
+    pass
+
+
+def _fork_prepare(tokenizer, train, val, root, *, kill_at=None, delay=None, cache=None, count_ops=False):
+    """Run prepare (--overwrite) in a forked child; SIGKILL it at its ``kill_at``-th file operation, or after
+    ``delay`` seconds. Returns (exit status, number of file operations when ``count_ops``)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        status = 0
+        try:
+            os.close(read_end)
+            ops = [0]
+
+            def step(fn):
+                def wrapped(*a, **k):
+                    ops[0] += 1
+                    if kill_at is not None and ops[0] == kill_at:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    return fn(*a, **k)
+                return wrapped
+
+            np.save = step(np.save)
+            output.os.replace = step(os.replace)
+            pathlib.Path.unlink = step(pathlib.Path.unlink)
+            output._fsync = step(output._fsync)
+            prepare.write_metadata = step(prepare.write_metadata)
+            _run(tokenizer, train, root, validation_path=val, overwrite=True,
+                 **({"cache_dir": str(root / cache)} if cache else {}),
+                 algorithm="first_fit_shuffle", seed=1)
+            os.write(write_end, str(ops[0]).encode())
+        except BaseException:
+            status = 3
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    if delay is not None:
+        time.sleep(delay)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _, status = os.waitpid(pid, 0)
+    ops = os.read(read_end, 64).decode()
+    os.close(read_end)
+    return status, int(ops) if count_ops and ops else None
+
+
+def test_sigkill_at_random_points_never_leaves_accepted_partial_output(tmp_path, tokenizer, data):
+    train, val = data
+    out_dir = tmp_path / "packed" / "t"
+    _run(tokenizer, train, tmp_path, validation_path=val)  # OLD output (first fit), also warms the token cache
+    old = _snapshot(out_dir)
+    old_files = {p.name: p.read_bytes() for p in out_dir.iterdir() if p.is_file() and p.name != LOCK_NAME}
+
+    def restore_old():
+        for p in out_dir.iterdir():
+            if p.is_dir():
+                shutil.rmtree(p)
+            elif p.name != LOCK_NAME:
+                p.unlink()
+        for name, content in old_files.items():
+            (out_dir / name).write_bytes(content)
+
+    status, n_ops = _fork_prepare(tokenizer, train, val, tmp_path, count_ops=True)  # uninterrupted NEW run
+    assert status == 0 and n_ops > 10
+    new = _snapshot(out_dir)
+    assert len(new) == 4 and not all(_same(old[k], new[k]) for k in old)  # shuffled first fit packs differently
+    rng = random.Random(0)
+    kill_points = sorted(rng.sample(range(1, n_ops - 1), 10)) + [n_ops - 1, n_ops]  # + the end of the commit
+    outcomes = set()
+    for point in [("op", k) for k in kill_points] + [("time", rng.uniform(0.0, 0.4)) for _ in range(3)]:
+        restore_old()
+        if point[0] == "op":
+            status, _ = _fork_prepare(tokenizer, train, val, tmp_path, kill_at=point[1])
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        else:  # cold cache: the kill may land in tokenising too
+            _fork_prepare(tokenizer, train, val, tmp_path, delay=point[1], cache=f"cold{point[1]}")
+        accepted = _snapshot(out_dir)
+        for name, arrays in accepted.items():
+            is_old, is_new = _same(arrays, old[name]), _same(arrays, new[name])
+            assert is_old or is_new, f"killed at {point}: {name} is accepted but neither the old nor the new output"
+            outcomes.add("old" if is_old else "new")
+            entry = storage.metadata_entry_for(out_dir / name)  # metadata, when there, belongs to these files
+            if entry is not None:
+                assert entry["num_packs"] == len(arrays["index"])
+        assert not any(storage.parse_split_path(p) for p in out_dir.glob("*.npy") if p.name not in accepted)
+    assert outcomes == {"old", "new"}  # kills landed before and after the commit
+    _run(tokenizer, train, tmp_path, validation_path=val, overwrite=True)  # no stale lock or temporary folder blocks
+    assert not list(out_dir.glob(".prepare-*"))
+
+
+# ---------------------------------------------------------------- reader integrity and verify
+
+
+@pytest.fixture
+def written(tmp_path, tokenizer, data):
+    train, val = data
+    _run(tokenizer, train, tmp_path, validation_path=val, sizes=[1024])
+    return tmp_path / "packed" / "t", split_path(tmp_path / "packed" / "t", "training", 1024)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.uint8, np.int64])
+def test_wrong_token_dtype_is_refused(written, dtype):
+    _, index = written
+    tokens = sibling_paths(index)["tokens"]
+    np.save(tokens, np.load(tokens).astype(dtype))
+    with pytest.raises(ValueError, match=rf"tokens.npy: tokens must be a 1-D int32 array, found {np.dtype(dtype)}"):
+        open_packed(index)
+
+
+def test_truncated_file_names_itself(written):
+    _, index = written
+    offsets = sibling_paths(index)["seq_offsets"]
+    offsets.write_bytes(offsets.read_bytes()[:-12])
+    with pytest.raises(ValueError, match=r"seq_offsets.npy is truncated \(\d+ bytes on disk, \d+ expected\).*"
+                                         r"re-run `vlm-pack prepare`"):
+        PackedSFTDataset(index, 1024)
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("num_packs", 999, "num_packs 999 in the metadata"),
+    ("num_samples", 1, "num_samples 1 in the metadata"),
+    ("packing_factor", 1.5, "packing_factor 1.5 in the metadata"),
+])
+def test_metadata_counts_are_cross_checked(written, field, value, match):
+    out_dir, index = written
+    meta = metadata_path(out_dir, 1024)
+    entries = read_metadata(meta)
+    entries[0][field] = value
+    storage.write_metadata(meta, entries)
+    with pytest.raises(ValueError, match=match):
+        open_packed(index)
+
+
+def test_null_metadata_field_is_refused(written):
+    out_dir, index = written
+    meta = metadata_path(out_dir, 1024)
+    entries = read_metadata(meta)
+    entries[0]["max_samples_per_bin"] = None
+    storage.write_metadata(meta, entries)
+    with pytest.raises(ValueError, match=r"field 'max_samples_per_bin' is null, not a number.*re-run"):
+        PackedSFTDataset(index, 1024, metadata=meta)
+
+
+def test_moved_interior_offset_is_caught(written, capsys):
+    out_dir, index = written
+    offsets_path = sibling_paths(index)["seq_offsets"]
+    offsets = np.load(offsets_path)
+    data = open_packed(index)
+    pack = int(np.flatnonzero(data.samples_per_pack() >= 2)[0])
+    inner = int(data.index[pack]["sample_start"]) + 1  # a boundary inside the pack
+    tampered = offsets.copy()
+    tampered[inner] = tampered[inner - 1]  # an empty sample: not monotonic
+    np.save(offsets_path, tampered)
+    ds = PackedSFTDataset(index, 1024)  # opening stays O(1) ...
+    with pytest.raises(ValueError, match=rf"pack {pack} is corrupt"):  # ... reading that pack refuses it
+        ds[pack]
+    tampered = offsets.copy()
+    tampered[inner] += 1  # still monotonic and inside the pack: only the checksum can tell
+    np.save(offsets_path, tampered)
+    PackedSFTDataset(index, 1024)[pack]
+    reports = {r.name: r for r in verify_packed(out_dir)}
+    assert any("seq_offsets.npy: sha256 differs" in p for p in reports["training_1024"].problems)
+    assert not reports["validation_1024"].problems
+    assert main(["verify", str(out_dir)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL training_1024" in out and "ok   validation_1024" in out
+
+
+def test_verify_passes_on_fresh_output(written, capsys):
+    out_dir, _ = written
+    assert main(["verify", str(out_dir)]) == 0
+    assert capsys.readouterr().out.count("checksums match") == 2

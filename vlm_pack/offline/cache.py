@@ -1,0 +1,117 @@
+"""Tokenisation cache of ``prepare``, keyed on CONTENT, never on paths or modification times.
+
+The key hashes (streamed, sha256) the input's bytes, the tokenizer's files (or, for a tokenizer object, its
+serialised vocabulary, template and special tokens), the chat template in use, the fields, the template
+choice and the length limit: everything that changes the tokens. A file edited and given back its old mtime
+(``cp -p``, ``rsync -a``, ``tar``) gets a new key. A hit loads the tokenised split from flat ``.npy`` files
+without importing transformers, torch or datasets, which is what makes a re-run nearly free.
+
+Entries live in ``<cache_dir>/prepare/<key>/`` (default ``cache_dir``: ``$VLM_PACK_CACHE``, else
+``$XDG_CACHE_HOME/vlm_pack``, else ``~/.cache/vlm_pack``), each written to a temporary folder and renamed
+into place, so a killed run never leaves a half entry that a later run would trust.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .encoding import TokenizedSplit
+from .storage import FORMAT
+
+CACHE_VERSION = f"{FORMAT}/tokens-2"
+_ARRAYS = {"tokens": np.int32, "loss_mask": np.uint8, "offsets": np.int64, "source_index": np.int64}
+# Files that cannot change how text becomes tokens: skipped when hashing a tokenizer (model) folder.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
+
+
+def default_cache_dir() -> Path:
+    if os.environ.get("VLM_PACK_CACHE"):
+        return Path(os.environ["VLM_PACK_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlm_pack"
+
+
+def hash_path(path: str | Path, h=None) -> "hashlib._Hash":
+    """sha256 over a file's bytes, or over a folder's files (relative names + bytes, sorted), streamed."""
+    h = h or hashlib.sha256()
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        if path.is_dir():
+            h.update(str(file.relative_to(path)).encode("utf-8") + b"\0")
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        h.update(b"\0")
+    return h
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Content hash of a tokenizer: its folder's files (weights skipped), or a loaded object's definition."""
+    h = hashlib.sha256()
+    if isinstance(tokenizer, (str, Path)):
+        folder = Path(tokenizer)
+        for file in sorted(p for p in folder.iterdir() if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES)):
+            h.update(file.name.encode("utf-8") + b"\0")
+            hash_path(file, h)
+        return "files:" + h.hexdigest()
+    for part in (type(tokenizer).__name__, tokenizer.backend_tokenizer.to_str(),
+                 repr(getattr(tokenizer, "chat_template", None)), repr(sorted(tokenizer.special_tokens_map.items()))):
+        h.update(part.encode("utf-8") + b"\0")
+    return "object:" + h.hexdigest()
+
+
+def cache_key(input_path: str | Path, tokenizer_id: str, settings: dict) -> str:
+    """Key of one tokenised split: input content + tokenizer content + every token-changing setting."""
+    h = hash_path(input_path)
+    h.update(json.dumps({"version": CACHE_VERSION, "tokenizer": tokenizer_id, **settings}, sort_keys=True).encode())
+    return h.hexdigest()[:40]
+
+
+class TokenCache:
+    """Tokenised splits by key under ``<root>/prepare/``."""
+
+    def __init__(self, root: str | Path | None = None):
+        self.root = Path(root if root is not None else default_cache_dir()) / "prepare"
+
+    def load(self, key: str) -> tuple[TokenizedSplit, dict] | None:
+        """The split and its info stored under ``key``, or None (absent or unreadable: treated as a miss)."""
+        entry = self.root / key
+        try:
+            info = json.loads((entry / "info.json").read_text(encoding="utf-8"))
+            arrays = {name: np.load(entry / f"{name}.npy", allow_pickle=False) for name in _ARRAYS}
+        except (OSError, ValueError):
+            return None
+        if any(arrays[name].dtype != dtype or arrays[name].ndim != 1 for name, dtype in _ARRAYS.items()):
+            return None
+        split = TokenizedSplit(arrays["tokens"], arrays["loss_mask"], arrays["offsets"], arrays["source_index"],
+                               num_truncated=int(info["num_truncated"]), num_dropped=int(info["num_dropped"]))
+        if len(split.offsets) != len(split.source_index) + 1 or split.offsets[-1] != len(split.tokens):
+            return None
+        return split, info
+
+    def store(self, key: str, split: TokenizedSplit, info: dict) -> None:
+        """Write an entry atomically (a temporary folder renamed into place); a cache that cannot be written is
+        skipped, never an error."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.root))
+        except OSError:
+            return
+        try:
+            for name, dtype in _ARRAYS.items():
+                np.save(tmp / f"{name}.npy", np.asarray(getattr(split, name), dtype=dtype), allow_pickle=False)
+            info = {**info, "num_truncated": split.num_truncated, "num_dropped": split.num_dropped}
+            (tmp / "info.json").write_text(json.dumps(info, sort_keys=True), encoding="utf-8")
+            os.replace(tmp, self.root / key)
+        except OSError:
+            pass
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)

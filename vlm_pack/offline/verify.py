@@ -1,0 +1,113 @@
+"""``vlm-pack verify DIR``: the full integrity check of packed data that opening skips to stay O(1).
+
+For every ``<size>_metadata.jsonl`` in ``DIR`` and every split it lists: the O(1) open checks, then every
+sample offset and pack record (monotonic, tiling), every loss-mask value (0/1), token and source index (>= 0),
+and the sha256 of every file against the one recorded at write time. Files are read in chunks (streamed), so
+memory stays flat at any size. A pack index without metadata is reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .storage import FORMAT, open_packed, parse_split_path, read_metadata, sibling_paths, split_path
+
+CHUNK = 1 << 22  # elements per streamed check
+
+
+@dataclass
+class SplitReport:
+    name: str
+    problems: list[str] = field(default_factory=list)
+    summary: str = ""
+
+
+def verify_packed(directory: str | Path) -> list[SplitReport]:
+    """Check every split of a ``prepare`` output folder; a report per split (no problems: verified)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} is not a folder; give the folder `vlm-pack prepare` wrote to "
+                                "(<output-dir>/packed/<tokenizer-name>)")
+    reports, covered = [], set()
+    for meta in sorted(directory.glob("*_metadata.jsonl")):
+        try:
+            entries = read_metadata(meta)
+        except ValueError as err:
+            reports.append(SplitReport(meta.name, [str(err)]))
+            continue
+        for entry in entries:
+            if entry.get("format") != FORMAT or entry.get("split") is None or entry.get("pack_size") is None:
+                reports.append(SplitReport(meta.name, [f"{meta}: an entry has no split/pack_size of format {FORMAT}"]))
+                continue
+            index = split_path(directory, entry["split"], entry["pack_size"])
+            covered.add(index.name)
+            reports.append(_verify_split(index, entry))
+    for index in sorted(directory.glob("*.npy")):
+        if parse_split_path(index) and index.name not in covered:
+            reports.append(SplitReport(index.stem, [f"{index}: no metadata line for it; re-run `vlm-pack prepare`"]))
+    if not reports:
+        reports.append(SplitReport(directory.name, [f"{directory}: no packed data (no *_metadata.jsonl)"]))
+    return reports
+
+
+def _verify_split(index: Path, entry: dict) -> SplitReport:
+    report = SplitReport(index.stem)
+    try:
+        arrays = open_packed(index).validate(str(index))
+    except (OSError, ValueError) as err:
+        report.problems.append(str(err))
+        return report
+    for name, array, ok in (
+        ("loss_mask", arrays.loss_mask, lambda c: c.max(initial=0) <= 1),
+        ("tokens", arrays.tokens, lambda c: c.min(initial=0) >= 0),
+        ("source_index", arrays.source_index, lambda c: c.min(initial=0) >= -1),
+    ):
+        bad = next((start for start in range(0, len(array), CHUNK) if not ok(np.asarray(array[start:start + CHUNK]))),
+                   None)
+        if bad is not None:
+            report.problems.append(f"{sibling_paths(index)[name]}: out-of-range values near element {bad}")
+    recorded = entry.get("files")
+    if not recorded:
+        report.problems.append(f"{index}: the metadata records no checksums (older writer); re-run prepare")
+    else:
+        for role, file in {"index": index, **sibling_paths(index)}.items():
+            expected = recorded.get(role, {}).get("sha256")
+            if expected != _sha256(file):
+                report.problems.append(f"{file}: sha256 differs from the metadata; re-run `vlm-pack prepare`")
+    report.summary = f"{arrays.num_packs} packs, {arrays.num_samples} samples, {len(arrays.tokens)} tokens"
+    return report
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "verify", help="check packed data completely: structure, values and the checksums recorded at write time",
+        description="Streamed full check of a `vlm-pack prepare` output folder (<output-dir>/packed/<tokenizer-name>). "
+                    "Exit code 0: every split verified; 1: problems (listed).",
+    )
+    p.add_argument("directory", help="the folder holding training_<size>.npy and <size>_metadata.jsonl")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    failed = 0
+    for report in verify_packed(args.directory):
+        if report.problems:
+            failed += 1
+            for problem in report.problems:
+                print(f"FAIL {report.name}: {problem}")
+        else:
+            print(f"ok   {report.name}: {report.summary}, checksums match")
+    return 1 if failed else 0
