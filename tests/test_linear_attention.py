@@ -21,7 +21,8 @@ from vlm_pack.collator import VLMPackingCollator, model_inputs
 from vlm_pack.data import photo_examples, text_chat_examples
 from vlm_pack.hf import enable_packing
 from vlm_pack.linear_attention import install_linear_attention_packing, remove_linear_attention_packing
-from vlm_pack.tiny_models import tiny_model
+from vlm_pack.models import UnsupportedModelError, get_family
+from vlm_pack.tiny_models import tiny_config, tiny_model
 
 LOGIT_ATOL = 1e-4
 LOSS_ATOL = 1e-5
@@ -349,3 +350,40 @@ def test_packed_vlm_equals_each_sample_alone(vlm_models, processor, micro_batch,
         ref_grads = grads(reference)
         (total / n_tokens).backward()
         assert_grads_match(grads(model), ref_grads)
+
+
+# ------------------------------------------------------------------ family registry and refusals
+
+
+@pytest.mark.parametrize(("family", "deltanet"), [("qwen3_5", "Qwen3_5GatedDeltaNet"),
+                                                  ("qwen3_5_text", "Qwen3_5GatedDeltaNet"),
+                                                  ("qwen3_next", "Qwen3NextGatedDeltaNet")])
+def test_enable_packing_installs_on_every_deltanet(family, deltanet):
+    model = enable_packing(tiny_model(family, layers=3, vocab_size=512))
+    assert get_family(model.config).name == family
+    modules = [m for m in model.modules() if type(m).__name__ == deltanet]
+    assert len(modules) == 2 and all(getattr(m.forward, "__vlm_pack_linear__", False) for m in modules)
+
+
+def test_context_parallel_is_refused_by_the_collator(processor):
+    config = tiny_config("qwen3_5")
+    with pytest.raises(ValueError, match="context_parallel_size=2 with a qwen3_5 model.*state hand-off"):
+        VLMPackingCollator(processor, max_length=512, model_config=config, context_parallel_size=2)
+    VLMPackingCollator(processor, max_length=512, model_config=config)  # cp=1 is fine
+
+
+def test_moe_router_loss_is_refused():
+    config = tiny_config("qwen3_next")
+    config.output_router_logits = True
+    with pytest.raises(UnsupportedModelError, match="output_router_logits"):
+        get_family(config)
+
+
+def test_packed_row_without_boundary_kwargs_is_refused(text_models):
+    """Position ids alone (no cu_seq_lens_q) would let the DeltaNet run across samples: refused, not guessed."""
+    _, model = text_models
+    _, row = text_batch([6, 5], seed=7)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="without cu_seq_lens_q"):
+            model(input_ids=row["input_ids"], position_ids=row["position_ids"], use_cache=False)
+        model(input_ids=row["input_ids"], use_cache=False)  # one unpacked sequence: fine

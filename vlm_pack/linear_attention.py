@@ -307,12 +307,36 @@ def _packed_forward(module: torch.nn.Module, rebound: Callable) -> Callable:
     return forward
 
 
+_checked_positions: tuple[weakref.ref, int] | None = None
+
+
+def _require_boundary_kwargs(layer: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Pre-hook on the layer that holds a DeltaNet: a packed row (position ids restarting inside a ``[1, T]`` row)
+    without ``cu_seq_lens_q`` would run the DeltaNet across samples, so it is refused. One check per forward."""
+    global _checked_positions
+    positions = kwargs.get("position_ids")
+    if kwargs.get("cu_seq_lens_q") is not None or positions is None or positions.shape[0] != 1:
+        return
+    if _checked_positions is not None and _checked_positions[0]() is positions \
+            and _checked_positions[1] == positions._version:
+        return
+    row = positions.reshape(-1)
+    if bool((row[1:] != row[:-1] + 1).any()):
+        raise ValueError(
+            "a packed row (position_ids restart inside it) reached a linear-attention layer without "
+            "cu_seq_lens_q: pass the boundaries as forward kwargs (**PackedBatch.attention_kwargs(), or "
+            "DataCollatorWithFlattening(return_flash_attn_kwargs=True))"
+        )
+    _checked_positions = (weakref.ref(positions), positions._version)
+
+
 def remove_linear_attention_packing(model: torch.nn.Module) -> int:
     """Give every module of ``model`` back its class forward (undoes the install); returns how many."""
     restored = 0
     for module in model.modules():
         if getattr(module.__dict__.get("forward"), "__vlm_pack_linear__", False):
             del module.forward
+            module.__dict__.pop("_vlm_pack_position_check").remove()
             restored += 1
     return restored
 
@@ -329,7 +353,9 @@ def install_linear_attention_packing(
     if backend != "auto" and backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend={backend!r}; choose 'auto' or one of {LINEAR_BACKENDS}")
     class_names = frozenset(class_names)
+    remove_linear_attention_packing(model)
     rebound: dict[type, Callable] = {}
+    parents = {child: parent for parent in model.modules() for child in parent.children()}
     modules = [m for m in model.modules() if type(m).__name__ in class_names]
     for module in modules:
         hooked = [name for name, child in module.named_children() if getattr(child, "_hf_hook", None) is not None]
@@ -342,5 +368,9 @@ def install_linear_attention_packing(
         if cls not in rebound:
             rebound[cls] = _rebound_forward(cls, backend)
         module.forward = _packed_forward(module, rebound[cls])
+        # The layer around the DeltaNet sees the position ids (the DeltaNet itself does not).
+        module._vlm_pack_position_check = parents[module].register_forward_pre_hook(
+            _require_boundary_kwargs, with_kwargs=True
+        )
     return modules
 
