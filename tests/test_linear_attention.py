@@ -387,3 +387,15 @@ def test_packed_row_without_boundary_kwargs_is_refused(text_models):
         with pytest.raises(ValueError, match="without cu_seq_lens_q"):
             model(input_ids=row["input_ids"], position_ids=row["position_ids"], use_cache=False)
         model(input_ids=row["input_ids"], use_cache=False)  # one unpacked sequence: fine
+
+
+def test_one_layout_per_forward(text_models, monkeypatch):
+    """Every linear layer of a forward shares one host-side plan (one device sync per forward, not per layer)."""
+    _, model = text_models
+    built = []
+    original = la.SegmentLayout.from_cu_seqlens
+    monkeypatch.setattr(la.SegmentLayout, "from_cu_seqlens", lambda cu, total: built.append(1) or original(cu, total))
+    _, row = text_batch([9, 4, 11], seed=8)
+    with torch.no_grad():
+        model(**row, use_cache=False)
+    assert len(built) == 1

@@ -196,10 +196,9 @@ def segmented_gated_delta_rule(
 # ------------------------------------------------------------------ the functions the layer calls by name
 
 
-def _boundaries(cu_seqlens: torch.Tensor, batch: int) -> torch.Tensor:
+def _require_one_row(batch: int) -> None:
     if batch != 1:
         raise ValueError(f"a packed row must have batch size 1 (got {batch}): pack the micro-batch into one row")
-    return cu_seqlens.reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -214,13 +213,13 @@ class _PackedConv:
         cu = kwargs.get("cu_seq_lens_q")
         if cu is None:
             return self.original(hidden_states, weight, bias, activation=activation, **kwargs)
-        cu = _boundaries(cu, hidden_states.shape[0])
+        _require_one_row(hidden_states.shape[0])
         backend = select_linear_backend(hidden_states.device) if self.backend == "auto" else self.backend
         if backend == "fla" and activation in _FLA_ACTIVATIONS:
             _check_covers(cu, hidden_states.shape[-1])
             conv = _fla_function("fla.modules.convolution", "causal_conv1d")
             out, _ = conv(hidden_states.transpose(1, 2).contiguous(), weight=weight, bias=bias,
-                          activation=activation, cu_seqlens=cu.to(torch.int32))
+                          activation=activation, cu_seqlens=cu.reshape(-1).to(torch.int32))
             return out.transpose(1, 2)
         layout = packed_layout(cu, hidden_states.shape[-1])
         return segmented_causal_conv1d(self.reference, hidden_states, weight, bias, activation, layout)
@@ -242,14 +241,15 @@ class _PackedDeltaRule:
                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
         if initial_state is not None or output_final_state:
             raise ValueError("a packed row cannot carry a recurrent-state cache: call the model with use_cache=False")
-        cu = _boundaries(cu_seqlens, query.shape[0])
+        _require_one_row(query.shape[0])
         backend = select_linear_backend(query.device) if self.backend == "auto" else self.backend
         if backend == "fla":
-            _check_covers(cu, query.shape[1])
+            _check_covers(cu_seqlens, query.shape[1])
             rule = _fla_function("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
             return rule(query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False,
-                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu.to(torch.int32))
-        layout = packed_layout(cu, query.shape[1])
+                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                        cu_seqlens=cu_seqlens.reshape(-1).to(torch.int32))
+        layout = packed_layout(cu_seqlens, query.shape[1])
         out = segmented_gated_delta_rule(self.reference, query, key, value, g, beta, layout, use_qk_l2norm_in_kernel)
         return out, None
 
@@ -262,7 +262,7 @@ def _check_covers(cu: torch.Tensor, total: int) -> None:
     global _covered
     if _covered is not None and _covered[0]() is cu and _covered[1:] == (cu._version, total):
         return
-    end = int(cu[-1])
+    end = int(cu.reshape(-1)[-1])
     if end != total:
         raise ValueError(f"cu_seq_lens_q ends at {end} but the packed row has {total} tokens: "
                          + (CONTEXT_PARALLEL_REFUSAL if end > total else "pass the boundaries of this row"))
