@@ -399,3 +399,15 @@ def test_one_layout_per_forward(text_models, monkeypatch):
     with torch.no_grad():
         model(**row, use_cache=False)
     assert len(built) == 1
+
+
+def test_left_padded_single_row_is_not_mistaken_for_a_packed_row(text_models):
+    """Position ids that restart because of left padding come with an attention mask: no refusal, stock result."""
+    reference, model = text_models
+    ids = torch.randint(0, 5000, (1, 10), generator=torch.Generator().manual_seed(9))
+    mask = torch.tensor([[0, 0, 0] + [1] * 7])
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        ref = reference(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    torch.testing.assert_close(out[:, 3:], ref[:, 3:], rtol=0, atol=1e-5)

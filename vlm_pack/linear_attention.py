@@ -315,8 +315,9 @@ def _require_boundary_kwargs(layer: torch.nn.Module, args: tuple, kwargs: dict) 
     without ``cu_seq_lens_q`` would run the DeltaNet across samples, so it is refused. One check per forward."""
     global _checked_positions
     positions = kwargs.get("position_ids")
-    if kwargs.get("cu_seq_lens_q") is not None or positions is None or positions.shape[0] != 1:
-        return
+    if (kwargs.get("cu_seq_lens_q") is not None or positions is None or positions.shape[0] != 1
+            or kwargs.get("attention_mask") is not None or kwargs.get("past_key_values") is not None):
+        return  # boundaries given, a padded batch (restarts are padding), or generation with a cache
     if _checked_positions is not None and _checked_positions[0]() is positions \
             and _checked_positions[1] == positions._version:
         return
