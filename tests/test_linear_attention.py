@@ -334,8 +334,8 @@ def test_packed_vlm_equals_each_sample_alone(vlm_models, processor, micro_batch,
         ref_logits, ref_losses = vlm_reference(reference, processor, examples)
         model.zero_grad()
         logits = model(**model_inputs(batch), use_cache=False).logits[0]
-        starts = batch["cu_seqlens_padded"][:-1].tolist()
-        lengths = batch["seq_lengths"].tolist()
+        starts = batch["vlm_pack"]["cu_seqlens_padded"][:-1].tolist()
+        lengths = batch["vlm_pack"]["seq_lengths"].tolist()
         labels = batch["labels"][0]
         total = 0.0
         for start, length, ref_logit, ref_loss in zip(starts, lengths, ref_logits, ref_losses):
