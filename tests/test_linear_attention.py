@@ -411,3 +411,18 @@ def test_left_padded_single_row_is_not_mistaken_for_a_packed_row(text_models):
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
         ref = reference(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
     torch.testing.assert_close(out[:, 3:], ref[:, 3:], rtol=0, atol=1e-5)
+
+
+def test_deepcopy_of_a_packed_model_runs_its_own_weights(text_models):
+    """The installed forward is a bound method: a deep copy (EMA, reference model) uses the copy's weights."""
+    import copy
+
+    _, model = text_models
+    clone = copy.deepcopy(model)
+    deltanet = clone.model.layers[0].linear_attn
+    assert deltanet.forward.__self__ is deltanet
+    _, row = text_batch([7, 9], seed=10)
+    with torch.no_grad():
+        torch.testing.assert_close(clone(**row, use_cache=False).logits, model(**row, use_cache=False).logits)
+        deltanet.out_proj.weight.zero_()
+        assert not torch.allclose(clone(**row, use_cache=False).logits, model(**row, use_cache=False).logits)

@@ -293,15 +293,17 @@ def _rebound_forward(cls: type, backend: str) -> Callable:
     return rebound
 
 
-def _packed_forward(module: torch.nn.Module, rebound: Callable) -> Callable:
-    def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
+def _packed_forward(rebound: Callable) -> Callable:
+    """The DeltaNet forward to bind to each module (a bound method, so ``copy.deepcopy`` rebinds it to the copy)."""
+
+    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
         if kwargs.get("cu_seq_lens_q") is not None:
             if cache_params is not None:
                 raise ValueError("packed rows cannot fill a cache: call the model with use_cache=False")
             if attention_mask is not None:
                 raise ValueError("a packed row got both cu_seq_lens_q and a padding attention_mask: drop "
                                  "attention_mask (packed rows carry their boundaries in cu_seq_lens_*)")
-        return rebound(module, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        return rebound(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
 
     forward.__vlm_pack_linear__ = True
     return forward
@@ -367,8 +369,8 @@ def install_linear_attention_packing(
             )
         cls = type(module)
         if cls not in rebound:
-            rebound[cls] = _rebound_forward(cls, backend)
-        module.forward = _packed_forward(module, rebound[cls])
+            rebound[cls] = _packed_forward(_rebound_forward(cls, backend))
+        module.forward = types.MethodType(rebound[cls], module)
         # The layer around the DeltaNet sees the position ids (the DeltaNet itself does not).
         module._vlm_pack_position_check = parents[module].register_forward_pre_hook(
             _require_boundary_kwargs, with_kwargs=True
