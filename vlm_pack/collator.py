@@ -132,6 +132,9 @@ class VLMPackingCollator:
                 "the collator got a multimodal processor but no model_config: pass model_config=model.config, so "
                 "positions and per-token keys follow the model's family (e.g. mRoPE computed per sample)"
             )
+        refusal = None if self.family is None else self.family.context_parallel_refusal
+        if context_parallel_size > 1 and refusal is not None:
+            raise ValueError(f"context_parallel_size={context_parallel_size} with a {self.family.name} model: {refusal}")
         self.token_keys = TOKEN_ALIGNED_KEYS if self.family is None else self.family.token_keys
         self.rope_index = (
             MRopeIndex(model_config, self.family.rope_index_model)

@@ -31,8 +31,14 @@ from transformers import (
     Qwen2VLVideoProcessor,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
 )
@@ -49,7 +55,9 @@ __all__ = [
     "tiny_model",
 ]
 
-TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llama", "qwen2", "qwen3")
+TINY_FAMILIES = (
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llama", "qwen2", "qwen3", "qwen3_5_text", "qwen3_next"
+)
 
 # Vocabulary of the Qwen tokenizer files (151643 BPE ids + 26 added special tokens); ids must fit.
 _QWEN_VOCAB = 151669
@@ -155,6 +163,26 @@ def tiny_config(family: str, *, initializer_range: float = 0.2, layers: int = 2)
             "deepstack_visual_indexes": [0],
         }
         return Qwen3VLConfig(text_config=text, vision_config=_with_patching(vision, initializer_range))
+    if family == "qwen3_next":  # mixture of experts: 4 experts, 2 per token, plus the shared expert
+        text = _hybrid_text_config(text, layers)
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+        return Qwen3NextConfig(**text, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=32)
+    if family in ("qwen3_5", "qwen3_5_text"):
+        text = _hybrid_text_config(text, layers)
+        if family == "qwen3_5_text":
+            return Qwen3_5TextConfig(**text)
+        vision = {
+            "depth": 1,
+            "hidden_size": 32,
+            "out_hidden_size": _HIDDEN,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "num_position_embeddings": 64,
+        }
+        return Qwen3_5Config(
+            text_config=text, vision_config=_with_patching(vision, initializer_range), **_QWEN2_VISION_TOKENS
+        )
     if family in _TEXT_CONFIGS:
         text.pop("rope_parameters")
         return _TEXT_CONFIGS[family](**text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
@@ -162,6 +190,25 @@ def tiny_config(family: str, *, initializer_range: float = 0.2, layers: int = 2)
 
 
 _TEXT_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+
+
+def _hybrid_text_config(text: dict, layers: int) -> dict:
+    """Qwen3.5 text: Gated DeltaNet (linear attention) and full-attention layers alternate, linear first.
+
+    Partial rotary (half of head_dim 16: 4 frequencies, interleaved mRoPE sections 1+1+2); the DeltaNet uses
+    grouped values (2 key heads, 4 value heads) and the usual kernel-4 causal conv.
+    """
+    rope = {**text["rope_parameters"], "mrope_section": [1, 1, 2], "mrope_interleaved": True}
+    return {
+        **text,
+        "rope_parameters": {**rope, "partial_rotary_factor": 0.5},
+        "layer_types": ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": _HEAD_DIM,
+        "linear_value_head_dim": _HEAD_DIM,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+    }
 
 
 def _with_patching(vision: dict, initializer_range: float) -> dict:
@@ -174,10 +221,21 @@ def _with_patching(vision: dict, initializer_range: float) -> dict:
     }
 
 
+# Qwen3.5 defaults to its own vocabulary's vision token ids; the Qwen2 tokenizer used here has these.
+_QWEN2_VISION_TOKENS = {
+    "image_token_id": 151655,
+    "video_token_id": 151656,
+    "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+}
+
 _MODEL_CLASSES = {
     "qwen2_vl": Qwen2VLForConditionalGeneration,
     "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
     "qwen3_vl": Qwen3VLForConditionalGeneration,
+    "qwen3_5": Qwen3_5ForConditionalGeneration,
+    "qwen3_5_text": Qwen3_5ForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
@@ -191,13 +249,17 @@ def tiny_model(
     seed: int = 0,
     initializer_range: float = 0.2,
     layers: int = 2,
+    vocab_size: int | None = None,
 ) -> PreTrainedModel:
     """A tiny random fp32 model of ``family`` in eval mode (no dropout), built from a fresh config.
 
     The same ``seed`` gives the same weights for every ``attn_implementation``, so two builds can be compared.
     Non-default implementations (e.g. ``"vlm_pack_varlen"``) must be registered before the call.
+    ``vocab_size`` shrinks the vocabulary for tests on synthetic ids (no 150k-row embedding to differentiate).
     """
     config = tiny_config(family, initializer_range=initializer_range, layers=layers)
+    if vocab_size is not None:
+        config.get_text_config().vocab_size = vocab_size
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _MODEL_CLASSES[family]._from_config(

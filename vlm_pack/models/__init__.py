@@ -57,6 +57,8 @@ class FamilySpec:
     concatenated in sample order. ``videos``: video inputs are proven (else the collator refuses them).
     ``prepare_model``: family setup run by ``enable_packing`` after the attention
     switch (e.g. boundary-aware linear-attention kernels). ``proof``: the test that shows the family exact.
+    ``context_parallel_refusal``: why the family cannot be split across context-parallel ranks (the collator
+    then refuses ``context_parallel_size > 1`` with it); None when it can.
     """
 
     name: str
@@ -71,6 +73,7 @@ class FamilySpec:
     rope_types: frozenset[str] = STATIC_ROPE_TYPES
     prepare_model: Callable[[Any], None] | None = None
     extra_checks: tuple[Callable[[Any], str | None], ...] = field(default=())
+    context_parallel_refusal: str | None = None
 
     def __post_init__(self) -> None:
         if (self.positions == "mrope") != (self.rope_index_model is not None):
@@ -169,4 +172,4 @@ def _load_builtin() -> None:
     if _loaded:
         return
     _loaded = True
-    from . import llama, qwen_vl  # noqa: F401
+    from . import llama, qwen3_5, qwen_vl  # noqa: F401

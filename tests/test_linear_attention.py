@@ -1,0 +1,428 @@
+"""Hybrid linear-attention models (Qwen3.5): a packed row equals each sample run alone through the stock model.
+
+The reference is the stock model (``attn_implementation="sdpa"``, transformers' own torch DeltaNet path), one
+sample per forward, no padding, loss the plain HF way (shifted cross entropy on that sample). The packed side
+runs the same weights with ``enable_packing`` and the linear-attention packing installed. fp32 CPU: per-token
+loss 1e-5, logits 1e-4, gradients rtol 1e-4. Corruptions (recurrent state carried across a boundary, conv
+window leaking into the next sample) must break the comparison. The GPU route is checked with recording fakes
+of flash-linear-attention's functions in ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from vlm_pack import linear_attention as la
+from vlm_pack.collator import VLMPackingCollator, model_inputs
+from vlm_pack.data import photo_examples, text_chat_examples
+from vlm_pack.hf import enable_packing
+from vlm_pack.linear_attention import install_linear_attention_packing, remove_linear_attention_packing
+from vlm_pack.models import UnsupportedModelError, get_family
+from vlm_pack.tiny_models import tiny_config, tiny_model
+
+LOGIT_ATOL = 1e-4
+LOSS_ATOL = 1e-5
+GRAD_RTOL = 1e-4
+# Element-wise floor: the stock fp32 model's own gradients differ from an fp64 run by 1.2e-5 x max|grad|
+# (embeddings, measured), so single elements are compared at 2e-5 x max|grad| and whole tensors at GRAD_RTOL.
+GRAD_ATOL_SCALE = 2e-5
+DELTANET = ["Qwen3_5GatedDeltaNet"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+# ------------------------------------------------------------------ text model (Qwen3_5ForCausalLM)
+
+
+def text_batch(lengths: list[int], seed: int) -> tuple[list[torch.Tensor], dict]:
+    """Random samples and their packed row (ids, per-sample positions, boundary kwargs)."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = [torch.randint(0, 5000, (1, n), generator=generator) for n in lengths]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    row = {
+        "input_ids": torch.cat(samples, dim=1),
+        "position_ids": torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0),
+        "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths),
+    }
+    return samples, row
+
+
+def sample_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Plain HF causal-LM loss of one sample: mean shifted cross entropy."""
+    return torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_match(packed_grads: dict[str, torch.Tensor], ref_grads: dict[str, torch.Tensor]) -> None:
+    """Every parameter's gradient: relative norm error < GRAD_RTOL, and element-wise within rtol / fp32 floor."""
+    assert packed_grads.keys() == ref_grads.keys()
+    for name, grad in packed_grads.items():
+        ref = ref_grads[name]
+        assert (grad - ref).norm() <= GRAD_RTOL * ref.norm(), name
+        torch.testing.assert_close(grad, ref, rtol=GRAD_RTOL, atol=GRAD_ATOL_SCALE * ref.abs().max().item())
+
+
+def small_vocab_text_model(family: str = "qwen3_5_text") -> torch.nn.Module:
+    """Tiny hybrid text model, 3 layers (linear, full, linear), 5000-token vocabulary, same weights every call."""
+    return tiny_model(family, layers=3, vocab_size=5000)
+
+
+@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next"])
+def text_models(request):
+    """Stock reference and packed model with the same weights (3 layers: linear, full, linear)."""
+    reference, model = small_vocab_text_model(request.param), small_vocab_text_model(request.param)
+    enable_packing(model)
+    return reference, model
+
+
+# Lengths cross the 64-token chunk size (several chunks, several buckets) and include a 1-token sample.
+@pytest.mark.parametrize(
+    "lengths",
+    [[9, 17], [70, 5, 33], [1, 64, 65, 12], [130, 3, 40, 7, 66], [6, 6, 6, 6, 6, 6]],
+    ids=lambda x: f"mb{len(x)}",
+)
+def test_packed_text_equals_each_sample_alone(text_models, lengths):
+    reference, model = text_models
+    samples, row = text_batch(lengths, seed=len(lengths))
+
+    reference.zero_grad()
+    ref_logits, ref_loss = [], 0.0
+    for ids in samples:
+        logits = reference(input_ids=ids, use_cache=False).logits
+        loss = sample_loss(logits, ids) if ids.shape[1] > 1 else logits.sum() * 0
+        (loss / len(samples)).backward()
+        ref_logits.append(logits[0].detach())
+        ref_loss += loss.item() / len(samples)
+    ref_grads = grads(reference)
+
+    model.zero_grad()
+    logits = model(**row, use_cache=False).logits
+    per_sample = logits[0].split(lengths)
+    losses = [sample_loss(lg.unsqueeze(0), ids) if ids.shape[1] > 1 else lg.sum() * 0
+              for lg, ids in zip(per_sample, samples)]
+    loss = torch.stack(losses).mean()
+    loss.backward()
+
+    logit_diff = max((p - r).abs().max().item() for p, r in zip(per_sample, ref_logits))
+    assert logit_diff < LOGIT_ATOL, logit_diff
+    assert abs(loss.item() - ref_loss) < LOSS_ATOL
+    assert_grads_match(grads(model), ref_grads)
+
+
+def packed_logit_error(reference, model, lengths, seed=0) -> float:
+    samples, row = text_batch(lengths, seed)
+    with torch.no_grad():
+        ref = [reference(input_ids=ids, use_cache=False).logits[0] for ids in samples]
+        out = model(**row, use_cache=False).logits[0].split(lengths)
+    return max((p - r).abs().max().item() for p, r in zip(out, ref))
+
+
+def whole_row_layout(lengths: list[int]) -> la.SegmentLayout:
+    """The layout of ONE sample spanning the row: what a path that ignores boundaries computes."""
+    return la.SegmentLayout.from_cu_seqlens(torch.tensor([0, sum(lengths)]), sum(lengths))
+
+
+def test_state_carried_across_boundaries_is_caught(text_models, monkeypatch):
+    """Corruption: the delta rule over the whole row (state not reset at boundaries) must break exactness."""
+    reference, model = text_models
+    lengths = [40, 30, 20]
+    assert packed_logit_error(reference, model, lengths) < LOGIT_ATOL
+    exact, whole_row = la.segmented_gated_delta_rule, whole_row_layout(lengths)
+
+    def carried(reference_fn, q, k, v, g, beta, layout, l2norm):
+        return exact(reference_fn, q, k, v, g, beta, whole_row, l2norm)
+
+    monkeypatch.setattr(la, "segmented_gated_delta_rule", carried)
+    assert packed_logit_error(reference, model, lengths) > 1e3 * LOGIT_ATOL
+
+
+def test_conv_window_leaking_across_boundaries_is_caught(text_models, monkeypatch):
+    """Corruption: the conv run over the whole row (previous sample's last K-1 tokens leak in) breaks exactness."""
+    reference, model = text_models
+    lengths = [40, 30, 20]
+    assert packed_logit_error(reference, model, lengths) < LOGIT_ATOL
+    exact, whole_row = la.segmented_causal_conv1d, whole_row_layout(lengths)
+
+    def leaky(reference_fn, hidden, weight, bias, activation, layout):
+        return exact(reference_fn, hidden, weight, bias, activation, whole_row)
+
+    monkeypatch.setattr(la, "segmented_causal_conv1d", leaky)
+    assert packed_logit_error(reference, model, lengths) > 1e3 * LOGIT_ATOL
+
+
+def test_stock_model_refuses_packed_rows_and_remove_restores(text_models):
+    """Without our layer hook transformers itself refuses packed rows on CPU; removing it brings that back."""
+    _, model = text_models
+    _, row = text_batch([5, 6], seed=0)
+    assert remove_linear_attention_packing(model) == 2
+    with torch.no_grad(), pytest.raises(ValueError, match="can't keep packed sequences apart"):
+        model(**row, use_cache=False)
+    enable_packing(model)
+    with torch.no_grad():
+        model(**row, use_cache=False)
+
+
+def test_unpacked_forward_is_untouched(text_models):
+    """Calls without boundaries (ordinary batches) take transformers' original functions: same logits."""
+    reference, model = text_models
+    ids = torch.randint(0, 5000, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits,
+                                   reference(input_ids=ids, use_cache=False).logits, rtol=0, atol=1e-5)
+
+
+def test_context_parallel_shard_is_refused(text_models):
+    """A cp rank holds part of each sample while cu_seq_lens stays global: refused, naming cp."""
+    _, model = text_models
+    _, row = text_batch([8, 8], seed=1)
+    row["input_ids"] = row["input_ids"][:, :8]
+    row["position_ids"] = row["position_ids"][:, :8]
+    with torch.no_grad(), pytest.raises(ValueError, match="context_parallel_size=1"):
+        model(**row, use_cache=False)
+
+
+def test_packed_row_with_cache_is_refused(text_models):
+    _, model = text_models
+    _, row = text_batch([4, 4], seed=2)
+    with torch.no_grad(), pytest.raises(ValueError, match="use_cache=False"):
+        model(**row, use_cache=True)
+
+
+# ------------------------------------------------------------------ GPU route (flash-linear-attention), faked
+
+
+class Recorder:
+    """Fake fla function: records what it is passed, returns zeros of the right shape."""
+
+    def __init__(self, make_output):
+        self.calls: list[dict] = []
+        self.make_output = make_output
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append({"args": args, **kwargs})
+        return self.make_output(*args, **kwargs)
+
+
+@pytest.fixture
+def fake_fla(monkeypatch):
+    """flash-linear-attention's two varlen entry points as recording fakes, importable at run time."""
+    rule = Recorder(lambda q, k, v, **kw: (torch.zeros_like(v), None))
+    conv = Recorder(lambda x, **kw: (torch.zeros_like(x), None))
+    modules = {
+        "fla": types.ModuleType("fla"),
+        "fla.ops": types.ModuleType("fla.ops"),
+        "fla.ops.gated_delta_rule": types.SimpleNamespace(chunk_gated_delta_rule=rule),
+        "fla.modules": types.ModuleType("fla.modules"),
+        "fla.modules.convolution": types.SimpleNamespace(causal_conv1d=conv),
+    }
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return rule, conv
+
+
+def test_fla_route_passes_int32_cu_seqlens(fake_fla):
+    rule, conv = fake_fla
+    model = small_vocab_text_model()
+    enable_packing(model)
+    install_linear_attention_packing(model, DELTANET, backend="fla")
+    lengths = [7, 12, 5]
+    _, row = text_batch(lengths, seed=4)
+    row["cu_seq_lens_q"] = row["cu_seq_lens_k"] = row["cu_seq_lens_q"].long()  # int64 in: int32 out
+    with torch.no_grad():
+        model(**row, use_cache=False)
+
+    deltanet = model.model.layers[0].linear_attn
+    assert len(rule.calls) == len(conv.calls) == 2  # two linear layers of 3
+    for call in (rule.calls[0], conv.calls[0]):
+        assert call["cu_seqlens"].dtype == torch.int32
+        assert call["cu_seqlens"].tolist() == [0, 7, 19, 24]
+    q, k, v = rule.calls[0]["args"]
+    assert q.shape == (1, 24, deltanet.num_k_heads, deltanet.head_k_dim)
+    assert v.shape == (1, 24, deltanet.num_v_heads, deltanet.head_v_dim)
+    assert rule.calls[0]["g"].shape == rule.calls[0]["beta"].shape == (1, 24, deltanet.num_v_heads)
+    assert rule.calls[0]["use_qk_l2norm_in_kernel"] is True
+    assert rule.calls[0]["initial_state"] is None and rule.calls[0]["output_final_state"] is False
+    (x,) = conv.calls[0]["args"]
+    assert x.shape == (1, 24, deltanet.conv_dim)  # fla's [B, T, D] layout
+    assert conv.calls[0]["weight"].shape == (deltanet.conv_dim, deltanet.conv_kernel_size)
+    assert conv.calls[0]["activation"] == "silu"
+
+
+def test_auto_backend_keeps_cpu_on_torch_path(fake_fla):
+    """fla installed but tensors on CPU: "auto" takes the exact torch path (fla's kernels are Triton/CUDA)."""
+    rule, conv = fake_fla
+    assert la.select_linear_backend("cpu") == "torch_segments"
+    model = small_vocab_text_model()
+    enable_packing(model)
+    _, row = text_batch([5, 9], seed=5)
+    with torch.no_grad():
+        model(**row, use_cache=False)
+    assert rule.calls == [] and conv.calls == []
+
+
+def test_fla_backend_without_fla_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fla", None)
+    model = small_vocab_text_model()
+    enable_packing(model)
+    install_linear_attention_packing(model, DELTANET, backend="fla")
+    _, row = text_batch([5, 9], seed=6)
+    with torch.no_grad(), pytest.raises(ImportError, match="torch_segments"):
+        model(**row, use_cache=False)
+
+
+# ------------------------------------------------------------------ VLM (Qwen3_5ForConditionalGeneration)
+
+
+@pytest.fixture(scope="module")
+def vlm_models():
+    reference = tiny_model("qwen3_5", layers=3)
+    model = tiny_model("qwen3_5", layers=3)
+    enable_packing(model)
+    return reference, model
+
+
+def vlm_reference(model, processor, examples) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each sample alone through the stock model, positions left to the model: logits and per-token losses."""
+    alone = VLMPackingCollator(processor, max_length=1024, pack_sequences_in_batch=False, model_config=model.config)
+    all_logits, all_losses = [], []
+    for example in examples:
+        single = alone([example])
+        inputs = {k: v for k, v in model_inputs(single).items() if k not in ("attention_mask", "position_ids")}
+        logits = model(**inputs, use_cache=False).logits[0]
+        labels = single["labels"][0]
+        losses = torch.nn.functional.cross_entropy(logits[:-1], labels[1:], ignore_index=-100, reduction="none")
+        all_logits.append(logits)
+        all_losses.append(losses)
+    return all_logits, all_losses
+
+
+def image_count(example: dict) -> int:
+    return sum(part.get("type") == "image" for message in example["messages"] if isinstance(message["content"], list)
+               for part in message["content"])
+
+
+# Images of several sizes (1-3 per sample) and a text-only sample. Gradients at micro-batch 3; at 6 the logits
+# and losses only (the 150k-token vocabulary makes every backward pass cost seconds on CPU).
+@pytest.mark.parametrize(("micro_batch", "check_grads"), [(3, True), (6, False)])
+def test_packed_vlm_equals_each_sample_alone(vlm_models, processor, micro_batch, check_grads):
+    reference, model = vlm_models
+    examples = photo_examples(micro_batch - 1, seed=micro_batch, max_side=84)
+    examples.insert(1, text_chat_examples(1, seed=micro_batch)[0])
+    images = [image_count(example) for example in examples]
+    assert min(images) == 0 and max(images) >= 2, images
+
+    collator = VLMPackingCollator(processor, max_length=1024, model_config=model.config)
+    batch = collator(examples)
+    assert batch["image_grid_thw"].shape[0] == sum(images)
+    n_tokens = int((batch["labels"] != -100).sum())
+
+    with torch.set_grad_enabled(check_grads):
+        reference.zero_grad()
+        ref_logits, ref_losses = vlm_reference(reference, processor, examples)
+        model.zero_grad()
+        logits = model(**model_inputs(batch), use_cache=False).logits[0]
+        starts = batch["vlm_pack"]["cu_seqlens_padded"][:-1].tolist()
+        lengths = batch["vlm_pack"]["seq_lengths"].tolist()
+        labels = batch["labels"][0]
+        total = 0.0
+        for start, length, ref_logit, ref_loss in zip(starts, lengths, ref_logits, ref_losses):
+            seg = logits[start:start + length]
+            assert (seg - ref_logit).abs().max().item() < LOGIT_ATOL
+            loss = torch.nn.functional.cross_entropy(seg[:-1], labels[start + 1:start + length], ignore_index=-100,
+                                                     reduction="none")
+            assert (loss - ref_loss).abs().max().item() < LOSS_ATOL
+            total = total + loss.sum()
+    if check_grads:
+        torch.cat(ref_losses).sum().div(n_tokens).backward()
+        ref_grads = grads(reference)
+        (total / n_tokens).backward()
+        assert_grads_match(grads(model), ref_grads)
+
+
+# ------------------------------------------------------------------ family registry and refusals
+
+
+@pytest.mark.parametrize(("family", "deltanet"), [("qwen3_5", "Qwen3_5GatedDeltaNet"),
+                                                  ("qwen3_5_text", "Qwen3_5GatedDeltaNet"),
+                                                  ("qwen3_next", "Qwen3NextGatedDeltaNet")])
+def test_enable_packing_installs_on_every_deltanet(family, deltanet):
+    model = enable_packing(tiny_model(family, layers=3, vocab_size=512))
+    assert get_family(model.config).name == family
+    modules = [m for m in model.modules() if type(m).__name__ == deltanet]
+    assert len(modules) == 2 and all(getattr(m.forward, "__vlm_pack_linear__", False) for m in modules)
+
+
+def test_context_parallel_is_refused_by_the_collator(processor):
+    config = tiny_config("qwen3_5")
+    with pytest.raises(ValueError, match="context_parallel_size=2 with a qwen3_5 model.*state hand-off"):
+        VLMPackingCollator(processor, max_length=512, model_config=config, context_parallel_size=2)
+    VLMPackingCollator(processor, max_length=512, model_config=config)  # cp=1 is fine
+
+
+def test_moe_router_loss_is_refused():
+    config = tiny_config("qwen3_next")
+    config.output_router_logits = True
+    with pytest.raises(UnsupportedModelError, match="output_router_logits"):
+        get_family(config)
+
+
+def test_packed_row_without_boundary_kwargs_is_refused(text_models):
+    """Position ids alone (no cu_seq_lens_q) would let the DeltaNet run across samples: refused, not guessed."""
+    _, model = text_models
+    _, row = text_batch([6, 5], seed=7)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="without cu_seq_lens_q"):
+            model(input_ids=row["input_ids"], position_ids=row["position_ids"], use_cache=False)
+        model(input_ids=row["input_ids"], use_cache=False)  # one unpacked sequence: fine
+
+
+def test_one_layout_per_forward(text_models, monkeypatch):
+    """Every linear layer of a forward shares one host-side plan (one device sync per forward, not per layer)."""
+    _, model = text_models
+    built = []
+    original = la.SegmentLayout.from_cu_seqlens
+    monkeypatch.setattr(la.SegmentLayout, "from_cu_seqlens", lambda cu, total: built.append(1) or original(cu, total))
+    _, row = text_batch([9, 4, 11], seed=8)
+    with torch.no_grad():
+        model(**row, use_cache=False)
+    assert len(built) == 1
+
+
+def test_left_padded_single_row_is_not_mistaken_for_a_packed_row(text_models):
+    """Position ids that restart because of left padding come with an attention mask: no refusal, stock result."""
+    reference, model = text_models
+    ids = torch.randint(0, 5000, (1, 10), generator=torch.Generator().manual_seed(9))
+    mask = torch.tensor([[0, 0, 0] + [1] * 7])
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        ref = reference(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    torch.testing.assert_close(out[:, 3:], ref[:, 3:], rtol=0, atol=1e-5)
+
+
+def test_deepcopy_of_a_packed_model_runs_its_own_weights(text_models):
+    """The installed forward is a bound method: a deep copy (EMA, reference model) uses the copy's weights."""
+    import copy
+
+    _, model = text_models
+    clone = copy.deepcopy(model)
+    deltanet = clone.model.layers[0].linear_attn
+    assert deltanet.forward.__self__ is deltanet
+    _, row = text_batch([7, 9], seed=10)
+    with torch.no_grad():
+        torch.testing.assert_close(clone(**row, use_cache=False).logits, model(**row, use_cache=False).logits)
+        deltanet.out_proj.weight.zero_()
+        assert not torch.allclose(clone(**row, use_cache=False).logits, model(**row, use_cache=False).logits)

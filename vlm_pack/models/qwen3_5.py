@@ -1,0 +1,56 @@
+"""Qwen3.5 (text model and VLM) and Qwen3-Next: hybrid models, Gated DeltaNet and full-attention layers.
+
+Rules (proven in tests/test_linear_attention.py against each sample alone through the stock sdpa model):
+``full_attention`` layers are causal over the packed row split at ``cu_seq_lens_q`` (as Qwen-VL);
+``linear_attention`` layers restart their causal-conv window and recurrent state at every sample boundary,
+through ``vlm_pack.linear_attention`` installed by ``enable_packing`` on the model's own DeltaNet modules
+(flash-linear-attention's varlen kernels on CUDA when installed, an exact torch path elsewhere). The VLM's
+positions are ``[4, 1, T]`` from ``Qwen3_5Model.get_rope_index`` per sample; the text models take 1-D positions
+per sample (they copy them into their mRoPE rows themselves). Context parallelism is refused: a rank would need
+the DeltaNet state of the chunks before it, and that hand-off between ranks is not implemented.
+Qwen3-Next is a mixture of experts: its router load-balancing loss is a statistic of the whole batch, which
+packing changes, so ``output_router_logits`` is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..linear_attention import CONTEXT_PARALLEL_REFUSAL, install_linear_attention_packing
+from . import FamilySpec, register_family
+
+_PROOF = "tests/test_linear_attention.py"
+_HYBRID = frozenset({"full_attention", "linear_attention"})
+
+
+def _deltanet(class_name: str):
+    def prepare(model: Any) -> None:
+        install_linear_attention_packing(model, (class_name,))
+
+    prepare.__doc__ = f"Boundary-aware forward on every {class_name} of the model (vlm_pack.linear_attention)."
+    return prepare
+
+
+def _no_router_loss(config: Any) -> str | None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "output_router_logits", False):
+        return ("output_router_logits=True (the router load-balancing loss is a whole-batch statistic, which "
+                "packing changes; set output_router_logits=False)")
+    return None
+
+
+QWEN3_5 = register_family(FamilySpec(
+    name="qwen3_5", model_types=("qwen3_5",), proof=_PROOF,
+    positions="mrope", rope_index_model="Qwen3_5Model", layer_kinds=_HYBRID,
+    token_keys=("input_ids", "labels", "mm_token_type_ids"),
+    prepare_model=_deltanet("Qwen3_5GatedDeltaNet"), context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
+))
+QWEN3_5_TEXT = register_family(FamilySpec(
+    name="qwen3_5_text", model_types=("qwen3_5_text",), proof=_PROOF, layer_kinds=_HYBRID,
+    prepare_model=_deltanet("Qwen3_5GatedDeltaNet"), context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
+))
+QWEN3_NEXT = register_family(FamilySpec(
+    name="qwen3_next", model_types=("qwen3_next",), proof=_PROOF, layer_kinds=_HYBRID,
+    prepare_model=_deltanet("Qwen3NextGatedDeltaNet"), context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
+    extra_checks=(_no_router_loss,),
+))
