@@ -9,7 +9,7 @@ from typing import Any
 
 from .config import PackedSequenceSpecs, PackingConfig
 from .packed_seq_params import PackedSeqParams, get_packed_seq_params
-from .packing import PackedBatch, pack_batch_sequences, pad_multiple
+from .packing import PackedBatch, pack_batch_sequences, pack_sequences, pad_multiple
 
 __version__ = "0.1.0"
 
@@ -42,6 +42,7 @@ __all__ = [
     "PackingConfig",
     "get_packed_seq_params",
     "pack_batch_sequences",
+    "pack_sequences",
     "pad_multiple",
     *_LAZY,
 ]
