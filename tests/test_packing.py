@@ -384,16 +384,32 @@ def test_pack_sequences_known_case():
 
 
 def test_pack_sequences_rejects_padded_or_mismatched_input():
-    with pytest.raises(ValueError, match=r"tokens\[0\] is \(1, 3\); expected a 1-D tensor"):
+    with pytest.raises(ValueError, match=r"tokens\[0\] has shape \(1, 3\); expected \[3\] \(t.reshape\(-1\)"):
         pack_sequences([torch.tensor([[1, 2, 3]])])
-    with pytest.raises(ValueError, match="for a padded \\[B, S\\] batch use pack_batch_sequences"):
+    with pytest.raises(ValueError, match="For a padded \\[B, S\\] batch use pack_batch_sequences"):
         pack_sequences(torch.tensor([[1, 2, 3]]))
-    with pytest.raises(ValueError, match=r"labels\[1\] is \(3,\); expected a tensor \[2\] matching tokens\[1\]"):
+    with pytest.raises(ValueError, match=r"labels\[1\] has shape \(3,\); expected \[2\] matching tokens\[1\]"):
         pack_sequences([torch.tensor([1]), torch.tensor([1, 2])], labels=[torch.tensor([1]), torch.tensor([1, 2, 3])])
-    with pytest.raises(ValueError, match="labels is 1 samples but tokens has 2"):
+    with pytest.raises(ValueError, match="labels has 1 samples but tokens has 2"):
         pack_sequences([torch.tensor([1]), torch.tensor([1, 2])], labels=[torch.tensor([1])])
     with pytest.raises(ValueError, match="all 2 samples are empty"):
         pack_sequences([torch.tensor([], dtype=torch.long)] * 2)
+
+
+def test_pack_sequences_from_python_lists():
+    """What a tokenised dataset yields: lists of ids, converted in one go, same result as tensors."""
+    ids = [[5, 6, 7], [], [8, 9]]
+    b = pack_sequences(ids, labels=[[-100, 6, 7], [], [-100, 9]], pad_to_multiple_of=2)
+    t = pack_sequences([torch.tensor(x, dtype=torch.long) for x in ids],
+                       labels=[torch.tensor(x, dtype=torch.long) for x in [[-100, 6, 7], [], [-100, 9]]],
+                       pad_to_multiple_of=2)
+    assert b.tokens.tolist() == t.tokens.tolist() == [[5, 6, 7, 0, 8, 9]]
+    assert torch.equal(b.labels, t.labels) and torch.equal(b.position_ids, t.position_ids)
+    assert b.cu_seqlens.tolist() == [0, 3, 5]
+    with pytest.raises(ValueError, match=r"tokens\[1\] must hold integer ids; found 3.5"):
+        pack_sequences([[1, 2], [3.5]])
+    with pytest.raises(ValueError, match=r"labels\[0\] must hold integer ids; found True"):
+        pack_sequences([[1, 2]], labels=[[True, False]])
 
 
 @pytest.fixture(params=["numpy", "torch"])

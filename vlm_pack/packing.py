@@ -22,7 +22,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from functools import lru_cache
-from itertools import accumulate
+from itertools import accumulate, chain
 
 import numpy as np
 import torch
@@ -277,7 +277,10 @@ def _assemble(
     """The PackedBatch from per-sequence pieces (real tokens only, numpy views or tensors) and the layout."""
     numpy = isinstance(tokens[0], np.ndarray)
     gaps, extra = layout.gaps, layout.extra
-    fill = np.array([layout.fill_slots, layout.fill_steps], dtype=np.int64) if layout.fill_slots else None
+    fill = None
+    if layout.fill_slots:  # rows: alignment slot, its sequence's last real slot, distance between them
+        last = [slot - step for slot, step in zip(layout.fill_slots, layout.fill_steps)]
+        fill = np.array([layout.fill_slots, last, layout.fill_steps], dtype=np.int64)
     if not numpy and fill is not None:
         fill = torch.from_numpy(fill).to(device, non_blocking=True)
 
@@ -294,11 +297,11 @@ def _assemble(
             pieces, piece_gaps = [*positions, tail], [*gaps, 0]
         packed_positions = _join(pieces, piece_gaps, 0, 0)
         if fill is not None:
-            slots, steps = fill
+            slots, last, steps = fill
             if numpy:
-                packed_positions[..., slots] = packed_positions[..., slots - steps] + steps.astype(packed_positions.dtype)
+                packed_positions[..., slots] = packed_positions[..., last] + steps.astype(packed_positions.dtype, copy=False)
             else:
-                values = packed_positions.index_select(-1, slots - steps) + steps.to(packed_positions.dtype)
+                values = packed_positions.index_select(-1, last) + steps.to(packed_positions.dtype)
                 packed_positions.index_copy_(-1, slots, values)
 
     if numpy:
@@ -307,7 +310,8 @@ def _assemble(
         fill_mask = torch.zeros(layout.total, dtype=torch.bool, device=device)
     if fill is not None:
         fill_mask[fill[0]] = True
-    fill_mask[layout.width:] = True
+    if extra:
+        fill_mask[layout.width:] = True
 
     def out(value: Piece | None) -> torch.Tensor | None:
         if value is None:
@@ -318,7 +322,9 @@ def _assemble(
         return None if pieces is None else out(_join(pieces, gaps, extra, fill_value))
 
     n_cu = len(layout.cu_real)
-    boundaries = torch.from_numpy(layout.boundaries()).to(device, non_blocking=True)
+    boundaries = torch.from_numpy(layout.boundaries())
+    if not numpy:
+        boundaries = boundaries.to(device, non_blocking=True)
     return PackedBatch(
         tokens=field(tokens, pad_token_id),
         labels=field(labels, IGNORE_INDEX),
@@ -536,76 +542,102 @@ def pack_batch_sequences(
 # ---------------------------------------------------------------- per-sample input
 
 
-def _check_samples(name: str, values: Sequence[torch.Tensor], lengths: list[int], channels: bool) -> None:
-    """One tensor per sample, matching its tokens' length (``[n]``, or ``[C, n]`` with one C where allowed)."""
-    if isinstance(values, torch.Tensor) or len(values) != len(lengths):
-        count = "a tensor" if isinstance(values, torch.Tensor) else f"{len(values)} samples"
-        raise ValueError(f"{name} is {count} but tokens has {len(lengths)} samples; pass a list, one per sample")
-    for index, (value, length) in enumerate(zip(values, lengths)):
-        if (not isinstance(value, torch.Tensor) or value.dim() not in ((1, 2) if channels else (1,))
-                or value.shape[-1] != length):
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+def _samples(name: str, values: object, count: int | None) -> list[Piece]:
+    """One field's samples as tensors or numpy arrays. Python lists are joined and converted in ONE call (what a
+    tokenised dataset yields; a per-sample conversion would cost more than the packing)."""
+    if isinstance(values, (torch.Tensor, np.ndarray, str, bytes)) or not isinstance(values, Sequence) or not values:
+        what = "a padded tensor" if isinstance(values, (torch.Tensor, np.ndarray)) else repr(values)[:40]
+        raise ValueError(
+            f"{name} must be a non-empty list with one 1-D tensor (or list of ids) per sample; got {what}. "
+            "For a padded [B, S] batch use pack_batch_sequences."
+        )
+    if count is not None and len(values) != count:
+        raise ValueError(f"{name} has {len(values)} samples but tokens has {count}; pass one per sample")
+    if isinstance(values[0], torch.Tensor):
+        return list(values)
+    if isinstance(values[0], (list, tuple)):
+        flat = np.array(list(chain.from_iterable(values)))  # ints -> int64; a float or bool shows in the dtype
+        if flat.ndim != 1:
+            raise ValueError(f"{name}: give each sample as a flat list of ints (or a tensor, e.g. [C, n] positions)")
+        if name != "loss_mask" and flat.dtype.kind not in "iu" and flat.size:
+            index, value = next((i, x) for i, sample in enumerate(values) for x in sample
+                                if isinstance(x, bool) or not isinstance(x, (int, np.integer)))
+            raise ValueError(f"{name}[{index}] must hold integer ids; found {value!r}. Pass whole-number ids.")
+        offsets = [0, *accumulate(len(value) for value in values)]
+        return [flat[start:stop] for start, stop in zip(offsets, offsets[1:])]
+    return [value if isinstance(value, torch.Tensor) else np.asarray(value) for value in values]
+
+
+def _check_samples(name: str, values: list[Piece], lengths: list[int] | None, channels: bool) -> None:
+    """One 1-D tensor per sample (``[C, n]`` where ``channels``), ``lengths`` long, integer ids unless loss_mask."""
+    dims = (1, 2) if channels else (1,)
+    for index, value in enumerate(values):
+        if not isinstance(value, (torch.Tensor, np.ndarray)):
+            raise ValueError(f"{name}[{index}] is a {type(value).__name__}; give every sample as a tensor or list")
+        length = value.shape[-1] if lengths is None else lengths[index]
+        if value.ndim not in dims or value.shape[-1] != length:
             expected = f"[{length}] or [C, {length}]" if channels else f"[{length}]"
-            raise ValueError(f"{name}[{index}] is {shape}; expected a tensor {expected} matching tokens[{index}]")
-        if name != "loss_mask":
-            _check_ids(f"{name}[{index}]", value)
+            hint = " (t.reshape(-1) for a [1, n] sample)" if name == "tokens" else f" matching tokens[{index}]"
+            raise ValueError(f"{name}[{index}] has shape {tuple(value.shape)}; expected {expected}{hint}")
+    if name != "loss_mask":
+        for dtype in {value.dtype for value in values}:  # each distinct dtype once
+            index = next(i for i, value in enumerate(values) if value.dtype == dtype)
+            if isinstance(dtype, np.dtype):
+                if dtype.kind not in "iu" and values[index].size:
+                    raise ValueError(f"{name}[{index}] must hold integer ids; got {dtype} values")
+            else:
+                _check_ids(f"{name}[{index}]", values[index])
     if channels and len({value.shape[:-1] for value in values}) > 1:
-        raise ValueError(f"{name} mixes channel counts {sorted({v.dim() and v.shape[:-1] for v in values})}; "
-                         "give every sample the same [C, n] layout")
+        raise ValueError(f"{name} mixes channel layouts; give every sample the same [n] or [C, n] shape")
 
 
 def pack_sequences(
-    tokens: Sequence[torch.Tensor],
-    labels: Sequence[torch.Tensor] | None = None,
-    loss_mask: Sequence[torch.Tensor] | None = None,
-    position_ids: Sequence[torch.Tensor] | None = None,
+    tokens: Sequence[torch.Tensor | Sequence[int]],
+    labels: Sequence[torch.Tensor | Sequence[int]] | None = None,
+    loss_mask: Sequence[torch.Tensor | Sequence[float]] | None = None,
+    position_ids: Sequence[torch.Tensor | Sequence[int]] | None = None,
     *,
     pad_token_id: int = 0,
     pad_to_multiple_of: int = 1,
     pad_to_length: int | None = None,
 ) -> PackedBatch:
-    """Pack a list of per-sample 1-D tensors (what a tokenised dataset yields) into one ``[1, T]`` row.
+    """Pack per-sample sequences (1-D tensors, or lists of ids as a tokenised dataset yields) into one row.
 
     The result equals ``pack_batch_sequences`` on the same samples right-padded into ``[B, S]``, without
-    building that batch: each field is joined with its alignment fill in one ``cat``. Lengths are tensor
-    shapes, so no host sync at all. ``position_ids[i]`` is ``[n_i]`` or ``[C, n_i]`` (mRoPE channels); ``None``
-    restarts at 0 per sample. Empty samples are dropped; order is kept. All tensors on one device.
+    building that batch: each field is joined with its alignment fill in one concatenation. Lengths are known
+    on the host, so there is no host sync at all. ``position_ids[i]`` is ``[n_i]`` or ``[C, n_i]`` (mRoPE
+    channels); ``None`` restarts at 0 per sample. Empty samples are dropped; order is kept. Tensors on one device.
     """
     _check_options(pad_token_id, pad_to_multiple_of, pad_to_length)
-    if isinstance(tokens, torch.Tensor) or not isinstance(tokens, Sequence) or len(tokens) == 0:
-        raise ValueError(
-            "tokens must be a non-empty list of 1-D tensors, one per sample; for a padded [B, S] batch use "
-            "pack_batch_sequences"
-        )
-    for index, value in enumerate(tokens):
-        if not isinstance(value, torch.Tensor) or value.dim() != 1:
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(
-                f"tokens[{index}] is {shape}; expected a 1-D tensor of ids (torch.as_tensor(ids), or t.reshape(-1) "
-                "for a [1, n] sample)"
-            )
-        _check_ids(f"tokens[{index}]", value)
-    all_lengths = [value.shape[0] for value in tokens]
-    fields = (tokens, labels, loss_mask, position_ids)
-    for name, values in zip(("labels", "loss_mask", "position_ids"), fields[1:]):
-        if values is not None:
-            _check_samples(name, values, all_lengths, channels=name == "position_ids")
-    if len({value.device for values in fields if values is not None for value in values}) > 1:
-        raise ValueError("the samples are on several devices; move every tensor to one device first")
+    token_samples = _samples("tokens", tokens, None)
+    _check_samples("tokens", token_samples, None, channels=False)
+    all_lengths = [value.shape[0] for value in token_samples]
+    fields = [token_samples]
+    for name, values in (("labels", labels), ("loss_mask", loss_mask), ("position_ids", position_ids)):
+        samples = None if values is None else _samples(name, values, len(all_lengths))
+        if samples is not None:
+            _check_samples(name, samples, all_lengths, channels=name == "position_ids")
+        fields.append(samples)
+    tensors = [value for samples in fields if samples is not None for value in samples
+               if isinstance(value, torch.Tensor)]
+    devices = {value.device for value in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"the samples are on several devices ({sorted(map(str, devices))}); move them to one")
 
     keep = [index for index, length in enumerate(all_lengths) if length]
     if not keep:
-        raise ValueError(f"all {len(tokens)} samples are empty (no tokens): nothing to pack")
-    picks = keep if len(keep) < len(tokens) else None
-    device = tokens[0].device
-    numpy = all(_numpy_ready(values) for values in fields if values is not None)
+        raise ValueError(f"all {len(all_lengths)} samples are empty (no tokens): nothing to pack")
+    device = devices.pop() if devices else torch.device("cpu")
+    numpy = _numpy_ready(tensors)
 
-    def pieces(values: Sequence[torch.Tensor] | None) -> list[Piece] | None:
-        if values is None:
+    def pieces(samples: list[Piece] | None) -> list[Piece] | None:
+        if samples is None:
             return None
-        chosen = values if picks is None else [values[i] for i in picks]
-        return [value.numpy() for value in chosen] if numpy else list(chosen)
+        chosen = samples if len(keep) == len(samples) else [samples[i] for i in keep]
+        if numpy:
+            return [value.numpy() if isinstance(value, torch.Tensor) else value for value in chosen]
+        return [value if isinstance(value, torch.Tensor) else torch.from_numpy(value).to(device) for value in chosen]
 
     with _OneIntraOpThread(device):
         layout = _layout([all_lengths[i] for i in keep], pad_to_multiple_of, pad_to_length)
-        return _assemble(layout, device, int(pad_token_id), *(pieces(values) for values in fields))
+        return _assemble(layout, device, int(pad_token_id), *(pieces(samples) for samples in fields))
