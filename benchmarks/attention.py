@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import time
@@ -100,7 +101,9 @@ def timed(fn: Callable[[], torch.Tensor], repeats: int, cuda: bool) -> tuple[flo
 
 
 def cpu_rows(sizes: list[int], repeats: int, heads: int = 4, head_dim: int = 32) -> tuple[list[dict], float | None]:
-    """Forward timings on CPU; returns the rows and the one-time flex compile seconds (None if flex failed)."""
+    """Forward timings on CPU, the three methods interleaved round by round (the order rotating), so load on a
+    shared machine hits them alike; ratios are per round. Returns the rows and the one-time flex compile seconds
+    (None if flex failed)."""
     rows, flex_compile = [], None
     flex_ok = available_backends()["flex"].available
     for total in sizes:
@@ -108,32 +111,51 @@ def cpu_rows(sizes: list[int], repeats: int, heads: int = 4, head_dim: int = 32)
         cu = cu_of(lengths, "cpu")
         g = torch.Generator().manual_seed(total)
         q, k, v = (torch.randn(total, heads, head_dim, generator=g) for _ in range(3))
+        mask = block_diagonal_mask(lengths, "cpu")
+        methods = {
+            "sdpa_segments": lambda: varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths),
+                                                      backend="sdpa_segments"),
+            "dense_mask": lambda: dense_mask_attention(q, k, v, mask),
+        }
+        flex_note = ""
         with torch.no_grad():
-            seg_s, seg_out = timed(lambda: varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths),
-                                                            backend="sdpa_segments"), repeats, cuda=False)
-            mask = block_diagonal_mask(lengths, "cpu")
-            mask_s, mask_out = timed(lambda: dense_mask_attention(q, k, v, mask), max(1, repeats // 2), cuda=False)
-            flex_s, flex_err, flex_note = None, None, ""
             if flex_ok:
                 try:
                     start = time.perf_counter()
-                    first = varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), backend="flex")
+                    varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), backend="flex")
                     if flex_compile is None:
                         flex_compile = time.perf_counter() - start
-                    flex_s, flex_out = timed(lambda: varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths),
-                                                                      backend="flex"), repeats, cuda=False)
-                    flex_err = (flex_out - seg_out).abs().max().item()
-                    del first
+                    methods["flex"] = lambda: varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths),
+                                                               backend="flex")
                 except Exception as exc:  # report, don't hide: the table says why flex has no number
                     flex_note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
             else:
                 flex_note = available_backends()["flex"].reason
+            outputs = {name: fn() for name, fn in methods.items()}  # warm-up, and the agreement check
+            times: dict[str, list[float]] = {name: [] for name in methods}
+            names = list(methods)
+            for r in range(repeats):
+                for name in names[r % len(names):] + names[: r % len(names)]:
+                    start = time.perf_counter()
+                    methods[name]()
+                    times[name].append(time.perf_counter() - start)
+        seg = np.asarray(times["sdpa_segments"])
+
+        def ratio(name: str) -> list[float] | None:
+            if name not in times:
+                return None
+            r = np.asarray(times[name]) / seg
+            return [float(np.median(r)), float(r.min()), float(r.max())]
+
         rows.append({
-            "T": total, "segments": len(lengths), "max_len": max(lengths),
+            "T": total, "segments": len(lengths), "max_len": max(lengths), "rounds": repeats,
             "useful_gflop": useful_flops(lengths, heads, head_dim) / 1e9,
-            "sdpa_segments_ms": seg_s * 1e3, "dense_mask_ms": mask_s * 1e3,
-            "flex_ms": None if flex_s is None else flex_s * 1e3,
-            "max_abs_diff_mask": (mask_out - seg_out).abs().max().item(), "max_abs_diff_flex": flex_err,
+            **{f"{name}_ms": float(np.median(t)) * 1e3 for name, t in times.items()},
+            "flex_ms": float(np.median(times["flex"])) * 1e3 if "flex" in times else None,
+            "mask_ratio": ratio("dense_mask"), "flex_ratio": ratio("flex"),
+            "max_abs_diff_mask": (outputs["dense_mask"] - outputs["sdpa_segments"]).abs().max().item(),
+            "max_abs_diff_flex": (outputs["flex"] - outputs["sdpa_segments"]).abs().max().item()
+            if "flex" in outputs else None,
             "flex_note": flex_note,
         })
         print(format_cpu_row(rows[-1]), flush=True)
@@ -141,17 +163,19 @@ def cpu_rows(sizes: list[int], repeats: int, heads: int = 4, head_dim: int = 32)
 
 
 def format_cpu_row(r: dict) -> str:
+    def spread(ratio: list[float] | None) -> str:
+        return "n/a" if ratio is None else f"{ratio[0]:.2f}x ({ratio[1]:.2f}-{ratio[2]:.2f})"
+
     flex = "n/a" if r["flex_ms"] is None else f"{r['flex_ms']:.1f}"
-    flex_ratio = "n/a" if r["flex_ms"] is None else f"{r['flex_ms'] / r['sdpa_segments_ms']:.2f}x"
     flex_diff = "n/a" if r["max_abs_diff_flex"] is None else f"{r['max_abs_diff_flex']:.1e}"
     return (f"| {r['T']} | {r['segments']} | {r['max_len']} | {r['sdpa_segments_ms']:.1f} | {r['dense_mask_ms']:.1f} "
-            f"| {flex} | {r['dense_mask_ms'] / r['sdpa_segments_ms']:.1f}x | {flex_ratio} "
+            f"| {flex} | {spread(r['mask_ratio'])} | {spread(r['flex_ratio'])} "
             f"| {r['useful_gflop'] / (r['sdpa_segments_ms'] / 1e3):.1f} "
             f"| {r['max_abs_diff_mask']:.1e} / {flex_diff} |")
 
 
-CPU_HEADER = ("| T | segments | longest | sdpa_segments ms | dense mask ms | flex ms | mask / segments "
-              "| flex / segments | segments useful GFLOP/s | max abs diff vs segments (mask / flex) |\n"
+CPU_HEADER = ("| T | segments | longest | sdpa_segments ms | dense mask ms | flex ms | mask / segments (range) "
+              "| flex / segments (range) | segments useful GFLOP/s | max abs diff vs segments (mask / flex) |\n"
               "|---|---|---|---|---|---|---|---|---|---|")
 
 
@@ -208,8 +232,9 @@ def write_cpu(rows: list[dict], flex_compile: float | None, args) -> Path:
         "# Packed attention on CPU (forward, fp32)",
         "",
         f"Machine: CPU, 2 cores (shared) — {machine()}. H=4, D=32, causal, Zipf segment lengths "
-        f"(32 * Zipf(1.6) + U[0, 32), capped at T/2). Median of {args.repeats} runs "
-        f"(dense mask: {max(1, args.repeats // 2)}).",
+        f"(32 * Zipf(1.6) + U[0, 32), capped at T/2). {args.repeats} rounds, the three methods interleaved "
+        "(order rotating); times are medians, ratios the median of per-round ratios with their range. "
+        f"Load average at start {args.load:.2f}.",
         "Forward only: FlexAttention has no CPU backward in this torch build.",
         "",
         CPU_HEADER,
@@ -254,7 +279,8 @@ def main() -> None:
                              "machine costs ~10 ms, which would swamp the many small per-segment calls)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    args.repeats = args.repeats or (1 if args.quick else 4)
+    args.repeats = args.repeats or (2 if args.quick else 7)
+    args.load = os.getloadavg()[0]
     RESULTS.mkdir(parents=True, exist_ok=True)
     if not args.gpu_only:
         sizes = [2048] if args.quick else [2048, 8192, 16384]

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vlm_pack import pack_batch_sequences, pad_multiple
+from vlm_pack import pack_batch_sequences, pack_sequences, pad_multiple
+from vlm_pack import packing
 
 
 def right_padded(lengths, pad=0, width=None, start=1):
@@ -208,8 +209,8 @@ def test_pad_to_length_adds_trailing_fill_segment():
 
 
 def test_pad_to_length_too_small():
-    with pytest.raises(ValueError, match="pad_to_length=7 is smaller than the packed width 10"):
-        pack_batch_sequences(right_padded([3, 5]), pad_to_multiple_of=2, pad_to_length=7)
+    with pytest.raises(ValueError, match="pad_to_length=8 is smaller than the packed width 10"):
+        pack_batch_sequences(right_padded([3, 5]), pad_to_multiple_of=2, pad_to_length=8)
 
 
 def test_shape_mismatch_named():
@@ -302,3 +303,195 @@ def test_rows_longer_than_the_fused_reduction_range():
     mask[1, 50_000] = 0
     with pytest.raises(ValueError, match="row 1 is not one contiguous run"):
         pack_batch_sequences(tokens, padding_mask=mask)
+
+
+# --- input checks (issue 12.8): each case used to pass silently or raise a raw error -------------------------
+
+
+def test_fractional_mask_is_an_error_not_a_dropped_row():
+    mask = torch.tensor([[0.5, 0.5, 0.5, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    with pytest.raises(ValueError, match=r"padding_mask / attention_mask must be bool or integer 0/1; got dtype torch\.float32"):
+        pack_batch_sequences(right_padded([3, 2], width=4), padding_mask=mask)
+
+
+@pytest.mark.parametrize("bad", [-1, 2])
+def test_mask_values_other_than_0_1_are_an_error(bad):
+    mask = torch.tensor([[bad, 1, 1, 0], [1, 1, 0, 0]])
+    with pytest.raises(ValueError, match=f"must hold only 0 and 1; found {bad}"):
+        pack_batch_sequences(right_padded([3, 2], width=4), padding_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_float_or_bool_token_ids_are_an_error(dtype):
+    with pytest.raises(ValueError, match=rf"tokens must be an integer tensor \(ids\); got dtype {dtype}"):
+        pack_batch_sequences(right_padded([3, 2]).to(dtype))
+    with pytest.raises(ValueError, match=r"labels must be an integer tensor"):
+        pack_batch_sequences(right_padded([3, 2]), labels=right_padded([3, 2]).to(dtype))
+    with pytest.raises(ValueError, match=r"tokens\[1\] must be an integer tensor"):
+        pack_sequences([torch.tensor([1, 2]), torch.tensor([3]).to(dtype)])
+
+
+def test_pad_to_length_must_keep_the_fill_segment_aligned():
+    with pytest.raises(ValueError, match=r"pad_to_length=11 is not a multiple of pad_to_multiple_of=4.*pad_to_length=12"):
+        pack_batch_sequences(right_padded([3, 2]), pad_to_multiple_of=4, pad_to_length=11)
+    b = pack_batch_sequences(right_padded([3, 2]), pad_to_multiple_of=4, pad_to_length=12)
+    assert (b.cu_seqlens_padded.diff() % 4 == 0).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [({"pad_to_multiple_of": 2.0}, "pad_to_multiple_of must be an int; got 2.0"),
+     ({"pad_to_multiple_of": True}, "pad_to_multiple_of must be an int; got True"),
+     ({"pad_to_multiple_of": 0}, "pad_to_multiple_of must be >= 1; got 0"),
+     ({"pad_to_length": 12.0}, "pad_to_length must be an int; got 12.0"),
+     ({"pad_token_id": 0.5}, "pad_token_id must be an int; got 0.5")],
+)
+def test_non_integer_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        pack_batch_sequences(right_padded([3, 2]), **kwargs)
+    with pytest.raises(ValueError, match=message):
+        pack_sequences([torch.tensor([1, 2])], **kwargs)
+
+
+def test_numpy_integer_arguments_accepted():
+    b = pack_batch_sequences(right_padded([3, 2]), pad_to_multiple_of=np.int64(2), pad_to_length=np.int32(8))
+    assert b.tokens.shape == (1, 8)
+
+
+@pytest.mark.parametrize("shape", [(2, 0), (0, 4)])
+def test_zero_width_or_no_rows_is_a_clear_error(shape):
+    with pytest.raises(ValueError, match=r"tokens has shape .*: no slot to pack"):
+        pack_batch_sequences(torch.zeros(shape, dtype=torch.long))
+
+
+# --- per-sample input --------------------------------------------------------------------------------------
+
+
+def _right_pad(samples, fill=0):
+    width = max(s.shape[-1] for s in samples)
+    out = torch.full((*samples[0].shape[:-1], len(samples), width), fill, dtype=samples[0].dtype)
+    for i, s in enumerate(samples):
+        out[..., i, : s.shape[-1]] = s
+    return out
+
+
+def test_pack_sequences_known_case():
+    b = pack_sequences([torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6, 7, 8])], pad_to_multiple_of=2)
+    assert b.tokens.tolist() == [[1, 2, 3, 0, 4, 5, 6, 7, 8, 0]]
+    assert b.cu_seqlens.tolist() == [0, 3, 8] and b.cu_seqlens_padded.tolist() == [0, 4, 10]
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]]
+    assert b.max_seqlen == 6 and b.padding_mask.sum() == 2
+
+
+def test_pack_sequences_rejects_padded_or_mismatched_input():
+    with pytest.raises(ValueError, match=r"tokens\[0\] has shape \(1, 3\); expected \[3\] \(t.reshape\(-1\)"):
+        pack_sequences([torch.tensor([[1, 2, 3]])])
+    with pytest.raises(ValueError, match="For a padded \\[B, S\\] batch use pack_batch_sequences"):
+        pack_sequences(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(ValueError, match=r"labels\[1\] has shape \(3,\); expected \[2\] matching tokens\[1\]"):
+        pack_sequences([torch.tensor([1]), torch.tensor([1, 2])], labels=[torch.tensor([1]), torch.tensor([1, 2, 3])])
+    with pytest.raises(ValueError, match="labels has 1 samples but tokens has 2"):
+        pack_sequences([torch.tensor([1]), torch.tensor([1, 2])], labels=[torch.tensor([1])])
+    with pytest.raises(ValueError, match="all 2 samples are empty"):
+        pack_sequences([torch.tensor([], dtype=torch.long)] * 2)
+
+
+def test_pack_sequences_from_python_lists():
+    """What a tokenised dataset yields: lists of ids, converted in one go, same result as tensors."""
+    ids = [[5, 6, 7], [], [8, 9]]
+    b = pack_sequences(ids, labels=[[-100, 6, 7], [], [-100, 9]], pad_to_multiple_of=2)
+    t = pack_sequences([torch.tensor(x, dtype=torch.long) for x in ids],
+                       labels=[torch.tensor(x, dtype=torch.long) for x in [[-100, 6, 7], [], [-100, 9]]],
+                       pad_to_multiple_of=2)
+    assert b.tokens.tolist() == t.tokens.tolist() == [[5, 6, 7, 0, 8, 9]]
+    assert torch.equal(b.labels, t.labels) and torch.equal(b.position_ids, t.position_ids)
+    assert b.cu_seqlens.tolist() == [0, 3, 5]
+    with pytest.raises(ValueError, match=r"tokens\[1\] must hold integer ids; found 3.5"):
+        pack_sequences([[1, 2], [3.5]])
+    with pytest.raises(ValueError, match=r"labels\[0\] must hold integer ids; found True"):
+        pack_sequences([[1, 2]], labels=[[True, False]])
+
+
+@pytest.fixture(params=["numpy", "torch"])
+def path(request, monkeypatch):
+    """Run a test on the CPU numpy path and on the torch path (what GPUs and exotic dtypes take)."""
+    if request.param == "torch":
+        monkeypatch.setattr(packing, "_numpy_ready", lambda values: False)
+    return request.param
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    lengths=st.lists(st.integers(0, 12), min_size=1, max_size=6).filter(any),
+    m=st.sampled_from([1, 2, 4]),
+    channels=st.sampled_from([0, 3]),
+    spare=st.sampled_from([None, 0, 8]),
+)
+def test_per_sample_and_torch_path_equal_the_padded_numpy_path(lengths, m, channels, spare):
+    """pack_sequences(samples) and the torch path give exactly what pack_batch_sequences gives on CPU for the
+    same samples right-padded (itself checked against known cases and the unpack round trip above)."""
+    rng = np.random.default_rng(sum(lengths) + m)
+    tokens = [torch.from_numpy(rng.integers(1, 99, size=n)) for n in lengths]
+    labels = [t * 3 for t in tokens]
+    loss_mask = [torch.ones(n, dtype=torch.float32) for n in lengths]
+    positions = None
+    if channels:
+        positions = [torch.from_numpy(rng.integers(0, 50, size=(channels, n))) for n in lengths]
+    width = sum(-(-n // m) * m for n in lengths)
+    options = {"pad_to_multiple_of": m, "pad_to_length": None if spare is None else width + spare}
+
+    def padded():
+        return pack_batch_sequences(
+            _right_pad(tokens), _right_pad(labels, -100), _right_pad(loss_mask),
+            position_ids=None if positions is None else _right_pad(positions),
+            padding_mask=_right_pad([torch.ones(n, dtype=torch.long) for n in lengths]), **options,
+        )
+
+    def direct():
+        return pack_sequences(tokens, labels, loss_mask, positions, **options)
+
+    reference = padded()
+    results = [direct()]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(packing, "_numpy_ready", lambda values: False)
+        results += [padded(), direct()]
+    for result in results:
+        for name in ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "cu_seqlens_padded",
+                     "seq_lengths", "padding_mask"):
+            assert torch.equal(getattr(result, name), getattr(reference, name)), name
+        assert result.max_seqlen == reference.max_seqlen
+
+
+def test_known_case_on_both_paths(path):
+    b = pack_batch_sequences(right_padded([3, 2]), torch.ones(2, 3, dtype=torch.long), pad_to_multiple_of=2,
+                             pad_to_length=10)
+    assert b.tokens.tolist() == [[1, 2, 3, 0, 4, 5, 0, 0, 0, 0]]
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 0, 1, 2, 3]]
+    assert b.padding_mask.tolist() == [[False] * 3 + [True] + [False] * 2 + [True] * 4]
+    assert b.cu_seqlens_padded.tolist() == [0, 4, 6, 10] and b.cu_seqlens.tolist() == [0, 3, 5, 5]
+    left = pack_batch_sequences(torch.tensor([[0, 7, 8], [9, 0, 0]]), padding_mask=torch.tensor([[0, 1, 1], [1, 0, 0]]))
+    assert left.tokens.tolist() == [[7, 8, 9]]
+
+
+def test_bfloat16_loss_mask_takes_the_torch_path():
+    b = pack_batch_sequences(right_padded([3, 2]), loss_mask=torch.ones(2, 3, dtype=torch.bfloat16), pad_to_multiple_of=2)
+    assert b.loss_mask.dtype == torch.bfloat16 and b.loss_mask.tolist() == [[1, 1, 1, 0, 1, 1]]
+
+
+# --- threads -----------------------------------------------------------------------------------------------
+
+
+def test_cpu_packing_runs_on_one_intra_op_thread_and_restores_the_setting(monkeypatch):
+    """Parallel kernels on tiny tensors stall when another core is busy (issue 15.2): the core pins 1 thread."""
+    seen = []
+    real_join = packing._join
+    monkeypatch.setattr(packing, "_join", lambda *a: seen.append(torch.get_num_threads()) or real_join(*a))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        pack_batch_sequences(right_padded([3, 2]), pad_to_multiple_of=2)
+        pack_sequences([torch.tensor([1, 2])])
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

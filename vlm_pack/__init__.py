@@ -16,6 +16,7 @@ _LAZY = {
     "get_packed_seq_params": "packed_seq_params",
     "PackedBatch": "packing",
     "pack_batch_sequences": "packing",
+    "pack_sequences": "packing",
     "pad_multiple": "packing",
     "VLMPackingCollator": "collator",
     "CollatorStats": "collator",
