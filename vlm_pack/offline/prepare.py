@@ -300,7 +300,7 @@ def flat_list_column(dataset, name: str, dtype) -> tuple[np.ndarray, np.ndarray]
     return np.concatenate(values), np.concatenate(lengths)
 
 
-def pack_split(samples: TokenizedSplit, pack_size: int, *, algorithm: str = "first_fit_decreasing", seed: int = 0,
+def pack_split(samples: TokenizedSplit, pack_size: int, *, algorithm: str = "best_fit_decreasing", seed: int = 0,
                pad_seq_to_mult: int = 1, split: str = "training") -> tuple[PackedArrays, PackingStats]:
     """Bin-pack one tokenised split; returns the arrays to write (samples regrouped pack by pack) and stats."""
     lengths = samples.lengths
@@ -340,7 +340,7 @@ def prepare_packed_sequence_data(
     response_field: str = "response",
     messages_field: str = "messages",
     max_seq_length: int | None = None,
-    algorithm: str = "first_fit_decreasing",
+    algorithm: str = "best_fit_decreasing",
     seed: int = 0,
     pad_seq_to_mult: int = 1,
     num_proc: int = 1,
