@@ -31,6 +31,7 @@ import argparse
 import ctypes
 import gc
 import importlib.util
+import os
 import platform
 import statistics
 import subprocess
@@ -49,6 +50,7 @@ HERE = Path(__file__).parent
 SHORT = {"first_fit_decreasing": "FFD", "best_fit_decreasing": "BFD", "first_fit_shuffle": "FFS",
          "best_fit_shuffle": "BFS"}
 MB_ALGORITHMS = "src/megatron/bridge/data/packing/algorithms.py"
+SLOW_PEER_S = 30.0  # a peer size expected (linearly) to take longer than this runs one round, not --rounds
 
 
 def sharegpt_lengths(n: int, pack_size: int, seed: int = 0) -> np.ndarray:
@@ -189,7 +191,9 @@ def run_mb(mb, algorithm: str, lengths: np.ndarray, pack_size: int):
 
 def run_trl(pack_dataset, lengths: np.ndarray, pack_size: int):
     import pyarrow as pa
-    from datasets import Dataset
+    from datasets import Dataset, disable_progress_bars
+
+    disable_progress_bars()
 
     offsets = np.concatenate(([0], np.cumsum(lengths)))
     column = pa.LargeListArray.from_arrays(pa.array(offsets), pa.nulls(int(offsets[-1])))  # no token memory
@@ -244,7 +248,8 @@ def ours_section(sets: dict[str, np.ndarray], pack_size: int, rounds: int) -> li
 def peer_section(lengths_all: np.ndarray, pack_size: int, sizes: list[int], rounds: int, mb, trl,
                  estimate_to: int) -> list[str]:
     lines = ["", f"## Side by side with the peers (real ShareGPT lengths, pack size {pack_size})", "",
-             "Each cell: peer wall time median [min-max] over the rounds; ratio: median [min-max] of the paired "
+             f"Each cell: peer wall time median [min-max] over the rounds ({rounds}; one where a peer run takes over "
+             f"{SLOW_PEER_S:.0f} s); ratio: median [min-max] of the paired "
              "ratios peer / ours (ours run in the same round, alternating who goes first). \"same packs\": the "
              "sorted pack loads are identical.", "",
              "| n | comparison | ours | peer | peer / ours (wall) | peer / ours (CPU) | peer extra memory "
@@ -261,7 +266,8 @@ def peer_section(lengths_all: np.ndarray, pack_size: int, sizes: list[int], roun
         for n in sizes:
             lengths = lengths_all[:n]
             ours, theirs, ratios, cpu_ratios, same = Series(), Series(), [], [], True
-            for r in range(rounds):
+            slow = last is not None and last[1] * n / last[0] > SLOW_PEER_S  # one round of a slow peer
+            for r in range(1 if slow else rounds):
                 for who in (("ours", "peer") if r % 2 == 0 else ("peer", "ours")):
                     if who == "ours":
                         run, bin_ids = measure(lambda: pack_lengths(lengths, pack_size, algorithm, seed=0))
@@ -315,7 +321,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3, --quick 1)")
     parser.add_argument("--output", default=None, help="markdown output (default benchmarks/results/packing_cpu.md)")
     args = parser.parse_args(argv)
-    started = time.perf_counter()
+    started, load_start = time.perf_counter(), os.getloadavg()[0]
     _exact_malloc()
     pack_size, big = 4096, 1_000_000 if args.quick else 10_000_000
     rounds = args.rounds or (1 if args.quick else 3)
@@ -344,7 +350,8 @@ def main(argv=None) -> int:
     lines += peer_section(real, pack_size, peer_sizes, rounds, mb, trl, big)
     if not args.quick:
         lines += sweep_section(sharegpt_lengths(1_000_000, 8192, seed=1), 1_000_000)
-    lines += ["", f"Total benchmark wall time: {time.perf_counter() - started:.0f} s."]
+    lines += ["", f"Total benchmark wall time: {time.perf_counter() - started:.0f} s. Load average (1 min) at the "
+              f"start / end: {load_start:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores."]
     text = "\n".join(lines) + "\n"
     print()
     print(text)

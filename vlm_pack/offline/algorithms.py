@@ -91,21 +91,45 @@ def _room_dtype(pack_size: int):
     return np.int16 if pack_size < 2**15 else np.int32 if pack_size < 2**31 else np.int64
 
 
-def _decreasing_order(lengths: np.ndarray, pack_size: int) -> np.ndarray:
-    """Sample indices by decreasing length, ties in dataset order (a radix sort on 16-bit keys: O(n))."""
-    key = (pack_size - lengths).astype(np.uint16 if pack_size < 2**16 else np.int64)
-    return np.argsort(key, kind="stable")
+def _in_decreasing_order(lengths: np.ndarray, pack_size: int, place) -> np.ndarray:
+    """Run ``place`` over the samples by decreasing length, ties in dataset order; pack ids in dataset order.
 
-
-def _shuffled_order(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).permutation(n)
-
-
-def _first_fit(lengths: np.ndarray, order: np.ndarray, pack_size: int) -> np.ndarray:
-    """First fit in ``order`` (see :func:`_first_fit_loop`)."""
+    No sort: the decreasing sequence of lengths is a run of each length value (``np.repeat`` of a histogram),
+    and a sample's position in it is where its length's run starts plus how many samples of the same length
+    come before it in the dataset, which one sequential pass (:func:`_unsort_loop`) reads back.
+    """
     if not len(lengths):
         return np.empty(0, dtype=np.int64)
-    limit = _max_bins(lengths, pack_size)
+    counts = np.bincount(lengths)
+    values = np.arange(len(counts) - 1, -1, -1, dtype=_room_dtype(pack_size))
+    placed = place(np.repeat(values, counts[::-1]), pack_size, _max_bins(lengths, pack_size))
+    run_start = np.cumsum(counts[::-1])[::-1] - counts  # samples longer than each length
+    bin_ids = np.empty(len(lengths), dtype=np.int64)
+    _kernels()[2](lengths, run_start, placed, bin_ids)
+    return bin_ids
+
+
+def _unsort_loop(lengths, run_start, placed, bin_ids):
+    """``bin_ids[i]`` = the pack placed for sample i, found at the next free slot of its length's run."""
+    for i in range(len(lengths)):
+        length = lengths[i]
+        bin_ids[i] = placed[run_start[length]]
+        run_start[length] += 1
+
+
+def _in_shuffled_order(lengths: np.ndarray, pack_size: int, seed: int, place) -> np.ndarray:
+    """Run ``place`` over the samples in a random order drawn from ``seed``; pack ids in dataset order."""
+    if not len(lengths):
+        return np.empty(0, dtype=np.int64)
+    order = np.random.default_rng(seed).permutation(len(lengths))
+    placed = place(lengths.astype(_room_dtype(pack_size))[order], pack_size, _max_bins(lengths, pack_size))
+    bin_ids = np.empty(len(lengths), dtype=np.int64)
+    bin_ids[order] = placed
+    return bin_ids
+
+
+def _first_fit(needs: np.ndarray, pack_size: int, limit: int) -> np.ndarray:
+    """Pack id of each of ``needs`` (lengths in processing order) by first fit (see :func:`_first_fit_loop`)."""
     sizes = [-(-limit // _FANOUT) * _FANOUT]  # leaf level: one room per potential pack
     while sizes[0] > 1:
         sizes.insert(0, -(-(sizes[0] // _FANOUT) // _FANOUT) * _FANOUT if sizes[0] > _FANOUT else 1)
@@ -115,18 +139,18 @@ def _first_fit(lengths: np.ndarray, order: np.ndarray, pack_size: int) -> np.nda
     for k in range(len(sizes) - 2, -1, -1):  # every node holds the largest room below it
         below = tree[starts[k + 1]:starts[k + 2]].reshape(-1, _FANOUT).max(axis=1)
         tree[starts[k]:starts[k] + len(below)] = below
-    placed = np.empty(len(lengths), dtype=np.int32 if limit < 2**31 else np.int64)
-    _check_bound(_kernels()[0](_gather(lengths, order, pack_size), tree, starts, placed), limit)
-    return _scatter(placed, order)
+    placed = np.empty(len(needs), dtype=np.int32 if limit < 2**31 else np.int64)
+    _check_bound(_kernels()[0](needs, tree, starts, placed), limit)
+    return placed
 
 
-_FANOUT = 16  # children per node of the first-fit max tree: 16 int16 rooms per 32-byte node, 6 levels for 10M
+_FANOUT = 8  # children per node of the first-fit max tree (measured best of 4..32 at 10M lengths; 8 levels)
 
 
 def _first_fit_loop(needs, tree, starts, placed):
-    """Max tree stored level by level in ``tree`` (level k from ``starts[k]``; node j's children are j*16..j*16+15
+    """Max tree stored level by level in ``tree`` (level k from ``starts[k]``; node j's children are j*8..j*8+7
     of the next level; the last level holds every potential pack's room); returns the packs opened, or -1."""
-    fanout = 16
+    fanout = _FANOUT
     last = len(starts) - 2
     leaves = starts[last]
     opened = 0
@@ -156,30 +180,15 @@ def _first_fit_loop(needs, tree, starts, placed):
     return opened
 
 
-def _gather(lengths: np.ndarray, order: np.ndarray, pack_size: int) -> np.ndarray:
-    """Lengths in processing order, in the narrowest integer type that holds the pack size (less memory)."""
-    return lengths.astype(_room_dtype(pack_size))[order]
-
-
-def _scatter(placed: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """Pack ids in dataset order from pack ids in processing order."""
-    bin_ids = np.empty(len(order), dtype=np.int64)
-    bin_ids[order] = placed
-    return bin_ids
-
-
-def _best_fit(lengths: np.ndarray, order: np.ndarray, pack_size: int) -> np.ndarray:
-    """Best fit in ``order`` (see :func:`_best_fit_loop`)."""
-    if not len(lengths):
-        return np.empty(0, dtype=np.int64)
-    limit = _max_bins(lengths, pack_size)
+def _best_fit(needs: np.ndarray, pack_size: int, limit: int) -> np.ndarray:
+    """Pack id of each of ``needs`` (lengths in processing order) by best fit (see :func:`_best_fit_loop`)."""
     index = np.int32 if limit < 2**31 else np.int64
     words = np.zeros(pack_size // 64 + 1, dtype=np.uint64)  # bit r % 64 of word r // 64: a pack has room r
     top = np.full(pack_size + 1, -1, dtype=index)  # per room value: the pack that got it last, -1 if none
     below = np.empty(limit, dtype=index)  # per pack: the next pack down its room's stack
-    placed = np.empty(len(lengths), dtype=index)
-    _check_bound(_kernels()[1](_gather(lengths, order, pack_size), pack_size, words, top, below, placed), limit)
-    return _scatter(placed, order)
+    placed = np.empty(len(needs), dtype=index)
+    _check_bound(_kernels()[1](needs, pack_size, words, top, below, placed), limit)
+    return placed
 
 
 def _best_fit_loop(needs, pack_size, words, top, below, placed):
@@ -235,31 +244,31 @@ def _kernels():
     except ImportError as exc:  # a dependency of vlm_pack; only a broken install gets here
         raise ImportError("vlm_pack's packing algorithms need numba: pip install numba") from exc
     jit = numba.njit(cache=True, nogil=True)
-    return jit(_first_fit_loop), jit(_best_fit_loop)
+    return jit(_first_fit_loop), jit(_best_fit_loop), jit(_unsort_loop)
 
 
 def first_fit_decreasing(lengths, pack_size: int) -> np.ndarray:
     """First fit over samples sorted by decreasing length; returns the pack id of every sample."""
     lengths, pack_size = check_lengths(lengths, pack_size), check_pack_size(pack_size)
-    return _first_fit(lengths, _decreasing_order(lengths, pack_size), pack_size)
+    return _in_decreasing_order(lengths, pack_size, _first_fit)
 
 
 def best_fit_decreasing(lengths, pack_size: int) -> np.ndarray:
     """Best fit over samples sorted by decreasing length; returns the pack id of every sample."""
     lengths, pack_size = check_lengths(lengths, pack_size), check_pack_size(pack_size)
-    return _best_fit(lengths, _decreasing_order(lengths, pack_size), pack_size)
+    return _in_decreasing_order(lengths, pack_size, _best_fit)
 
 
 def first_fit_shuffle(lengths, pack_size: int, seed: int = 0) -> np.ndarray:
     """First fit over the samples in a random order drawn from ``seed``."""
     lengths, pack_size = check_lengths(lengths, pack_size), check_pack_size(pack_size)
-    return _first_fit(lengths, _shuffled_order(len(lengths), seed), pack_size)
+    return _in_shuffled_order(lengths, pack_size, seed, _first_fit)
 
 
 def best_fit_shuffle(lengths, pack_size: int, seed: int = 0) -> np.ndarray:
     """Best fit over the samples in a random order drawn from ``seed``."""
     lengths, pack_size = check_lengths(lengths, pack_size), check_pack_size(pack_size)
-    return _best_fit(lengths, _shuffled_order(len(lengths), seed), pack_size)
+    return _in_shuffled_order(lengths, pack_size, seed, _best_fit)
 
 
 _FUNCTIONS = {
