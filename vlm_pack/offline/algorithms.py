@@ -1,45 +1,36 @@
-"""Bin packing of sample lengths into fixed-size packs, fast enough for millions of samples.
+"""Bin packing of sample lengths into fixed-size packs, fast enough for tens of millions of samples.
 
 Every algorithm takes a 1-D integer array of sample lengths and a pack size and returns a flat ``bin_ids``
 array (int64, one pack index per sample, packs numbered 0..P-1 in the order they were opened). The flat form
 is cheap for 10M samples and vectorises well; :func:`group_by_pack` turns it into (sample order, offsets).
 
-Algorithms (all exact, deterministic for a seed):
+Algorithms (all exact and deterministic; the shuffle variants for a given seed):
 
-* ``first_fit_decreasing`` - samples by decreasing length (ties: dataset order), each into the leftmost pack
-  with room. Sorted lengths come in runs of equal length (at most pack_size distinct values), and first fit
-  places a run of identical items by filling the eligible packs left to right, so a whole run is placed at
-  once: a 64-ary max tree over remaining capacities (numpy arrays, one per level) finds the leftmost eligible
-  packs level by level, keeping only as many candidates as the run needs. O(n + D * depth) numpy calls
-  (D = distinct lengths), no per-item Python work.
-* ``best_fit_decreasing`` - same order, each sample into the fullest pack that still fits. Best fit only
-  depends on how many packs have each remaining capacity (integers 0..pack_size), so a run of identical
-  items is placed with one vectorised pass over a count-per-capacity array.
-* ``first_fit_shuffle`` / ``best_fit_shuffle`` - the same rules in a seeded random order (packs of mixed
-  lengths). A random order has no runs, so these place one sample at a time with O(log) work: a binary max
-  tree in a Python list (first fit; early exit on the way up) and a two-level bitmap over capacities (best
-  fit): about 1-3 us per sample in CPython, the slow pair.
+* ``first_fit_decreasing`` / ``first_fit_shuffle`` - samples by decreasing length (ties: dataset order) or in
+  a random order drawn from ``seed``; each goes into the LOWEST-NUMBERED pack with room, a new pack if none.
+* ``best_fit_decreasing`` / ``best_fit_shuffle`` - same orders; each goes into the FULLEST pack that still
+  fits. Ties between packs with the same remaining room go to the pack that was filled most recently (any
+  tie rule gives the same pack loads: best fit only looks at remaining room).
 
-The decreasing variants fall back to the item-by-item loops when runs are short (few samples per distinct
-length, e.g. 10k samples): same result, less overhead.
+Both rules place one sample at a time in O(log) work, in a loop compiled by numba (a dependency): first fit
+descends a max tree over the remaining room of every potential pack (unopened packs are full leaves to the
+right of the open ones, so "leftmost leaf with room" also opens packs in order); best fit looks up the
+smallest sufficient room in a bitmap over room values 0..pack_size (lengths are integers <= pack_size) and
+keeps, per room value, a linked stack of the packs with that room. 10M samples take well under a second
+after the one-off compilation, which numba caches on disk. All working arrays are allocated here, in numpy.
 
-Ties between packs with the same remaining capacity in best fit go to the pack that reached that capacity
-last; any tie rule gives the same pack loads, because best fit only looks at capacities.
-
-``naive_first_fit`` / ``naive_best_fit`` are the textbook quadratic versions, kept as the oracle for tests and
-the baseline of ``benchmarks/packing.py``.
+``naive_first_fit`` / ``naive_best_fit`` are the textbook quadratic versions of the same rules, kept as the
+test oracle and the baseline of ``benchmarks/packing.py``.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 ALGORITHMS = ("first_fit_decreasing", "first_fit_shuffle", "best_fit_decreasing", "best_fit_shuffle")
-
-_BRANCHING = 64  # children per node of the vectorised max tree: few levels, so few numpy calls per run
-
 
 @dataclass(frozen=True)
 class PackingStats:
@@ -55,15 +46,24 @@ class PackingStats:
     min_packed_seqlen: int
 
 
+def check_pack_size(pack_size) -> int:
+    """Validate a pack size (a Python or numpy integer >= 1, not a bool or float) and return it as an int."""
+    if isinstance(pack_size, (bool, np.bool_)) or not isinstance(pack_size, (int, np.integer)):
+        raise ValueError(f"pack_size must be an integer number of tokens, got {pack_size!r} "
+                         f"({type(pack_size).__name__}); pass e.g. pack_size=4096")
+    if pack_size < 1:
+        raise ValueError(f"pack_size must be >= 1, got {pack_size}")
+    return int(pack_size)
+
+
 def check_lengths(lengths, pack_size: int) -> np.ndarray:
     """Validate a length array (1-D, integer, 1 <= length <= pack_size) and return it as int64."""
+    pack_size = check_pack_size(pack_size)
     arr = np.asarray(lengths)
     if arr.ndim != 1:
         raise ValueError(f"lengths must be a 1-D array, got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
         raise ValueError(f"lengths must be integers, got dtype {arr.dtype}")
-    if int(pack_size) < 1:
-        raise ValueError(f"pack_size must be >= 1, got {pack_size}")
     arr = arr.astype(np.int64, copy=False)
     if arr.size == 0:
         return arr
@@ -82,272 +82,193 @@ def check_lengths(lengths, pack_size: int) -> np.ndarray:
 
 
 def _max_bins(lengths: np.ndarray, pack_size: int) -> int:
-    """Upper bound on packs used by any first/best-fit variant: all packs but one are more than half full."""
+    """Upper bound on packs opened by first or best fit: no two packs are both at most half full (the item that
+    opened the later one would have fitted the earlier one), so all packs but one hold more than pack_size / 2."""
     return min(len(lengths), 2 * int(lengths.sum()) // pack_size + 2)
 
 
-def _decreasing_runs(lengths: np.ndarray, pack_size: int):
-    """Sample indices by decreasing length (stable), and the start offsets of runs of equal length."""
-    key = (pack_size - lengths).astype(np.uint16 if pack_size < 2**16 else np.int64)
-    order = np.argsort(key, kind="stable")  # radix sort for 16-bit keys: O(n)
-    sorted_len = lengths[order]
-    starts = np.concatenate(([0], np.flatnonzero(np.diff(sorted_len)) + 1, [len(order)]))
-    return order, sorted_len, starts
+def _room_dtype(pack_size: int):
+    return np.int16 if pack_size < 2**15 else np.int32 if pack_size < 2**31 else np.int64
 
 
-def _decreasing(lengths, pack_size: int, by_runs, in_order) -> np.ndarray:
-    """Shared driver of the ``*_decreasing`` variants: whole runs of equal lengths when that pays off.
+def _in_decreasing_order(lengths: np.ndarray, pack_size: int, place) -> np.ndarray:
+    """Run ``place`` over the samples by decreasing length, ties in dataset order; pack ids in dataset order.
 
-    Whole-run placement (``by_runs``) costs ~20 us of numpy calls per run, item by item (``in_order``) ~1-2 us
-    per item; both give the same packs.
+    No sort: the decreasing sequence of lengths is a run of each length value (``np.repeat`` of a histogram),
+    and a sample's position in it is where its length's run starts plus how many samples of the same length
+    come before it in the dataset, which one sequential pass (:func:`_unsort_loop`) reads back.
     """
-    lengths = check_lengths(lengths, pack_size)
-    if len(lengths) == 0:
+    if not len(lengths):
         return np.empty(0, dtype=np.int64)
-    order, sorted_len, starts = _decreasing_runs(lengths, pack_size)
-    if len(lengths) <= 16 * (len(starts) - 1):  # 16 items or fewer per run: item by item is cheaper
-        return in_order(lengths, order, pack_size)
-    return by_runs(lengths, order, sorted_len, starts, pack_size)
+    counts = np.bincount(lengths)
+    values = np.arange(len(counts) - 1, -1, -1, dtype=_room_dtype(pack_size))
+    placed = place(np.repeat(values, counts[::-1]), pack_size, _max_bins(lengths, pack_size))
+    run_start = np.cumsum(counts[::-1])[::-1] - counts  # samples longer than each length
+    bin_ids = np.empty(len(lengths), dtype=np.int64)
+    _kernels()[2](lengths, run_start, placed, bin_ids)
+    return bin_ids
 
 
-def _shuffled(lengths, pack_size: int, seed: int, in_order) -> np.ndarray:
-    """Shared driver of the ``*_shuffle`` variants: one item at a time in a random order drawn from ``seed``."""
-    lengths = check_lengths(lengths, pack_size)
+def _unsort_loop(lengths, run_start, placed, bin_ids):
+    """``bin_ids[i]`` = the pack placed for sample i, found at the next free slot of its length's run."""
+    for i in range(len(lengths)):
+        length = lengths[i]
+        bin_ids[i] = placed[run_start[length]]
+        run_start[length] += 1
+
+
+def _in_shuffled_order(lengths: np.ndarray, pack_size: int, seed: int, place) -> np.ndarray:
+    """Run ``place`` over the samples in a random order drawn from ``seed``; pack ids in dataset order."""
+    if not len(lengths):
+        return np.empty(0, dtype=np.int64)
     order = np.random.default_rng(seed).permutation(len(lengths))
-    return in_order(lengths, order, pack_size)
+    placed = place(lengths.astype(_room_dtype(pack_size))[order], pack_size, _max_bins(lengths, pack_size))
+    bin_ids = np.empty(len(lengths), dtype=np.int64)
+    bin_ids[order] = placed
+    return bin_ids
+
+
+def _first_fit(needs: np.ndarray, pack_size: int, limit: int) -> np.ndarray:
+    """Pack id of each of ``needs`` (lengths in processing order) by first fit (see :func:`_first_fit_loop`)."""
+    sizes = [-(-limit // _FANOUT) * _FANOUT]  # leaf level: one room per potential pack
+    while sizes[0] > 1:
+        sizes.insert(0, -(-(sizes[0] // _FANOUT) // _FANOUT) * _FANOUT if sizes[0] > _FANOUT else 1)
+    starts = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+    tree = np.zeros(starts[-1], dtype=_room_dtype(pack_size))
+    tree[starts[-2]:starts[-2] + limit] = pack_size  # padding leaves stay 0: never eligible
+    for k in range(len(sizes) - 2, -1, -1):  # every node holds the largest room below it
+        below = tree[starts[k + 1]:starts[k + 2]].reshape(-1, _FANOUT).max(axis=1)
+        tree[starts[k]:starts[k] + len(below)] = below
+    placed = np.empty(len(needs), dtype=np.int32 if limit < 2**31 else np.int64)
+    _check_bound(_kernels()[0](needs, tree, starts, placed), limit)
+    return placed
+
+
+_FANOUT = 8  # children per node of the first-fit max tree (measured best of 4..32 at 10M lengths; 8 levels)
+
+
+def _first_fit_loop(needs, tree, starts, placed):
+    """Max tree stored level by level in ``tree`` (level k from ``starts[k]``; node j's children are j*8..j*8+7
+    of the next level; the last level holds every potential pack's room); returns the packs opened, or -1."""
+    fanout = _FANOUT
+    last = len(starts) - 2
+    leaves = starts[last]
+    opened = 0
+    for t in range(len(needs)):
+        need = needs[t]
+        if tree[0] < need:
+            return -1
+        j = 0
+        for k in range(1, last + 1):  # descend: the leftmost child with room >= need, level by level
+            base = starts[k] + j * fanout
+            c = 0
+            while tree[base + c] < need:
+                c += 1
+            j = j * fanout + c
+        tree[leaves + j] -= need
+        placed[t] = j
+        opened = max(opened, j + 1)
+        for k in range(last - 1, -1, -1):  # refresh the maxima above; stop where nothing changes
+            j //= fanout
+            base = starts[k + 1] + j * fanout
+            best = tree[base]
+            for c in range(1, fanout):
+                best = max(best, tree[base + c])
+            if tree[starts[k] + j] == best:
+                break
+            tree[starts[k] + j] = best
+    return opened
+
+
+def _best_fit(needs: np.ndarray, pack_size: int, limit: int) -> np.ndarray:
+    """Pack id of each of ``needs`` (lengths in processing order) by best fit (see :func:`_best_fit_loop`)."""
+    index = np.int32 if limit < 2**31 else np.int64
+    words = np.zeros(pack_size // 64 + 1, dtype=np.uint64)  # bit r % 64 of word r // 64: a pack has room r
+    top = np.full(pack_size + 1, -1, dtype=index)  # per room value: the pack that got it last, -1 if none
+    below = np.empty(limit, dtype=index)  # per pack: the next pack down its room's stack
+    placed = np.empty(len(needs), dtype=index)
+    _check_bound(_kernels()[1](needs, pack_size, words, top, below, placed), limit)
+    return placed
+
+
+def _best_fit_loop(needs, pack_size, words, top, below, placed):
+    """Bitmap of the room values some open pack has, plus a stack of packs per room value (linked through
+    ``below``); returns the number of packs opened, or -1 if ``below`` ran out."""
+    one = np.uint64(1)
+    opened = 0
+    for t in range(len(needs)):
+        need = np.int64(needs[t])
+        room = need  # smallest room >= need that some open pack has, or -1
+        bits = words[need >> 6] >> np.uint64(need & 63)
+        if not bits:
+            for v in range((need >> 6) + 1, len(words)):
+                if words[v]:
+                    bits, room = words[v], v << 6
+                    break
+        if bits:
+            while not bits & one:
+                bits >>= one
+                room += 1
+        else:
+            room = -1
+        if room < 0:  # nothing fits: open a pack
+            if opened == len(below):
+                return -1
+            b = opened
+            opened += 1
+            room = pack_size
+        else:  # pop the most recently filled pack with that room
+            b = top[room]
+            top[room] = below[b]
+            if top[room] < 0:
+                words[room >> 6] &= ~(one << np.uint64(room & 63))
+        placed[t] = b
+        room -= need
+        if room > 0:  # push it onto the stack of its new room
+            below[b] = top[room]
+            top[room] = b
+            words[room >> 6] |= one << np.uint64(room & 63)
+    return opened
+
+
+def _check_bound(opened: int, limit: int) -> None:
+    if opened < 0:
+        raise RuntimeError(f"packing opened more than the proven bound of {limit} packs; please report this bug")
+
+
+@functools.cache
+def _kernels():
+    """The compiled loops (numba; compiled on first use, cached on disk across processes)."""
+    try:
+        import numba
+    except ImportError as exc:  # a dependency of vlm_pack; only a broken install gets here
+        raise ImportError("vlm_pack's packing algorithms need numba: pip install numba") from exc
+    jit = numba.njit(cache=True, nogil=True)
+    return jit(_first_fit_loop), jit(_best_fit_loop), jit(_unsort_loop)
 
 
 def first_fit_decreasing(lengths, pack_size: int) -> np.ndarray:
     """First fit over samples sorted by decreasing length; returns the pack id of every sample."""
-    return _decreasing(lengths, pack_size, _first_fit_by_runs, _first_fit_in_order)
-
-
-def _first_fit_by_runs(lengths, order, sorted_len, starts, pack_size: int) -> np.ndarray:
-    """First fit decreasing, one run of equal lengths at a time (see :class:`_CapacityTree`)."""
-    bin_ids = np.empty(len(lengths), dtype=np.int64)
-    tree = _CapacityTree(_max_bins(lengths, pack_size), pack_size)
-    for s, e in zip(starts[:-1].tolist(), starts[1:].tolist()):
-        bin_ids[order[s:e]] = tree.place_run(int(sorted_len[s]), e - s)
-    return bin_ids
-
-
-class _CapacityTree:
-    """B-ary max tree over the remaining capacity of every potential pack, one numpy array per level.
-
-    Unopened packs are leaves at full capacity to the right of the open ones, so "leftmost leaf with room"
-    also opens new packs in order. Padding leaves hold 0 (never eligible: lengths are >= 1).
-    """
-
-    def __init__(self, num_leaves: int, pack_size: int):
-        dtype = np.int16 if pack_size < 2**15 else np.int32
-        self.levels: list[np.ndarray] = []
-        size = num_leaves
-        while True:
-            level = np.zeros(-(-size // _BRANCHING) * _BRANCHING, dtype=dtype)
-            level[:size] = pack_size
-            self.levels.append(level)
-            if size == 1:
-                break
-            size = len(level) // _BRANCHING
-        self.blocks = [level.reshape(-1, _BRANCHING) for level in self.levels]  # views: one row per parent
-
-    def place_run(self, length: int, count: int) -> np.ndarray:
-        """Place ``count`` items of one ``length`` by first fit; return their leaf ids in placement order."""
-        b, accumulate = _BRANCHING, np.add.accumulate
-        if count == 1:
-            return self._place_one(length)
-        nodes = np.zeros(1, dtype=np.int64)  # the root
-        for blocks in reversed(self.blocks[:-1]):
-            if len(nodes) == 1:  # common near the root: one row, no fancy indexing
-                row = blocks[nodes[0]]
-                pos = np.flatnonzero(row >= length)
-                cap, child = row[pos], pos + nodes[0] * b
-            else:
-                rows = blocks[nodes]
-                pos = np.flatnonzero(rows >= length)
-                cap, child = rows.ravel()[pos], nodes[pos // b] * b + pos % b
-            # an eligible subtree takes at least cap // length items: keep just enough of them, in order
-            nodes = child[: int(np.searchsorted(accumulate(cap // length), count)) + 1]
-        leaves = self.levels[0]
-        fit = leaves[nodes] // length
-        before = accumulate(fit) - fit
-        take = np.minimum(fit, count - before)
-        nodes, take = nodes[take > 0], take[take > 0]
-        leaves[nodes] -= (take * length).astype(leaves.dtype)
-        placed = np.repeat(nodes, take)
-        for lower, upper in zip(self.blocks[:-1], self.levels[1:]):  # refresh the ancestors' maxima
-            nodes = nodes // b  # sorted; a repeated parent just gets the same value twice
-            upper[nodes] = lower[nodes].max(axis=1)
-        return placed
-
-    def _place_one(self, length: int) -> np.ndarray:
-        """Scalar path of :meth:`place_run` for a single item (frequent in the long tail of lengths)."""
-        node = 0
-        for blocks in reversed(self.blocks[:-1]):
-            node = node * _BRANCHING + int(np.argmax(blocks[node] >= length))
-        leaf = node
-        self.levels[0][leaf] -= length
-        for lower, upper in zip(self.blocks[:-1], self.levels[1:]):
-            node //= _BRANCHING
-            upper[node] = lower[node].max()
-        return np.array([leaf], dtype=np.int64)
+    lengths, pack_size = check_lengths(lengths, pack_size), check_pack_size(pack_size)
+    return _in_decreasing_order(lengths, pack_size, _first_fit)
 
 
 def best_fit_decreasing(lengths, pack_size: int) -> np.ndarray:
     """Best fit over samples sorted by decreasing length; returns the pack id of every sample."""
-    return _decreasing(lengths, pack_size, _best_fit_by_runs, _best_fit_in_order)
-
-
-def _best_fit_by_runs(lengths, order, sorted_len, starts, pack_size: int) -> np.ndarray:
-    """Best fit decreasing, one run of equal lengths at a time, over counts of packs per remaining capacity.
-
-    A pack at capacity ``c`` (the fullest that fits) takes ``c // length`` items of the run in a row; then the
-    next fullest. Ties are taken most recent first, exactly as the item-by-item version does.
-    """
-    bin_ids = np.empty(len(lengths), dtype=np.int64)
-    packs = _PacksByCapacity(pack_size)
-    for s, e in zip(starts[:-1].tolist(), starts[1:].tolist()):
-        length, todo = int(sorted_len[s]), e - s
-        caps = np.flatnonzero(packs.count[length:pack_size]) + length  # eligible capacities, fullest first
-        per_pack = caps // length
-        room = np.cumsum(packs.count[caps] * per_pack)
-        last = int(np.searchsorted(room, todo)) if len(room) else 0
-        ids, takes = [], []
-        for cap, q in zip(caps[: last + 1].tolist(), per_pack[: last + 1].tolist()):
-            if todo == 0:
-                break
-            full, part = divmod(min(todo, int(packs.count[cap]) * q), q)
-            packs.fill(packs.pop(cap, full + (part > 0)), cap, length, q, full, part, ids, takes)
-            todo -= full * q + part
-        if todo:  # open new packs, each taking as many items as fit
-            q = pack_size // length
-            full, part = divmod(todo, q)
-            packs.fill(packs.new(full + (part > 0)), pack_size, length, q, full, part, ids, takes)
-        bin_ids[order[s:e]] = np.repeat(np.concatenate(ids), np.concatenate(takes))
-    return bin_ids
-
-
-class _PacksByCapacity:
-    """Open packs grouped by remaining capacity: counts (for vectorised search) and a stack of pack ids each."""
-
-    def __init__(self, pack_size: int):
-        self.count = np.zeros(pack_size + 1, dtype=np.int64)
-        self.stacks: list[list[int]] = [[] for _ in range(pack_size + 1)]
-        self.opened = 0
-
-    def pop(self, cap: int, k: int) -> list[int]:
-        """Take ``k`` packs with capacity ``cap``, most recent first."""
-        stack = self.stacks[cap]
-        taken = stack[len(stack) - k :][::-1]
-        del stack[len(stack) - k :]
-        self.count[cap] -= k
-        return taken
-
-    def new(self, k: int) -> list[int]:
-        self.opened += k
-        return list(range(self.opened - k, self.opened))
-
-    def fill(self, taken: list[int], cap: int, length: int, q: int, full: int, part: int, ids: list, takes: list):
-        """The first ``full`` packs of ``taken`` get ``q`` items, a last one ``part``; file them under their new
-        capacity and record (pack ids, items per pack) in ``ids`` / ``takes``."""
-        ids.append(np.asarray(taken, dtype=np.int64))
-        takes.append(np.asarray([q] * full + ([part] if part else []), dtype=np.int64))
-        for items, group in ((q, taken[:full]), (part, taken[full:])):
-            new_cap = cap - items * length
-            if group and new_cap > 0:  # a full pack never takes anything again
-                self.stacks[new_cap].extend(group)
-                self.count[new_cap] += len(group)
+    lengths, pack_size = check_lengths(lengths, pack_size), check_pack_size(pack_size)
+    return _in_decreasing_order(lengths, pack_size, _best_fit)
 
 
 def first_fit_shuffle(lengths, pack_size: int, seed: int = 0) -> np.ndarray:
     """First fit over the samples in a random order drawn from ``seed``."""
-    return _shuffled(lengths, pack_size, seed, _first_fit_in_order)
-
-
-def _first_fit_in_order(lengths: np.ndarray, order: np.ndarray, pack_size: int) -> np.ndarray:
-    """First fit, one item at a time in ``order``: binary max tree in a flat Python list."""
-    n = len(lengths)
-    bin_ids = np.empty(n, dtype=np.int64)
-    if n == 0:
-        return bin_ids
-    size = 1 << max(0, (_max_bins(lengths, pack_size) - 1).bit_length())
-    tree = [pack_size] * (2 * size)  # every node starts with a full, unopened pack below it
-    out = []
-    append = out.append
-    for length in lengths[order].tolist():
-        i = 1
-        while i < size:
-            i <<= 1
-            if tree[i] < length:
-                i += 1
-        cap = tree[i] - length
-        tree[i] = cap
-        append(i - size)
-        while i > 1:
-            i >>= 1
-            left, right = tree[2 * i], tree[2 * i + 1]
-            best = left if left > right else right
-            if tree[i] == best:
-                break
-            tree[i] = best
-    bin_ids[order] = out
-    return bin_ids
+    lengths, pack_size = check_lengths(lengths, pack_size), check_pack_size(pack_size)
+    return _in_shuffled_order(lengths, pack_size, seed, _first_fit)
 
 
 def best_fit_shuffle(lengths, pack_size: int, seed: int = 0) -> np.ndarray:
     """Best fit over the samples in a random order drawn from ``seed``."""
-    return _shuffled(lengths, pack_size, seed, _best_fit_in_order)
-
-
-def _best_fit_in_order(lengths: np.ndarray, order: np.ndarray, pack_size: int) -> np.ndarray:
-    """Best fit, one item at a time: a two-level bitmap of non-empty capacities (64-bit words + top word)."""
-    n = len(lengths)
-    bin_ids = np.empty(n, dtype=np.int64)
-    if n == 0:
-        return bin_ids
-    stacks: list[list[int]] = [[] for _ in range(pack_size + 1)]
-    words = [0] * (pack_size // 64 + 1)  # bit c % 64 of words[c // 64]: some open pack has capacity c
-    top = 0  # bit w: words[w] != 0
-    next_bin = 0
-    out = []
-    append = out.append
-    for length in lengths[order].tolist():
-        w = length >> 6
-        m = words[w] >> (length & 63)
-        if m:
-            cap = length + (m & -m).bit_length() - 1
-        else:
-            t = top >> (w + 1)
-            if t:
-                w = w + (t & -t).bit_length()
-                m = words[w]
-                cap = (w << 6) + (m & -m).bit_length() - 1
-            else:
-                cap = 0
-        if cap:
-            stack = stacks[cap]
-            b = stack.pop()
-            if not stack:
-                w = cap >> 6
-                words[w] ^= 1 << (cap & 63)
-                if not words[w]:
-                    top ^= 1 << w
-        else:
-            b = next_bin
-            next_bin += 1
-            cap = pack_size
-        append(b)
-        cap -= length
-        if cap:
-            stack = stacks[cap]
-            stack.append(b)
-            if len(stack) == 1:
-                w = cap >> 6
-                if not words[w]:
-                    top |= 1 << w
-                words[w] |= 1 << (cap & 63)
-    bin_ids[order] = out
-    return bin_ids
+    lengths, pack_size = check_lengths(lengths, pack_size), check_pack_size(pack_size)
+    return _in_shuffled_order(lengths, pack_size, seed, _best_fit)
 
 
 _FUNCTIONS = {
@@ -411,17 +332,21 @@ def naive_first_fit(lengths, pack_size: int) -> np.ndarray:
 
 
 def naive_best_fit(lengths, pack_size: int) -> np.ndarray:
-    """Textbook quadratic best fit in the given order (fullest fitting pack, lowest index on ties)."""
+    """Textbook quadratic best fit in the given order: the fullest pack that fits; among equally full packs,
+    the one that received an item most recently (the tie rule of the fast versions)."""
     loads: list[int] = []
+    last: list[int] = []  # per pack: position of its latest item
     out = []
-    for length in np.asarray(lengths).tolist():
-        best, best_load = -1, -1
+    for t, length in enumerate(np.asarray(lengths).tolist()):
+        best = -1
         for b, load in enumerate(loads):
-            if best_load < load <= pack_size - length:
-                best, best_load = b, load
+            if load + length <= pack_size and (best < 0 or (load, last[b]) > (loads[best], last[best])):
+                best = b
         if best < 0:
             loads.append(0)
+            last.append(t)
             best = len(loads) - 1
         loads[best] += length
+        last[best] = t
         out.append(best)
     return np.asarray(out, dtype=np.int64)

@@ -40,7 +40,11 @@ def add_prepare_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                         "tokenizer's if it has such blocks, else vlm_pack's ChatML for ChatML tokenizers)")
     p.add_argument("--max-seq-length", type=int, default=None,
                    help="truncate longer samples to this many tokens (counted; samples left without response dropped)")
-    p.add_argument("--algorithm", choices=ALGORITHMS, default="first_fit_decreasing")
+    p.add_argument("--algorithm", choices=ALGORITHMS, default="best_fit_decreasing",
+                   help="bin-packing rule (default best_fit_decreasing: on real ShareGPT lengths it needs as few packs "
+                        "as first_fit_decreasing, the same count to the pack, and runs faster; the *_shuffle "
+                        "variants mix long and short samples within packs at about 1%% more packs; measured in "
+                        "benchmarks/packing.py)")
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffle algorithms and of --validation-fraction")
     p.add_argument("--pad-seq-to-mult", type=int, default=1,
                    help="pack on lengths rounded up to this multiple (context parallelism pads each sample to it)")

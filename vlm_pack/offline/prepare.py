@@ -186,7 +186,7 @@ def _tokenize(records: Records | None, tokenizer: TokenizerSource, fmt: SampleFo
     return tokenize_records(records, encoder, num_proc=num_proc, log=log, progress=progress), resolved.template
 
 
-def pack_split(samples: TokenizedSplit, pack_size: int, *, algorithm: str = "first_fit_decreasing", seed: int = 0,
+def pack_split(samples: TokenizedSplit, pack_size: int, *, algorithm: str = "best_fit_decreasing", seed: int = 0,
                pad_seq_to_mult: int = 1, split: str = "training") -> tuple[PackedArrays, PackingStats]:
     """Bin-pack one tokenised split; returns the arrays to write (samples regrouped pack by pack) and stats."""
     lengths = samples.lengths
@@ -227,7 +227,7 @@ def prepare_packed_sequence_data(
     messages_field: str = "messages",
     chat_template: str | None = None,
     max_seq_length: int | None = None,
-    algorithm: str = "first_fit_decreasing",
+    algorithm: str = "best_fit_decreasing",
     seed: int = 0,
     pad_seq_to_mult: int = 1,
     num_proc: int = 1,
