@@ -127,3 +127,11 @@ def test_collator_refuses_unknown_family_and_missing_model_config(processor):
         VLMPackingCollator(processor, max_length=64, model_config=GPT2Config())
     with pytest.raises(ValueError, match="multimodal processor but no model_config"):
         VLMPackingCollator(processor, max_length=64)
+
+
+def test_enable_packing_switches_the_forward_cache_off():
+    """model(**batch) (Trainer, TRL) passes no use_cache: a packed row must never fill a KV cache."""
+    model = tiny_model("qwen2_vl")
+    assert model.config.text_config.use_cache
+    enable_packing(model)
+    assert model.config.use_cache is False and model.config.get_text_config().use_cache is False

@@ -158,12 +158,15 @@ def enable_packing(model, name: str = ATTN_IMPLEMENTATION, *, allow_unproven: bo
     The model's family must be in the registry (``vlm_pack.models``) with every feature of its config covered,
     else :class:`~vlm_pack.models.UnsupportedModelError` names what is missing (``allow_unproven=True``: a
     warning instead). The family's own setup (e.g. boundary-aware linear-attention kernels) is applied too.
-    Call packed rows with ``use_cache=False`` and ``**batch.attention_kwargs()``, never with an
-    ``attention_mask``.
+    The forward KV cache is switched off (``config.use_cache=False``, text config included): a packed row must
+    never fill a cache, and ``model(**batch)`` (Trainer, TRL) passes no ``use_cache``; ``generate()`` still
+    caches (it reads ``generation_config``). Never pass an ``attention_mask`` with a packed row.
     """
     family = get_family(model.config, allow_unproven=allow_unproven)
     register_attention(name)
     model.set_attn_implementation(name)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.use_cache = False
     if family.prepare_model is not None:
         family.prepare_model(model)
     return model
