@@ -154,10 +154,16 @@ def test_separate_validation_file_and_cache_reuse(tmp_path, tokenizer):
     assert [w.metadata["num_samples"] for w in second] == [50, 10]
 
 
-def test_parallel_tokenisation_matches_serial(tmp_path, tokenizer):
+def test_parallel_tokenisation_matches_serial(tmp_path, tokenizer, monkeypatch):
+    from vlm_pack.offline import encoding
+
+    monkeypatch.setattr(encoding, "MIN_ROWS_PER_PROCESS", 4)  # let 24 rows use the worker pool
     path = _write_jsonl(tmp_path / "d.jsonl", RECORDS[:24])
     serial = _prepare(tokenizer, path, tmp_path / "a", tokenizer_name="t", cache_dir=str(tmp_path / "c1"))
-    parallel = _prepare(tokenizer, path, tmp_path / "b", tokenizer_name="t", cache_dir=str(tmp_path / "c2"), num_proc=2)
+    lines = []
+    parallel = _prepare(tokenizer, path, tmp_path / "b", tokenizer_name="t", cache_dir=str(tmp_path / "c2"),
+                        num_proc=2, log=lines.append)
+    assert any("using 2 worker processes" in line for line in lines)
     a, b = open_packed(serial[0].path), open_packed(parallel[0].path)
     for name in ("tokens", "loss_mask", "seq_offsets", "source_index", "index"):
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
