@@ -87,7 +87,8 @@ def test_warm_rerun_imports_neither_transformers_nor_torch(tmp_path):
     args = ["prepare", "--input", str(SAMPLE), "--tokenizer", TOKENIZER, "--output-dir", str(tmp_path),
             "--pack-sizes", "2048", "--cache-dir", str(tmp_path / "cache"), "--overwrite", "--no-progress"]
     code = ("import sys; from vlm_pack.cli import main; code = main(sys.argv[1:]); "
-            "print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules)); sys.exit(code)")
+            "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'numba') if m in sys.modules)); "
+            "sys.exit(code)")
     prepare_packed_sequence_data(SAMPLE, TOKENIZER, tmp_path / "cold", [2048], cache_dir=str(tmp_path / "cache"),
                                  progress=False, log=lambda _: None)  # warms the cache (in this process)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -104,3 +105,30 @@ def test_num_proc_says_when_it_cannot_help(tmp_path):
                                  cache_dir=str(tmp_path / "cache"), progress=False, log=lines.append)
     note = next(line for line in lines if "--num-proc 4" in line)
     assert "already encodes every batch on all" in note and "tokenising in this process" in note
+
+
+def test_pack_assignments_are_cached_per_lengths_settings_and_code(tmp_path, monkeypatch):
+    from vlm_pack.offline import cache as cache_module
+    from vlm_pack.offline.cache import TokenCache, packs_key
+    from vlm_pack.offline.encoding import TokenizedSplit
+
+    lengths = np.array([5, 3, 7, 2, 6, 4], dtype=np.int64)
+    samples = TokenizedSplit(np.arange(lengths.sum(), dtype=np.int32), np.ones(lengths.sum(), np.uint8),
+                             np.concatenate(([0], np.cumsum(lengths))), np.arange(6))
+    base = packs_key(lengths, 10, "best_fit_decreasing", 0, 1)
+    variants = [packs_key(lengths + 1, 10, "best_fit_decreasing", 0, 1),
+                packs_key(lengths, 12, "best_fit_decreasing", 0, 1),
+                packs_key(lengths, 10, "first_fit_shuffle", 0, 1),
+                packs_key(lengths, 10, "best_fit_decreasing", 1, 1),
+                packs_key(lengths, 10, "best_fit_decreasing", 0, 2)]
+    assert len({base, *variants}) == 6
+    store = TokenCache(tmp_path)
+    fresh, _ = prepare.pack_split(samples, 10)
+    first, _ = prepare.pack_split(samples, 10, cache=store)
+    monkeypatch.setattr(prepare, "pack_lengths", lambda *a: pytest.fail("packed again"))
+    again, _ = prepare.pack_split(samples, 10, cache=store)  # from the cache
+    for name in ("index", "tokens", "seq_offsets", "source_index"):
+        assert np.array_equal(getattr(fresh, name), getattr(again, name)) and np.array_equal(
+            getattr(first, name), getattr(again, name))
+    monkeypatch.setattr(cache_module, "CACHE_VERSION", "other")  # stands for any change of the packing code
+    assert packs_key(lengths, 10, "best_fit_decreasing", 0, 1) != base

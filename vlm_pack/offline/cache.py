@@ -9,6 +9,10 @@ without importing transformers, torch or datasets, which is what makes a re-run 
 Entries live in ``<cache_dir>/prepare/<key>/`` (default ``cache_dir``: ``$VLM_PACK_CACHE``, else
 ``$XDG_CACHE_HOME/vlm_pack``, else ``~/.cache/vlm_pack``), each written to a temporary folder and renamed
 into place, so a killed run never leaves a half entry that a later run would trust.
+
+Pack assignments are cached too (``<cache_dir>/prepare/packs/``), keyed on the sample lengths, the packing
+settings and the source of the packing algorithms: a warm re-run then skips the packer's compiled loops (and
+importing their compiler), yet any change to the lengths, the settings or the algorithms packs afresh.
 """
 
 from __future__ import annotations
@@ -75,6 +79,16 @@ def cache_key(input_path: str | Path, tokenizer_id: str, settings: dict) -> str:
     return h.hexdigest()[:40]
 
 
+def packs_key(lengths: np.ndarray, pack_size: int, algorithm: str, seed: int, pad_seq_to_mult: int) -> str:
+    """Key of one pack assignment: the lengths' bytes, the settings and the packing code itself."""
+    from . import algorithms
+
+    h = hash_path(Path(algorithms.__file__))
+    h.update(np.ascontiguousarray(lengths, dtype=np.int64).tobytes())
+    h.update(json.dumps([CACHE_VERSION, int(pack_size), algorithm, int(seed), int(pad_seq_to_mult)]).encode())
+    return h.hexdigest()[:40]
+
+
 class TokenCache:
     """Tokenised splits by key under ``<root>/prepare/``."""
 
@@ -96,6 +110,26 @@ class TokenCache:
         if len(split.offsets) != len(split.source_index) + 1 or split.offsets[-1] != len(split.tokens):
             return None
         return split, info
+
+    def load_packs(self, key: str, count: int) -> np.ndarray | None:
+        """Pack id of every sample stored under ``key`` (None when absent or not ``count`` int64 values)."""
+        try:
+            bins = np.load(self.root / "packs" / f"{key}.npy", allow_pickle=False)
+        except (OSError, ValueError):
+            return None
+        return bins if bins.dtype == np.int64 and bins.shape == (count,) else None
+
+    def store_packs(self, key: str, bins: np.ndarray) -> None:
+        """Write a pack assignment atomically; skipped (not an error) when the cache cannot be written."""
+        folder = self.root / "packs"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npy", dir=folder)
+            with os.fdopen(fd, "wb") as f:
+                np.save(f, np.asarray(bins, dtype=np.int64), allow_pickle=False)
+            os.replace(tmp, folder / f"{key}.npy")
+        except OSError:
+            Path(locals().get("tmp", folder / ".none")).unlink(missing_ok=True)
 
     def store(self, key: str, split: TokenizedSplit, info: dict) -> None:
         """Write an entry atomically (a temporary folder renamed into place); a cache that cannot be written is

@@ -71,8 +71,9 @@ class RunOutput:
             _fsync(self.tmp / name)
         _fsync(self.tmp)
         for size in self.sizes:
-            for path in (*(split_path(self.out_dir, split, size) for split in SPLITS), metadata_path(self.out_dir, size)):
-                path.unlink(missing_ok=True)
+            for split in SPLITS:
+                split_path(self.out_dir, split, size).unlink(missing_ok=True)
+            metadata_path(self.out_dir, size).unlink(missing_ok=True)
             for split in SPLITS:  # companions of a split this run does not write are orphans now
                 for companion in sibling_paths(split_path(self.out_dir, split, size)).values():
                     if companion.name not in staged:

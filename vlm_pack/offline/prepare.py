@@ -38,7 +38,7 @@ import numpy as np
 
 from ..chat_template import CHATML_TEMPLATE
 from .algorithms import ALGORITHMS, PackingStats, group_by_pack, pack_lengths, packing_stats
-from .cache import TokenCache, cache_key, tokenizer_fingerprint
+from .cache import TokenCache, cache_key, packs_key, tokenizer_fingerprint
 from .encoding import (
     ALPACA_PROMPT,
     TEMPLATES,
@@ -187,8 +187,11 @@ def _tokenize(records: Records | None, tokenizer: TokenizerSource, fmt: SampleFo
 
 
 def pack_split(samples: TokenizedSplit, pack_size: int, *, algorithm: str = "best_fit_decreasing", seed: int = 0,
-               pad_seq_to_mult: int = 1, split: str = "training") -> tuple[PackedArrays, PackingStats]:
-    """Bin-pack one tokenised split; returns the arrays to write (samples regrouped pack by pack) and stats."""
+               pad_seq_to_mult: int = 1, split: str = "training",
+               cache: TokenCache | None = None) -> tuple[PackedArrays, PackingStats]:
+    """Bin-pack one tokenised split; returns the arrays to write (samples regrouped pack by pack) and stats.
+
+    With ``cache``, the pack assignment is reused when the lengths and settings were packed before."""
     lengths = samples.lengths
     padded = -(-lengths // pad_seq_to_mult) * pad_seq_to_mult
     too_long = np.flatnonzero(padded > pack_size)
@@ -200,7 +203,12 @@ def pack_split(samples: TokenizedSplit, pack_size: int, *, algorithm: str = "bes
             f"the pack size {pack_size} ({too_long.size} such samples); set max_seq_length <= {pack_size} "
             "(--max-seq-length) to truncate them, or raise the pack size"
         )
-    bin_ids = pack_lengths(padded, pack_size, algorithm, seed)
+    key = packs_key(padded, pack_size, algorithm, seed, pad_seq_to_mult) if cache is not None else None
+    bin_ids = cache.load_packs(key, len(padded)) if cache is not None else None
+    if bin_ids is None:
+        bin_ids = pack_lengths(padded, pack_size, algorithm, seed)
+        if cache is not None:
+            cache.store_packs(key, bin_ids)
     order, pack_offsets = group_by_pack(bin_ids)
     regrouped = samples.take(order)
     arrays = PackedArrays(
@@ -289,7 +297,7 @@ def prepare_packed_sequence_data(
                 if len(samples.source_index) == 0:
                     raise ValueError(f"the {split} split has no sample left to pack (all were dropped)")
                 arrays, stats = pack_split(samples, size, algorithm=algorithm, seed=seed,
-                                           pad_seq_to_mult=pad_seq_to_mult, split=split)
+                                           pad_seq_to_mult=pad_seq_to_mult, split=split, cache=TokenCache(cache_dir))
                 final = split_path(out_dir, split, size)
                 staged = write_packed(run.staged(final), arrays)
                 entry = _metadata_entry(

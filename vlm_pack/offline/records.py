@@ -97,7 +97,8 @@ def read_dataset_dir(path: str | Path) -> tuple[Records, Records | None]:
         loaded = datasets.load_from_disk(str(path))
     except FileNotFoundError as err:
         raise ValueError(
-            f"{path} is a folder but not a dataset saved with `save_to_disk` ({err}); give a JSONL file or such a folder"
+            f"{path} is a folder but not a dataset saved with `save_to_disk` ({err}); give a JSONL file or such a "
+            "folder"
         ) from None
     if isinstance(loaded, datasets.DatasetDict):
         train_key = next((k for k in ("train", "training") if k in loaded), None)

@@ -20,8 +20,10 @@ byte size against the header (a truncated file names itself and says to re-run `
 and end points against each other and, when ``S_metadata.jsonl`` sits next to the index, against the counts it
 records (``num_packs``, ``num_samples``, ``num_tokens``, ``packing_factor``, file sizes). Reading pack ``i``
 checks that pack's own index record and sample offsets. The metadata also records every file's sha256:
-``vlm-pack verify DIR`` (:mod:`.verify`) re-hashes the files streamed and runs the full structural checks. Tokens are stored unpadded; alignment padding
-(``pad_seq_to_mult``) and fill up to the pack size are added at collate time.
+``vlm-pack verify DIR`` (:mod:`.verify`) re-hashes the files streamed and runs the full structural checks.
+
+Tokens are stored unpadded; alignment padding (``pad_seq_to_mult``) and fill up to the pack size are added at
+collate time.
 
 The reference systems' format (one ``.npy`` object array of dicts with ``input_ids``, ``loss_mask``,
 ``seq_start_id``) needs pickle to load; :func:`open_packed` reads it only with ``allow_pickle=True``.
