@@ -8,14 +8,16 @@ A synthetic lognormal set (mean ~380, sigma 1: short SFT samples, ~11 per pack) 
 
 1. Ours at 10M lengths, pack size 4096: rounds of the four algorithms in a rotating order (interleaved);
    wall-clock median [min-max], CPU time median (the machine is shared: CPU time is what the algorithm costs),
-   and the peak extra resident memory of the call, output included (Linux VmHWM, reset before each call).
+   and the extra memory of a call, output included: tracemalloc peak of one more untimed call (exact for our
+   code, whose arrays are all numpy allocations) and peak resident memory (Linux VmHWM, reset before each call).
 2. Peers, each interleaved with ours round by round, same lengths; median [min-max] of the paired time ratios:
    * Megatron-Bridge's CURRENT ``first_fit_decreasing`` / ``first_fit_shuffle`` (O(n log n) segment tree since
      early 2026), imported at run time from a checkout or bare git mirror given with ``--megatron-bridge``
      (nothing of theirs is copied here; their one unrelated import, ``safe_pickle``, is stubbed);
    * TRL's ``pack_dataset(strategy="bfd")`` when ``trl`` imports (``pip install -e '.[bench]'``), fed a
      null-valued token column, so only its packing is timed, in one ``map`` batch.
-   Both must give the same packs as ours (checked: FFD and BFD are deterministic up to equal lengths).
+   The decreasing peers must give the same packs as ours (checked: same sorted pack loads). Their memory is
+   the peak resident memory (tracemalloc would slow their pure-Python loops and miss Arrow's allocations).
    Sizes the peer would take minutes on are extrapolated n log n from the largest size measured ("est.").
 3. A pack-size sweep (2048 / 4096 / 8192) at 1M real lengths.
 
@@ -38,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +115,16 @@ def measure(fn):
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     peak = _status_kib("VmHWM") if before is not None else None
     return Run(wall, cpu, None if peak is None else (peak - before) / 1024), out
+
+
+def traced_peak_mib(fn) -> float:
+    """Peak of Python-tracked allocations (numpy arrays included) during one call, in MiB."""
+    gc.collect()
+    tracemalloc.start()
+    fn()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak / 2**20
 
 
 @dataclass
@@ -221,10 +234,12 @@ def trl_pack_fn():
 def ours_section(sets: dict[str, np.ndarray], pack_size: int, rounds: int) -> list[str]:
     lines = ["", f"## Our algorithms at {len(next(iter(sets.values()))):,} lengths, pack size {pack_size}", "",
              f"{rounds} interleaved rounds (the four algorithms in a rotating order each round). Wall: median "
-             "[min-max]; CPU: median process time; memory: peak extra resident memory of one call (output "
-             "included), worst round.", "",
-             "| lengths | algorithm | wall | CPU | extra memory | packs | packs vs FFD | efficiency |",
-             "|---|---|---|---|---|---|---|---|"]
+             "[min-max]; CPU: median process time. Extra memory, output included: the tracemalloc peak of one "
+             "more, untimed call (exact here: every array is a numpy allocation), and the peak resident memory "
+             "above the start (worst round; the kernel samples it, so it can miss short peaks).", "",
+             "| lengths | algorithm | wall | CPU | extra memory (traced) | extra memory (RSS) | packs "
+             "| packs vs FFD | efficiency |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, lengths in sets.items():
         series = {a: Series() for a in ALGORITHMS}
         stats = {}
@@ -236,10 +251,12 @@ def ours_section(sets: dict[str, np.ndarray], pack_size: int, rounds: int) -> li
                 series[algorithm].runs.append(run)
                 stats[algorithm] = packing_stats(lengths, bin_ids, pack_size)
                 del bin_ids
+        traced = {a: traced_peak_mib(lambda: pack_lengths(lengths, pack_size, a, seed=0)) for a in ALGORITHMS}
         ffd = stats["first_fit_decreasing"].num_packs
         for a in ALGORITHMS:
             s = stats[a]
-            lines.append(f"| {name} | {SHORT[a]} | {series[a].wall()} | {series[a].cpu()} | {series[a].memory()} "
+            lines.append(f"| {name} | {SHORT[a]} | {series[a].wall()} | {series[a].cpu()} | {traced[a]:.0f} MiB "
+                         f"| {series[a].memory()} "
                          f"| {s.num_packs:,} | {100 * (s.num_packs / ffd - 1):+.2f}% | {s.packing_efficiency:.3f}% |")
             print(lines[-1], flush=True)
     return lines
@@ -252,7 +269,7 @@ def peer_section(lengths_all: np.ndarray, pack_size: int, sizes: list[int], roun
              f"{SLOW_PEER_S:.0f} s); ratio: median [min-max] of the paired "
              "ratios peer / ours (ours run in the same round, alternating who goes first). \"same packs\": the "
              "sorted pack loads are identical.", "",
-             "| n | comparison | ours | peer | peer / ours (wall) | peer / ours (CPU) | peer extra memory "
+             "| n | comparison | ours | peer | peer / ours (wall) | peer / ours (CPU) | peer extra memory (RSS) "
              "| same packs |",
              "|---|---|---|---|---|---|---|---|"]
     pairs = []
