@@ -124,7 +124,8 @@ def _in_shuffled_order(lengths: np.ndarray, pack_size: int, seed: int, place) ->
     """Run ``place`` over the samples in a random order drawn from ``seed``; pack ids in dataset order."""
     if not len(lengths):
         return np.empty(0, dtype=np.int64)
-    order = np.random.default_rng(seed).permutation(len(lengths))
+    order = np.arange(len(lengths), dtype=np.int32 if len(lengths) < 2**31 else np.int64)
+    np.random.default_rng(seed).shuffle(order)  # the permutation(n) of this seed, in half the memory
     placed = place(lengths.astype(_room_dtype(pack_size))[order], pack_size, _max_bins(lengths, pack_size))
     bin_ids = np.empty(len(lengths), dtype=np.int64)
     bin_ids[order] = placed
