@@ -8,14 +8,16 @@ A synthetic lognormal set (mean ~380, sigma 1: short SFT samples, ~11 per pack) 
 
 1. Ours at 10M lengths, pack size 4096: rounds of the four algorithms in a rotating order (interleaved);
    wall-clock median [min-max], CPU time median (the machine is shared: CPU time is what the algorithm costs),
-   and the peak extra resident memory of the call, output included (Linux VmHWM, reset before each call).
+   and the extra memory of a call, output included: tracemalloc peak of one more untimed call (exact for our
+   code, whose arrays are all numpy allocations) and peak resident memory (Linux VmHWM, reset before each call).
 2. Peers, each interleaved with ours round by round, same lengths; median [min-max] of the paired time ratios:
    * Megatron-Bridge's CURRENT ``first_fit_decreasing`` / ``first_fit_shuffle`` (O(n log n) segment tree since
      early 2026), imported at run time from a checkout or bare git mirror given with ``--megatron-bridge``
      (nothing of theirs is copied here; their one unrelated import, ``safe_pickle``, is stubbed);
    * TRL's ``pack_dataset(strategy="bfd")`` when ``trl`` imports (``pip install -e '.[bench]'``), fed a
      null-valued token column, so only its packing is timed, in one ``map`` batch.
-   Both must give the same packs as ours (checked: FFD and BFD are deterministic up to equal lengths).
+   The decreasing peers must give the same packs as ours (checked: same sorted pack loads). Their memory is
+   the peak resident memory (tracemalloc would slow their pure-Python loops and miss Arrow's allocations).
    Sizes the peer would take minutes on are extrapolated n log n from the largest size measured ("est.").
 3. A pack-size sweep (2048 / 4096 / 8192) at 1M real lengths.
 
@@ -38,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +115,16 @@ def measure(fn):
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     peak = _status_kib("VmHWM") if before is not None else None
     return Run(wall, cpu, None if peak is None else (peak - before) / 1024), out
+
+
+def traced_peak_mib(fn) -> float:
+    """Peak of Python-tracked allocations (numpy arrays included) during one call, in MiB."""
+    gc.collect()
+    tracemalloc.start()
+    fn()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak / 2**20
 
 
 @dataclass
@@ -218,31 +231,62 @@ def trl_pack_fn():
 # ---------------------------------------------------------------- sections
 
 
-def ours_section(sets: dict[str, np.ndarray], pack_size: int, rounds: int) -> list[str]:
+def ours_section(sets: dict[str, np.ndarray], pack_size: int, rounds: int, before=None) -> list[str]:
+    """Our four algorithms, interleaved; with ``before`` (an older algorithms module, see ``--before``) its
+    decreasing variants run in the same rounds, so the paired ratio tells the speed-up under the same load."""
+    entries = [(a, pack_lengths) for a in ALGORITHMS]
+    if before is not None:
+        entries += [(a, before.pack_lengths, "before") for a in ("first_fit_decreasing", "best_fit_decreasing")]
     lines = ["", f"## Our algorithms at {len(next(iter(sets.values()))):,} lengths, pack size {pack_size}", "",
-             f"{rounds} interleaved rounds (the four algorithms in a rotating order each round). Wall: median "
-             "[min-max]; CPU: median process time; memory: peak extra resident memory of one call (output "
-             "included), worst round.", "",
-             "| lengths | algorithm | wall | CPU | extra memory | packs | packs vs FFD | efficiency |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"{rounds} interleaved rounds (every entry once per round, in a rotating order). Wall: median "
+             "[min-max]; CPU: median process time. Extra memory, output included: the tracemalloc peak of one "
+             "more, untimed call (exact here: every array is a numpy allocation), and the peak resident memory "
+             "above the start (worst round; the kernel samples it, so it can miss short peaks)."
+             + (" `before` rows: the previous implementation (`--before`), paired with ours round by round."
+                if before is not None else ""), "",
+             "| lengths | algorithm | wall | CPU | extra memory (traced) | extra memory (RSS) | packs "
+             "| packs vs FFD | efficiency |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, lengths in sets.items():
-        series = {a: Series() for a in ALGORITHMS}
+        keys = [e[0] if len(e) == 2 else f"{e[2]} {e[0]}" for e in entries]
+        series = {k: Series() for k in keys}
         stats = {}
         for r in range(rounds):
-            for k in range(len(ALGORITHMS)):
-                algorithm = ALGORITHMS[(k + r) % len(ALGORITHMS)]
-                run, bin_ids = measure(lambda: pack_lengths(lengths, pack_size, algorithm, seed=0))
+            for i in range(len(entries)):
+                key, (algorithm, fn, *_) = keys[(i + r) % len(keys)], entries[(i + r) % len(entries)]
+                run, bin_ids = measure(lambda: fn(lengths, pack_size, algorithm, seed=0))
                 check_packing(lengths, bin_ids, pack_size)
-                series[algorithm].runs.append(run)
-                stats[algorithm] = packing_stats(lengths, bin_ids, pack_size)
+                series[key].runs.append(run)
+                stats[key] = packing_stats(lengths, bin_ids, pack_size)
                 del bin_ids
+        traced = {a: traced_peak_mib(lambda: pack_lengths(lengths, pack_size, a, seed=0)) for a in ALGORITHMS}
         ffd = stats["first_fit_decreasing"].num_packs
-        for a in ALGORITHMS:
-            s = stats[a]
-            lines.append(f"| {name} | {SHORT[a]} | {series[a].wall()} | {series[a].cpu()} | {series[a].memory()} "
+        for key in keys:
+            s, short = stats[key], " ".join(SHORT.get(w, w) for w in key.split())
+            memory = f"{traced[key]:.0f} MiB" if key in traced else ""
+            lines.append(f"| {name} | {short} | {series[key].wall()} | {series[key].cpu()} | {memory} "
+                         f"| {series[key].memory()} "
                          f"| {s.num_packs:,} | {100 * (s.num_packs / ffd - 1):+.2f}% | {s.packing_efficiency:.3f}% |")
             print(lines[-1], flush=True)
+        for key in keys[len(ALGORITHMS):]:
+            old, new = series[key].runs, series[key.split()[1]].runs
+            ratios = [o.wall / n.wall for o, n in zip(old, new)]
+            cpu = [o.cpu / n.cpu for o, n in zip(old, new)]
+            lines.append(f"| {name} | {SHORT[key.split()[1]]}: before / now | {_ratio_text(ratios)} "
+                         f"| {statistics.median(cpu):.1f}x | | | | | |")
     return lines
+
+
+def load_before(rev: str):
+    """``vlm_pack/offline/algorithms.py`` as of git revision ``rev`` of this repository, imported on its own."""
+    text = subprocess.run(["git", "-C", str(HERE.parent), "show", f"{rev}:vlm_pack/offline/algorithms.py"],
+                          capture_output=True, text=True, check=True).stdout
+    path = Path(tempfile.mkdtemp()) / "algorithms_before.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("algorithms_before", path)
+    module = sys.modules["algorithms_before"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def peer_section(lengths_all: np.ndarray, pack_size: int, sizes: list[int], rounds: int, mb, trl,
@@ -252,7 +296,7 @@ def peer_section(lengths_all: np.ndarray, pack_size: int, sizes: list[int], roun
              f"{SLOW_PEER_S:.0f} s); ratio: median [min-max] of the paired "
              "ratios peer / ours (ours run in the same round, alternating who goes first). \"same packs\": the "
              "sorted pack loads are identical.", "",
-             "| n | comparison | ours | peer | peer / ours (wall) | peer / ours (CPU) | peer extra memory "
+             "| n | comparison | ours | peer | peer / ours (wall) | peer / ours (CPU) | peer extra memory (RSS) "
              "| same packs |",
              "|---|---|---|---|---|---|---|---|"]
     pairs = []
@@ -316,6 +360,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--megatron-bridge", default=None,
                         help="Megatron-Bridge checkout or bare git mirror (its packing code is imported from there)")
+    parser.add_argument("--before", default=None,
+                        help="git revision whose FFD/BFD to run in the same rounds (the speed-up under equal load)")
     parser.add_argument("--quick", action="store_true", help="1M lengths, 1 round, peers at 10k; writes nothing")
     parser.add_argument("--full", action="store_true", help="also run the peers at 1M (many minutes)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3, --quick 1)")
@@ -339,14 +385,16 @@ def main(argv=None) -> int:
         f"{platform.python_version()}, numpy {np.__version__}. Megatron-Bridge: "
         f"{'commit ' + mb_commit if mb else 'not given (--megatron-bridge)'}; TRL {trl_version}. Generated by "
         f"`python benchmarks/packing.py{' --full' if args.full else ''}{' --quick' if args.quick else ''}"
-        f"{' --megatron-bridge DIR' if mb else ''}`.",
+        f"{' --megatron-bridge DIR' if mb else ''}{' --before ' + args.before if args.before else ''}`.",
         "",
         "Lengths: `sharegpt` = drawn from the token lengths of 17,545 real ShareGPT conversations "
         "(`benchmarks/data/sharegpt_lengths.tsv`, Qwen2.5 chat template + tokenizer), clipped to the pack size "
         f"(mean {real.mean():.0f}); `lognormal` = synthetic, mean ~380, sigma 1. FFD/BFD = first/best fit "
         "decreasing, FFS/BFS = first/best fit on a seeded shuffle.",
     ]
-    lines += ours_section({"sharegpt": real, "lognormal": lognormal_lengths(big, pack_size)}, pack_size, rounds)
+    before = load_before(args.before) if args.before else None
+    lines += ours_section({"sharegpt": real, "lognormal": lognormal_lengths(big, pack_size)}, pack_size, rounds,
+                          before)
     lines += peer_section(real, pack_size, peer_sizes, rounds, mb, trl, big)
     if not args.quick:
         lines += sweep_section(sharegpt_lengths(1_000_000, 8192, seed=1), 1_000_000)

@@ -12,15 +12,18 @@ Algorithms (all exact and deterministic; the shuffle variants for a given seed):
   fits. Ties between packs with the same remaining room go to the pack that was filled most recently (any
   tie rule gives the same pack loads: best fit only looks at remaining room).
 
-Both rules place one sample at a time in O(log) work, in a loop compiled by numba (a dependency): first fit
+Both rules place one sample at a time in O(log) work, in a loop compiled by numba (a dependency: a random
+order has no runs of equal lengths to vectorise, and a Python loop costs about 1 us per sample): first fit
 descends a max tree over the remaining room of every potential pack (unopened packs are full leaves to the
 right of the open ones, so "leftmost leaf with room" also opens packs in order); best fit looks up the
 smallest sufficient room in a bitmap over room values 0..pack_size (lengths are integers <= pack_size) and
-keeps, per room value, a linked stack of the packs with that room. 10M samples take well under a second
-after the one-off compilation, which numba caches on disk. All working arrays are allocated here, in numpy.
+keeps, per room value, a linked stack of the packs with that room. The decreasing order needs no sort: it is
+a run per length value, read back to dataset order in one pass. Working arrays are numpy arrays allocated
+here, in the narrowest integer types that fit; timings and memory at 10M real lengths are in
+``benchmarks/results/packing_cpu.md``. The loops are compiled on first use and cached on disk.
 
 ``naive_first_fit`` / ``naive_best_fit`` are the textbook quadratic versions of the same rules, kept as the
-test oracle and the baseline of ``benchmarks/packing.py``.
+test oracle (tests/test_offline_algorithms.py).
 """
 
 from __future__ import annotations
@@ -121,7 +124,8 @@ def _in_shuffled_order(lengths: np.ndarray, pack_size: int, seed: int, place) ->
     """Run ``place`` over the samples in a random order drawn from ``seed``; pack ids in dataset order."""
     if not len(lengths):
         return np.empty(0, dtype=np.int64)
-    order = np.random.default_rng(seed).permutation(len(lengths))
+    order = np.arange(len(lengths), dtype=np.int32 if len(lengths) < 2**31 else np.int64)
+    np.random.default_rng(seed).shuffle(order)  # the permutation(n) of this seed, in half the memory
     placed = place(lengths.astype(_room_dtype(pack_size))[order], pack_size, _max_bins(lengths, pack_size))
     bin_ids = np.empty(len(lengths), dtype=np.int64)
     bin_ids[order] = placed
@@ -316,7 +320,7 @@ def packing_stats(lengths, bin_ids: np.ndarray, pack_size: int) -> PackingStats:
 
 
 def naive_first_fit(lengths, pack_size: int) -> np.ndarray:
-    """Textbook quadratic first fit in the given order (test oracle and benchmark baseline)."""
+    """Textbook quadratic first fit in the given order (the test oracle)."""
     loads: list[int] = []
     out = []
     for length in np.asarray(lengths).tolist():
