@@ -1,4 +1,5 @@
-"""In-batch packing: turn a padded micro-batch ``[B, S]`` into ONE packed row ``[1, T]`` with boundaries.
+"""In-batch packing: a padded micro-batch ``[B, S]`` (``pack_batch_sequences``) or a list of per-sample
+sequences (``pack_sequences``) becomes ONE packed row ``[1, T]`` with boundaries.
 
 A tiny pack of two samples (lengths 3 and 2) with ``pad_to_multiple_of=2``::
 
@@ -203,9 +204,6 @@ def _check_options(pad_token_id: object, pad_to_multiple_of: object, pad_to_leng
 
 
 # ---------------------------------------------------------------- assembly (shared by both entry points)
-
-
-# ---------------------------------------------------------------- assembly (shared by both entry points)
 #
 # Every field is joined from per-sequence pieces (views of the input) and views of one small fill tensor in ONE
 # concatenation. On CPU the pieces are numpy views: numpy's per-call overhead is a fraction of torch's, which is
@@ -214,7 +212,7 @@ def _check_options(pad_token_id: object, pad_to_multiple_of: object, pad_to_leng
 _NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                            torch.float16, torch.float32, torch.float64})
 
-Piece = "torch.Tensor | np.ndarray"
+Piece = torch.Tensor | np.ndarray  # a per-sequence view: numpy on the CPU path, a tensor on the torch path
 
 
 def _numpy_ready(values: Iterable[torch.Tensor | None]) -> bool:
@@ -303,7 +301,7 @@ def _assemble(
         if fill is not None:
             slots, last, steps = fill
             if numpy:
-                packed_positions[..., slots] = packed_positions[..., last] + steps.astype(packed_positions.dtype, copy=False)
+                packed_positions[..., slots] = packed_positions[..., last] + steps.astype(packed_positions.dtype)
             else:
                 values = packed_positions.index_select(-1, last) + steps.to(packed_positions.dtype)
                 packed_positions.index_copy_(-1, slots, values)
