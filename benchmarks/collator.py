@@ -7,7 +7,8 @@ all of them alike):
   the offline Qwen2-VL processor. Reports samples/s packed vs padded and where collate time goes: image
   processing (the image processor's own calls, timed by a thin wrapper), the rest of rendering/tokenising,
   batching shared with padded mode (right-padding, pixel_values concatenation), per-sample mRoPE positions,
-  and the packing itself (``pack_batch_sequences`` + packed per-token keys). Target: packing < 5%.
+  and the packing itself (``pack_batch_sequences``, or ``pack_sequences`` for models without mRoPE, + packed
+  per-token keys). Target: packing < 5%.
 * text: multi-turn chats (Zipf-like turn counts), micro-batch 8, Qwen tokenizer. ``DataCollatorWithFlattening``
   only flattens already-tokenised features, so it is shown twice: collate alone, and with the same chat
   rendering + assistant-mask tokenisation our collator does (the like-for-like comparison).

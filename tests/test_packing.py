@@ -481,17 +481,22 @@ def test_bfloat16_loss_mask_takes_the_torch_path():
 # --- threads -----------------------------------------------------------------------------------------------
 
 
-def test_cpu_packing_runs_on_one_intra_op_thread_and_restores_the_setting(monkeypatch):
-    """Parallel kernels on tiny tensors stall when another core is busy (issue 15.2): the core pins 1 thread."""
+def test_cpu_packing_runs_torch_kernels_on_one_intra_op_thread_and_restores_the_setting(monkeypatch):
+    """Parallel kernels on tiny tensors stall when another core is busy (issue 15.2). Plain CPU tensors take the
+    numpy path (no intra-op kernels); CPU tensors numpy cannot view (bfloat16) run torch kernels on 1 thread."""
     seen = []
     real_join = packing._join
-    monkeypatch.setattr(packing, "_join", lambda *a: seen.append(torch.get_num_threads()) or real_join(*a))
+    monkeypatch.setattr(packing, "_join", lambda *a: seen.append((type(a[0][0]), torch.get_num_threads())) or real_join(*a))
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        pack_batch_sequences(right_padded([3, 2]), pad_to_multiple_of=2)
-        pack_sequences([torch.tensor([1, 2])])
-        assert seen and set(seen) == {1}
+        loss_mask = torch.ones(2, 3, dtype=torch.bfloat16)
+        pack_batch_sequences(right_padded([3, 2]), loss_mask=loss_mask, pad_to_multiple_of=2)
+        pack_sequences([torch.tensor([1, 2])], loss_mask=[torch.ones(2, dtype=torch.bfloat16)])
+        assert seen and {threads for kind, threads in seen} == {1} and {kind for kind, _ in seen} == {torch.Tensor}
         assert torch.get_num_threads() == 2
+        seen.clear()
+        pack_batch_sequences(right_padded([3, 2]), pad_to_multiple_of=2)
+        assert {kind for kind, _ in seen} == {np.ndarray}  # the numpy path: no torch kernels to schedule
     finally:
         torch.set_num_threads(before)

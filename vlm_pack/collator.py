@@ -7,6 +7,7 @@ Per micro-batch::
              --right-pad [B, S]--> per-sample positions (text + mRoPE rows, via the model's get_rope_index)
              --pack_batch_sequences--> input_ids/labels [1, T], position_ids [4, 1, T] (mRoPE) or [1, T],
                                        cu_seq_lens_q/k + max_length_q/k, vision tensors in sample order
+    (models without mRoPE skip the padded batch: per-sample tensors --pack_sequences--> the same row)
 
 The packed batch carries NO ``attention_mask``: with one, HF's own packed-boundary detection switches off
 and samples attend to each other (sdpa / eager / flash without ``cu_seq_lens``). The batch is model-ready
@@ -31,7 +32,7 @@ from transformers.configuration_utils import PreTrainedConfig
 from .batch import METADATA_KEY, mask_first_labels, model_inputs
 from .chat import encode_conversations, normalize_example, resolve_chat_template
 from .config import PackingConfig
-from .packing import IGNORE_INDEX, pack_batch_sequences, pad_multiple
+from .packing import IGNORE_INDEX, PackedBatch, pack_batch_sequences, pack_sequences, pad_multiple
 from .models import FamilySpec, get_family
 from .rope_index import MRopeIndex
 
@@ -42,6 +43,7 @@ __all__ = ["CollatorStats", "TOKEN_ALIGNED_KEYS", "VLMPackingCollator", "model_i
 # (pixel_values, image_grid_thw, video tensors, ...) is per sample: concatenated along dim 0 in sample order.
 TOKEN_ALIGNED_KEYS = ("input_ids", "labels", "token_type_ids")
 _TOKEN_FILL = {"labels": IGNORE_INDEX}
+_PACKED_KEYS = ("input_ids", "labels")  # packed by the core itself; other per-token keys scatter into real slots
 
 
 @dataclass
@@ -170,11 +172,17 @@ class VLMPackingCollator:
         clock = [time.perf_counter()]
         samples, dropped = self._encode_all(examples)
         clock.append(time.perf_counter())
-        longest = max(s["input_ids"].shape[1] for s in samples)
-        padded = self._padded(samples, -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of)
+        # Without mRoPE there are no positions to compute on a padded batch: pack straight from the samples.
+        direct = self.pack_sequences_in_batch and self.rope_index is None
+        if not direct:
+            longest = max(s["input_ids"].shape[1] for s in samples)
+            padded = self._padded(samples, -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of)
         vision = self._per_sample_keys(samples)
         clock.append(time.perf_counter())
-        if self.pack_sequences_in_batch:
+        if direct:
+            clock.append(time.perf_counter())
+            batch = self._pack_samples(samples, vision)
+        elif self.pack_sequences_in_batch:
             positions = self._positions(padded, vision)
             clock.append(time.perf_counter())
             batch = self._pack(padded, vision, positions)
@@ -279,15 +287,38 @@ class VLMPackingCollator:
             padding_mask=padded["attention_mask"],
             pad_to_length=self.pad_to_length,
         )
+        real = padded["attention_mask"].bool()
+        others = {key: padded[key][real] for key in self.token_keys if key in padded and key not in _PACKED_KEYS}
+        return self._packed_batch(packed, others, vision)
+
+    def _pack_samples(self, samples: list[dict[str, torch.Tensor]], vision: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """One packed row straight from the per-sample tensors (``pack_sequences``), no padded batch."""
+        def field(key: str) -> list[torch.Tensor]:
+            return [s[key].reshape(-1) for s in samples]
+
+        packed = pack_sequences(
+            field("input_ids"),
+            labels=field("labels"),
+            pad_token_id=self.pad_token_id,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            pad_to_length=self.pad_to_length,
+        )
+        others = {key: torch.cat(field(key)) for key in self.token_keys if key in samples[0] and key not in _PACKED_KEYS}
+        return self._packed_batch(packed, others, vision)
+
+    def _packed_batch(
+        self, packed: PackedBatch, others: dict[str, torch.Tensor], vision: dict[str, torch.Tensor]
+    ) -> dict[str, Any]:
+        """The model-ready batch: packed fields, other per-token keys (``others``: real values in sample order)
+        scattered into the real slots, per-sample tensors in sample order, bookkeeping under METADATA_KEY."""
         real_slots = ~packed.padding_mask
         labels = mask_first_labels(packed.labels, packed.cu_seqlens_padded[:-1])
         batch: dict[str, Any] = {"input_ids": packed.tokens, "labels": labels}
-        for key in self.token_keys:
-            if key in padded and key not in batch:
-                # Rows keep their order and fill slots are exactly padding_mask, so real values scatter back.
-                row = torch.zeros_like(packed.tokens, dtype=padded[key].dtype)
-                row[real_slots] = padded[key][padded["attention_mask"].bool()]
-                batch[key] = row
+        for key, values in others.items():
+            # Rows keep their order and fill slots are exactly padding_mask, so real values scatter back.
+            row = torch.zeros_like(packed.tokens, dtype=values.dtype)
+            row[real_slots] = values
+            batch[key] = row
         batch["position_ids"] = packed.position_ids
         batch.update(packed.attention_kwargs())
         batch.update(vision)

@@ -1,4 +1,5 @@
-"""In-batch packing: turn a padded micro-batch ``[B, S]`` into ONE packed row ``[1, T]`` with boundaries.
+"""In-batch packing: a padded micro-batch ``[B, S]`` (``pack_batch_sequences``) or a list of per-sample
+sequences (``pack_sequences``) becomes ONE packed row ``[1, T]`` with boundaries.
 
 A tiny pack of two samples (lengths 3 and 2) with ``pad_to_multiple_of=2``::
 
@@ -102,6 +103,7 @@ class PackedBatch:
 
 
 _COUNT_SHIFT = 32  # lengths and column sums share one int64 reduction: count << 32 | column sum
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 # ---------------------------------------------------------------- argument checks
@@ -168,8 +170,11 @@ def _layout(lengths: list[int], multiple: int, pad_to_length: int | None) -> _La
     cu_real, cu_padded = [0, *accumulate(lengths)], [0, *accumulate(padded)]
     gaps = [p - n for p, n in zip(padded, lengths)]
     width, max_seqlen = cu_padded[-1], max(padded)
-    slots = [start + n + k for start, n, gap in zip(cu_padded, lengths, gaps) for k in range(gap)]
-    steps = [k for gap in gaps for k in range(1, gap + 1)]
+    slots: list[int] = []
+    steps: list[int] = []
+    if multiple > 1:
+        slots = [start + n + k for start, n, gap in zip(cu_padded, lengths, gaps) for k in range(gap)]
+        steps = [k for gap in gaps for k in range(1, gap + 1)]
     extra = 0
     if pad_to_length is not None:
         if pad_to_length < width:
@@ -199,9 +204,6 @@ def _check_options(pad_token_id: object, pad_to_multiple_of: object, pad_to_leng
 
 
 # ---------------------------------------------------------------- assembly (shared by both entry points)
-
-
-# ---------------------------------------------------------------- assembly (shared by both entry points)
 #
 # Every field is joined from per-sequence pieces (views of the input) and views of one small fill tensor in ONE
 # concatenation. On CPU the pieces are numpy views: numpy's per-call overhead is a fraction of torch's, which is
@@ -210,13 +212,13 @@ def _check_options(pad_token_id: object, pad_to_multiple_of: object, pad_to_leng
 _NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                            torch.float16, torch.float32, torch.float64})
 
-Piece = "torch.Tensor | np.ndarray"
+Piece = torch.Tensor | np.ndarray  # a per-sequence view: numpy on the CPU path, a tensor on the torch path
 
 
 def _numpy_ready(values: Iterable[torch.Tensor | None]) -> bool:
     """True when every tensor is a plain CPU tensor numpy can view (no autograd, no exotic dtype)."""
     return all(
-        value is None or (value.device.type == "cpu" and value.dtype in _NUMPY_DTYPES and not value.requires_grad)
+        value is None or (value.is_cpu and value.dtype in _NUMPY_DTYPES and not value.requires_grad)
         for value in values
     )
 
@@ -299,7 +301,7 @@ def _assemble(
         if fill is not None:
             slots, last, steps = fill
             if numpy:
-                packed_positions[..., slots] = packed_positions[..., last] + steps.astype(packed_positions.dtype, copy=False)
+                packed_positions[..., slots] = packed_positions[..., last] + steps.astype(packed_positions.dtype)
             else:
                 values = packed_positions.index_select(-1, last) + steps.to(packed_positions.dtype)
                 packed_positions.index_copy_(-1, slots, values)
@@ -322,18 +324,22 @@ def _assemble(
         return None if pieces is None else out(_join(pieces, gaps, extra, fill_value))
 
     n_cu = len(layout.cu_real)
-    boundaries = torch.from_numpy(layout.boundaries())
-    if not numpy:
-        boundaries = boundaries.to(device, non_blocking=True)
+    bounds = layout.boundaries()
+    if numpy:  # three views, made on the numpy side (cheaper than slicing tensors)
+        cu_real, cu_padded, seq_lengths = (torch.from_numpy(bounds[:n_cu]), torch.from_numpy(bounds[n_cu:2 * n_cu]),
+                                           torch.from_numpy(bounds[2 * n_cu:]))
+    else:
+        cu_real, cu_padded, seq_lengths = torch.from_numpy(bounds).to(device, non_blocking=True).split(
+            [n_cu, n_cu, len(layout.lengths)])
     return PackedBatch(
         tokens=field(tokens, pad_token_id),
         labels=field(labels, IGNORE_INDEX),
         loss_mask=field(loss_mask, 0),
         position_ids=out(packed_positions),
-        cu_seqlens=boundaries[:n_cu],
-        cu_seqlens_padded=boundaries[n_cu : 2 * n_cu],
+        cu_seqlens=cu_real,
+        cu_seqlens_padded=cu_padded,
         max_seqlen=layout.max_seqlen,
-        seq_lengths=boundaries[2 * n_cu :],
+        seq_lengths=seq_lengths,
         padding_mask=out(fill_mask),
     )
 
@@ -342,16 +348,17 @@ def _assemble(
 
 
 class _OneIntraOpThread:
-    """Run CPU packing on one intra-op thread (a no-op on other devices).
+    """Run torch kernels on CPU tensors on one intra-op thread (a no-op when ``active`` is False).
 
     The work is a few memory copies; splitting them across OpenMP threads gains little on an idle machine and,
     when another core is busy (a training step, a DataLoader worker), makes each parallel kernel wait for a
-    descheduled thread: measured 36x slower at micro-batch 32 (``benchmarks/in_batch_threads.py``).
-    ``torch.set_num_threads`` is per calling thread under OpenMP and costs well under a microsecond.
+    descheduled thread: the previous all-torch core took 36x its single-thread time at micro-batch 32
+    (``benchmarks/in_batch_threads.py``). The numpy path (plain CPU tensors) runs no parallel kernel at all and
+    skips this. ``torch.set_num_threads`` is per calling thread under OpenMP and costs well under a microsecond.
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.previous = torch.get_num_threads() if device.type == "cpu" else 1
+    def __init__(self, active: bool) -> None:
+        self.previous = torch.get_num_threads() if active else 1
 
     def __enter__(self) -> None:
         if self.previous > 1:
@@ -397,7 +404,7 @@ def _real_token_spans(
     checked = padding_mask.dtype != torch.bool  # 0/1 only: a 2 or -1 would corrupt the counts
     if on_host:
         real = padding_mask.numpy()
-        if checked and real.view(f"u{real.itemsize}").max() > 1:  # unsigned view: one pass finds -1 and 2 alike
+        if checked and real.view(_UNSIGNED[real.itemsize]).max() > 1:  # unsigned view: one pass finds -1 and 2 alike
             _check_mask_values(int(real.min()), int(real.max()))
         col_stats = np.dot(real, _column_weights(offset, width)).tolist()
         counts = None if fused else np.count_nonzero(real, axis=1).tolist()
@@ -505,7 +512,9 @@ def pack_batch_sequences(
             raise ValueError(f"position_ids must be [B, S] or [C, B, S]; got shape {tuple(position_ids.shape)}")
         _check_ids("position_ids", position_ids)
 
-    with _OneIntraOpThread(tokens.device):
+    fields = (tokens, labels, loss_mask, position_ids)
+    numpy = _numpy_ready(fields)
+    with _OneIntraOpThread(active=tokens.is_cpu and not numpy):
         all_lengths, all_starts = _real_token_spans(tokens, padding_mask, pad_token_id)
         rows = [row for row, length in enumerate(all_lengths) if length]
         if not rows:
@@ -518,8 +527,7 @@ def pack_batch_sequences(
         # of the flat tensor at every run's start and end (views only).
         begin = [row * width + all_starts[row] for row in rows]
         end = [start + n for start, n in zip(begin, lengths)]
-        fields = (tokens, labels, loss_mask, position_ids)
-        if _numpy_ready(fields):
+        if numpy:
             spans = list(zip(begin, end))
 
             def runs(value: torch.Tensor | None) -> list[np.ndarray] | None:
@@ -545,7 +553,8 @@ def pack_batch_sequences(
 def _samples(name: str, values: object, count: int | None) -> list[Piece]:
     """One field's samples as tensors or numpy arrays. Python lists are joined and converted in ONE call (what a
     tokenised dataset yields; a per-sample conversion would cost more than the packing)."""
-    if isinstance(values, (torch.Tensor, np.ndarray, str, bytes)) or not isinstance(values, Sequence) or not values:
+    if not (type(values) in (list, tuple) or isinstance(values, Sequence)) or not values or \
+            isinstance(values, (torch.Tensor, np.ndarray, str, bytes)):
         what = "a padded tensor" if isinstance(values, (torch.Tensor, np.ndarray)) else repr(values)[:40]
         raise ValueError(
             f"{name} must be a non-empty list with one 1-D tensor (or list of ids) per sample; got {what}. "
@@ -568,19 +577,23 @@ def _samples(name: str, values: object, count: int | None) -> list[Piece]:
     return [value if isinstance(value, torch.Tensor) else np.asarray(value) for value in values]
 
 
+_PLAIN_IDS = frozenset({torch.int64, torch.int32, np.dtype(np.int64), np.dtype(np.int32)})
+
+
 def _check_samples(name: str, values: list[Piece], lengths: list[int] | None, channels: bool) -> None:
     """One 1-D tensor per sample (``[C, n]`` where ``channels``), ``lengths`` long, integer ids unless loss_mask."""
     dims = (1, 2) if channels else (1,)
     for index, value in enumerate(values):
         if not isinstance(value, (torch.Tensor, np.ndarray)):
             raise ValueError(f"{name}[{index}] is a {type(value).__name__}; give every sample as a tensor or list")
-        length = value.shape[-1] if lengths is None else lengths[index]
-        if value.ndim not in dims or value.shape[-1] != length:
+        if value.ndim not in dims or (lengths is not None and value.shape[-1] != lengths[index]):
+            length = value.shape[-1] if lengths is None else lengths[index]
             expected = f"[{length}] or [C, {length}]" if channels else f"[{length}]"
             hint = " (t.reshape(-1) for a [1, n] sample)" if name == "tokens" else f" matching tokens[{index}]"
             raise ValueError(f"{name}[{index}] has shape {tuple(value.shape)}; expected {expected}{hint}")
-    if name != "loss_mask":
-        for dtype in {value.dtype for value in values}:  # each distinct dtype once
+    dtypes = {value.dtype for value in values}
+    if name != "loss_mask" and not dtypes <= _PLAIN_IDS:
+        for dtype in dtypes:  # each distinct dtype once, reported at its first sample
             index = next(i for i, value in enumerate(values) if value.dtype == dtype)
             if isinstance(dtype, np.dtype):
                 if dtype.kind not in "iu" and values[index].size:
@@ -620,7 +633,7 @@ def pack_sequences(
         fields.append(samples)
     tensors = [value for samples in fields if samples is not None for value in samples
                if isinstance(value, torch.Tensor)]
-    devices = {value.device for value in tensors}
+    devices = {value.device for value in tensors} if not all(value.is_cpu for value in tensors) else set()
     if len(devices) > 1:
         raise ValueError(f"the samples are on several devices ({sorted(map(str, devices))}); move them to one")
 
@@ -638,6 +651,6 @@ def pack_sequences(
             return [value.numpy() if isinstance(value, torch.Tensor) else value for value in chosen]
         return [value if isinstance(value, torch.Tensor) else torch.from_numpy(value).to(device) for value in chosen]
 
-    with _OneIntraOpThread(device):
+    with _OneIntraOpThread(active=device.type == "cpu" and not numpy):
         layout = _layout([all_lengths[i] for i in keep], pad_to_multiple_of, pad_to_length)
         return _assemble(layout, device, int(pad_token_id), *(pieces(samples) for samples in fields))
