@@ -21,6 +21,8 @@ _LAZY = {
     "VLMPackingCollator": "collator",
     "CollatorStats": "collator",
     "model_inputs": "batch",
+    "compute_loss_func": "hf_trainer",
+    "SampleMeanLoss": "hf_trainer",
     "METADATA_KEY": "batch",
     "varlen_attention": "attention",
     "available_backends": "attention",
