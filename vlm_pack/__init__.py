@@ -23,6 +23,7 @@ _LAZY = {
     "model_inputs": "batch",
     "compute_loss_func": "hf_trainer",
     "SampleMeanLoss": "hf_trainer",
+    "to_hf_dataset": "hf_datasets",
     "METADATA_KEY": "batch",
     "varlen_attention": "attention",
     "available_backends": "attention",

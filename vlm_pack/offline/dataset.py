@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..batch import METADATA_KEY
+from ..batch import METADATA_KEY, mask_first_labels
 from ..packing import IGNORE_INDEX, pack_batch_sequences
 from .algorithms import group_by_pack, pack_lengths, packing_stats
 from .storage import gather_segments, open_packed, read_metadata
@@ -160,7 +160,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
                 "size by the packing factor n from the metadata"
             )
         tokens, labels, lengths = _pack_item(batch[0])
-        labels[torch.from_numpy(np.cumsum(lengths) - lengths)] = IGNORE_INDEX
+        mask_first_labels(labels, torch.from_numpy(np.cumsum(lengths) - lengths))
         loss_mask = (labels != IGNORE_INDEX).long()
         grid = _RowGrid(lengths)  # samples as rows of a padded batch, for the core packer
         packed = pack_batch_sequences(
@@ -289,8 +289,7 @@ class PackedDataset(torch.utils.data.Dataset):
             pieces["labels"].append(torch.full((fill,), IGNORE_INDEX, dtype=torch.long))
             lengths = np.append(lengths, fill)
         cu = torch.from_numpy(np.concatenate(([0], np.cumsum(lengths))).astype(np.int32))
-        labels = torch.cat(pieces["labels"])
-        labels[cu[:-1].long()] = IGNORE_INDEX
+        labels = mask_first_labels(torch.cat(pieces["labels"]), cu[:-1])
         max_len = int(lengths.max())
         return {
             "input_ids": torch.cat(pieces["input_ids"]).unsqueeze(0),
