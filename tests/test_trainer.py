@@ -28,9 +28,9 @@ from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
 from vlm_pack.hf import enable_packing
 from vlm_pack.offline.dataset import PackedDataset, PackedSFTDataset
 from vlm_pack.offline.storage import PackedArrays, build_index, write_packed
-from vlm_pack.tiny_models import TINY_FAMILIES, qwen_tokenizer, tiny_model
+from vlm_pack.tiny_models import TINY_FAMILIES, qwen_tokenizer, tiny_config, tiny_model
 
-VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VLM_FAMILIES = tuple(f for f in TINY_FAMILIES if hasattr(tiny_config(f), "vision_config"))
 TOLERANCE = 1e-4
 
 
@@ -188,6 +188,7 @@ def test_trl_vlm_collator_equals_unpacked(processor, tokenizer, references, tmp_
 
 # ---- offline packs: PackedSFTDataset and PackedDataset, in Trainer and in TRL -----------------------------------
 
+VOCAB = 5000  # random token ids below it: a small LM head keeps these runs fast
 PACK = 96  # offline: 12 samples in 2 packs of 6 (micro-batch 1 x 2 steps); in memory: 4 packs of <= 40 tokens
 
 
@@ -198,7 +199,7 @@ def random_samples(seed: int = 7, lengths=(9, 14, 6, 11, 20, 7, 13, 5, 12, 16, 8
 
 def text_reference(samples: list[np.ndarray], masks: list[np.ndarray] | None = None) -> dict[str, torch.Tensor]:
     """Each sample ALONE through a stock sdpa Llama; token t is a target where its mask is 1 (all when None)."""
-    stock = tiny_model("llama", layers=1)
+    stock = tiny_model("llama", layers=1, vocab_size=VOCAB)
     total, count = 0.0, 0
     for i, tokens in enumerate(samples):
         ids = torch.as_tensor(tokens, dtype=torch.long)
@@ -237,7 +238,7 @@ def in_memory_packs(tokenizer):
 def test_trainer_packed_sft_dataset_default_arguments(sft_packs, tmp_path):
     """Default TrainingArguments (remove_unused_columns=True) apart from micro-batch 1, which packing requires."""
     packs, reference = sft_packs
-    model = enable_packing(tiny_model("llama", layers=1))
+    model = enable_packing(tiny_model("llama", layers=1, vocab_size=VOCAB))
     args = training_args(tmp_path, per_device_train_batch_size=1, remove_unused_columns=True)
     grads = trainer_grads(model, packs, packs.collate_fn, args)
     assert relative_error(grads, reference) < TOLERANCE
@@ -245,7 +246,7 @@ def test_trainer_packed_sft_dataset_default_arguments(sft_packs, tmp_path):
 
 def test_trainer_packed_dataset_default_arguments(in_memory_packs, tmp_path):
     packs, reference = in_memory_packs
-    model = enable_packing(tiny_model("llama", layers=1))
+    model = enable_packing(tiny_model("llama", layers=1, vocab_size=VOCAB))
     args = training_args(tmp_path, per_device_train_batch_size=2, remove_unused_columns=True)
     grads = trainer_grads(model, packs, packs.collate, args)
     assert relative_error(grads, reference) < TOLERANCE
@@ -258,7 +259,7 @@ def test_corruption_without_first_label_masking(in_memory_packs, tmp_path, monke
     packs.labels[packs.seq_offsets[:-1]] = packs.tokens[packs.seq_offsets[:-1]]
     monkeypatch.setattr(vlm_pack.offline.dataset, "mask_first_labels", lambda labels, starts: labels)
     try:
-        model = enable_packing(tiny_model("llama", layers=1))
+        model = enable_packing(tiny_model("llama", layers=1, vocab_size=VOCAB))
         args = training_args(tmp_path, per_device_train_batch_size=2, remove_unused_columns=True)
         grads = trainer_grads(model, packs, packs.collate, args)
     finally:
@@ -270,7 +271,7 @@ def test_trl_packs_equal_unpacked(sft_packs, in_memory_packs, tmp_path):
     for packs, collate, batch_size in ((sft_packs[0], sft_packs[0].collate_fn, 1),
                                        (in_memory_packs[0], in_memory_packs[0].collate, 2)):
         reference = sft_packs[1] if batch_size == 1 else in_memory_packs[1]
-        model = enable_packing(tiny_model("llama", layers=1))
+        model = enable_packing(tiny_model("llama", layers=1, vocab_size=VOCAB))
         dataset = vlm_pack.to_hf_dataset(packs)
         args = sft_config(tmp_path, per_device_train_batch_size=batch_size,
                           dataset_kwargs={"skip_prepare_dataset": True})
