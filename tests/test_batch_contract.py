@@ -23,7 +23,7 @@ from vlm_pack.offline.dataset import PackedDataset, PackedSFTDataset
 from vlm_pack.offline.storage import PackedArrays, build_index, write_packed
 from vlm_pack.tiny_models import TINY_FAMILIES, qwen_tokenizer, tiny_config, tiny_model
 
-VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VLM_FAMILIES = tuple(f for f in TINY_FAMILIES if hasattr(tiny_config(f), "vision_config"))
 
 
 def mixed_examples() -> list[dict]:

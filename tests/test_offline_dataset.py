@@ -156,7 +156,7 @@ def test_pickles_without_copying_arrays(known):
     blob = pickle.dumps(ds)
     assert len(blob) < 2000
     again = pickle.loads(blob)
-    assert again[0]["tokens"].tolist() == ds[0]["tokens"].tolist()
+    assert again[0]["input_ids"].tolist() == ds[0]["input_ids"].tolist()
 
 
 # ---- exactness on a tiny Llama -------------------------------------------------------------------------------
@@ -246,6 +246,12 @@ def _tokenized(n=40, seed=1, labels=False):
     return Dataset.from_dict(rows)
 
 
+def _item_cu(item) -> list[int]:
+    """Sample boundaries of a pack item: where its position ids restart at 0, plus the end."""
+    positions = torch.as_tensor(item["position_ids"])
+    return (positions == 0).nonzero().flatten().tolist() + [positions.numel()]
+
+
 @pytest.mark.parametrize("with_labels", [False, True])
 def test_packed_dataset_items(with_labels):
     data = _tokenized(labels=with_labels).shuffle(seed=3)  # an index-mapped view must be read in its own order
@@ -253,7 +259,8 @@ def test_packed_dataset_items(with_labels):
     seen = []
     for i in range(len(ds)):
         item = ds[i]
-        cu = item["cu_seq_lens"].tolist()
+        assert set(item) == {"input_ids", "labels", "position_ids"}  # forward arguments: Trainer keeps them
+        cu = _item_cu(item)
         assert cu[0] == 0 and cu[-1] == item["input_ids"].numel() <= 64
         for lo, hi in zip(cu[:-1], cu[1:]):
             ids = item["input_ids"][lo:hi].tolist()
@@ -271,7 +278,7 @@ def test_packed_dataset_collate_and_stat(capsys):
     ds = PackedDataset(data, None, 64)
     b = ds.collate([ds[0], ds[1]])
     n0 = ds[0]["input_ids"].numel()
-    expected_cu = ds[0]["cu_seq_lens"].tolist() + [c + n0 for c in ds[1]["cu_seq_lens"][1:].tolist()]
+    expected_cu = _item_cu(ds[0]) + [c + n0 for c in _item_cu(ds[1])[1:]]
     assert b["cu_seq_lens_q"].tolist() == expected_cu and b["input_ids"].shape == (1, expected_cu[-1])
     assert b["max_length_q"] == max(np.diff(expected_cu))
     assert torch.equal(b["labels"][0, :n0], ds[0]["labels"]) and torch.equal(b["position_ids"][0, n0:],
@@ -293,7 +300,7 @@ def test_packed_dataset_pads_the_row_with_the_tokenizer_pad_id():
     b = ds.collate([item])
     real, width = item["input_ids"].numel(), b["input_ids"].shape[1]
     assert width % 16 == 0 and 0 < width - real < 16
-    assert b["cu_seq_lens_q"].tolist() == item["cu_seq_lens"].tolist() + [width]
+    assert b["cu_seq_lens_q"].tolist() == _item_cu(item) + [width]
     assert (b["input_ids"][0, real:] == 96).all() and (b["labels"][0, real:] == -100).all()
     assert b["position_ids"][0, real:].tolist() == list(range(width - real))
 

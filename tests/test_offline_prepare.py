@@ -217,13 +217,13 @@ def test_reference_pickle_format_is_opt_in(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="pickle, which can execute code"):
         PackedSFTDataset(ref, 8)
     direct = PackedSFTDataset(ref, 8, allow_pickle=True)
-    assert direct[0]["tokens"].tolist() == [5, 6, 7, 8, 9]
+    assert direct[0]["input_ids"].tolist() == [5, 6, 7, 8, 9]
     # shifted mask [0,1,1 | 0,1] -> aligned [0,0,1 | 0,0]: token t is a target when the mask at t-1 said so
-    assert direct[0]["loss_mask"].tolist() == [0, 0, 1, 0, 0] and direct[1]["loss_mask"].tolist() == [0, 1, 1]
+    assert direct[0]["labels"].tolist() == [-100, -100, 7, -100, -100] and direct[1]["labels"].tolist() == [-100, 2, 3]
     written = _prepare(tokenizer, ref, tmp_path, sizes=[8], tokenizer_name="t", allow_pickle=True)
     converted = PackedSFTDataset(written[0].path, 8)  # our format: no pickle needed any more
-    assert [converted[i]["tokens"].tolist() for i in range(2)] == [[5, 6, 7, 8, 9], [1, 2, 3]]
-    assert converted[0]["seq_lengths"].tolist() == [3, 2]
+    assert [converted[i]["input_ids"].tolist() for i in range(2)] == [[5, 6, 7, 8, 9], [1, 2, 3]]
+    assert converted[0]["position_ids"].tolist() == [0, 1, 2, 0, 1]  # samples of lengths 3 and 2
     assert written[0].metadata["max_samples_per_bin"] == 2 and written[0].metadata["num_packs"] == 2
 
 

@@ -53,3 +53,42 @@ def test_token_budget_quick_start_serves_fixed_width_packs(processor):
     rows = list(namespace["loader"])
     assert len(rows) == namespace["plan"].num_packs >= 1
     assert all(row["input_ids"].shape == (1, 4096) for row in rows)
+
+
+def _trainer_namespace(processor) -> dict:
+    from datasets import Dataset
+
+    from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
+    from vlm_pack.tiny_models import qwen_tokenizer, tiny_model
+
+    tokenizer = qwen_tokenizer()
+    examples = photo_examples(4, seed=2, max_side=84) + easy_vqa_examples(2, seed=2) + text_chat_examples(2, seed=2)
+    ids = [tokenizer(e["messages"][-1]["content"])["input_ids"] for e in text_chat_examples(8, seed=2)]
+    return {"model": tiny_model("qwen2_5_vl", layers=1), "llm": tiny_model("llama", layers=1), "processor": processor,
+            "tokenizer": tokenizer, "examples": examples, "tokenized_dataset": Dataset.from_dict({"input_ids": ids})}
+
+
+def _weights(model) -> list:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_trainer_section_trains(processor, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace = _trainer_namespace(processor)
+    before = _weights(namespace["model"]), _weights(namespace["llm"])
+    exec(block("Trainer(model=model, args=args"), namespace)
+    for model, old in zip((namespace["model"], namespace["llm"]), before):
+        assert any(not torch.equal(a, b) for a, b in zip(old, model.parameters()))  # both trained 2 steps
+    assert namespace["model"].accepts_loss_kwargs  # Qwen2.5-VL's class flag overridden by enable_packing
+
+
+def test_trl_section_trains(processor, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace = _trainer_namespace(processor)
+    setup = block("Trainer(model=model, args=args")  # defines collator and packed, as a reader following along
+    exec(setup.split("args = TrainingArguments")[0] + "packed = PackedDataset(tokenized_dataset, tokenizer, 4096)",
+         namespace)
+    before = _weights(namespace["model"]), _weights(namespace["llm"])
+    exec(block("SFTTrainer("), namespace)
+    for model, old in zip((namespace["model"], namespace["llm"]), before):
+        assert any(not torch.equal(a, b) for a, b in zip(old, model.parameters()))

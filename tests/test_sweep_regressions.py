@@ -67,7 +67,8 @@ def test_prepare_with_pad_seq_to_mult_opens_and_collates_aligned(aligned_packs):
     unaligned_samples = 0
     for index in range(len(dataset)):
         item = dataset[index]
-        lengths = [int(n) for n in item["seq_lengths"]]
+        starts = np.flatnonzero(np.asarray(item["position_ids"]) == 0)  # positions restart at every sample
+        lengths = np.diff(np.append(starts, len(item["input_ids"]))).tolist()
         aligned = [-(-n // 4) * 4 for n in lengths]
         assert sum(aligned) <= 128, f"pack {index} does not fit once its samples are aligned"
         unaligned_samples += sum(n % 4 != 0 for n in lengths)
@@ -84,7 +85,7 @@ def test_prepare_with_pad_seq_to_mult_opens_and_collates_aligned(aligned_packs):
         assert tokens.shape == (128,)
         offsets = np.cumsum([0, *lengths])
         for i, (n, start) in enumerate(zip(lengths, physical)):
-            sample = torch.as_tensor(item["tokens"][offsets[i] : offsets[i] + n])
+            sample = torch.as_tensor(item["input_ids"][offsets[i] : offsets[i] + n])
             assert torch.equal(tokens[start : start + n], sample)
             assert positions[start : start + n].tolist() == list(range(n))
             assert (labels[start + n : start + aligned[i]] == -100).all()  # alignment slots are never targets

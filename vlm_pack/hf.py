@@ -157,7 +157,10 @@ def enable_packing(model, name: str = ATTN_IMPLEMENTATION, *, allow_unproven: bo
 
     The model's family must be in the registry (``vlm_pack.models``) with every feature of its config covered,
     else :class:`~vlm_pack.models.UnsupportedModelError` names what is missing (``allow_unproven=True``: a
-    warning instead). The family's own setup (e.g. boundary-aware linear-attention kernels) is applied too.
+    warning instead). The family's own setup (e.g. boundary-aware linear-attention kernels) is applied too, and
+    ``accepts_loss_kwargs`` is set where the family's loss honours Trainer's ``num_items_in_batch`` (see
+    :class:`~vlm_pack.models.FamilySpec`), so ``Trainer(model=enable_packing(model), data_collator=collator)`` is
+    exact under gradient accumulation with nothing else passed.
     The forward KV cache is switched off (``config.use_cache=False``, text config included): a packed row must
     never fill a cache, and ``model(**batch)`` (Trainer, TRL) passes no ``use_cache``; ``generate()`` still
     caches (it reads ``generation_config``). Never pass an ``attention_mask`` with a packed row.
@@ -169,4 +172,13 @@ def enable_packing(model, name: str = ATTN_IMPLEMENTATION, *, allow_unproven: bo
         config.use_cache = False
     if family.prepare_model is not None:
         family.prepare_model(model)
+    if family.loss_honours_num_items:
+        # Trainer reads this flag to pass num_items_in_batch (the window's label-token count) to the model's loss:
+        # the exact token mean under gradient accumulation, as unpacked training over the same window.
+        model.accepts_loss_kwargs = True
+    else:
+        logger.warning(
+            "vlm_pack: the %s family's own loss ignores Trainer's num_items_in_batch; under gradient accumulation "
+            "pass compute_loss_func=vlm_pack.compute_loss_func to Trainer for the exact token mean", family.name
+        )
     return model

@@ -8,8 +8,8 @@ sliding or linear-attention layers), so each family declares it in a :class:`Fam
 (``vlm_pack/models/<family>.py``) and everything else reads the spec:
 
     collator          -> positions rule, per-token processor keys
-    enable_packing    -> attention rule, layer kinds, family setup hook (e.g. linear-attention kernels)
-    Trainer/TRL glue  -> loss rule
+    enable_packing    -> attention rule, layer kinds, family setup hook (e.g. linear-attention kernels),
+                         loss rule (whether Trainer's num_items_in_batch reaches the family's own loss)
 
 A model whose family is not registered, or whose config turns on something the spec does not cover, is
 refused with an :class:`UnsupportedModelError` naming the family and the missing piece; ``allow_unproven=True``
@@ -59,6 +59,10 @@ class FamilySpec:
     switch (e.g. boundary-aware linear-attention kernels). ``proof``: the test that shows the family exact.
     ``context_parallel_refusal``: why the family cannot be split across context-parallel ranks (the collator
     then refuses ``context_parallel_size > 1`` with it); None when it can.
+    ``loss_honours_num_items``: the family's forward hands Trainer's ``num_items_in_batch`` to its own loss (true
+    of the Qwen-VL classes even though they declare ``accepts_loss_kwargs = False``); ``enable_packing`` then sets
+    ``accepts_loss_kwargs = True`` on the model, so Trainer's loss is the exact token mean over a gradient
+    accumulation window. When False, Trainer users must pass ``compute_loss_func=vlm_pack.compute_loss_func``.
     """
 
     name: str
@@ -72,6 +76,7 @@ class FamilySpec:
     videos: bool = False
     rope_types: frozenset[str] = STATIC_ROPE_TYPES
     prepare_model: Callable[[Any], None] | None = None
+    loss_honours_num_items: bool = True
     extra_checks: tuple[Callable[[Any], str | None], ...] = field(default=())
     context_parallel_refusal: str | None = None
 
@@ -149,7 +154,7 @@ def get_family(config: Any, *, allow_unproven: bool = False) -> FamilySpec:
             raise UnsupportedModelError(message)
         warnings.warn(message, stacklevel=2)
         return FamilySpec(name=f"unproven:{model_type}", model_types=(model_type,), proof="none",
-                          layer_kinds=frozenset({"full_attention", "sliding_attention"}))
+                          layer_kinds=frozenset({"full_attention", "sliding_attention"}), loss_honours_num_items=False)
     problems = check_config(spec, config)
     if problems:
         message = (

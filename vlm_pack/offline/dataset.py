@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..batch import METADATA_KEY
+from ..batch import METADATA_KEY, mask_first_labels
 from ..packing import IGNORE_INDEX, pack_batch_sequences
 from .algorithms import group_by_pack, pack_lengths, packing_stats
 from .storage import gather_segments, open_packed, read_metadata
@@ -134,27 +134,34 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         return self.data.num_packs
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        """Pack ``i`` as ``input_ids``, ``labels`` and ``position_ids`` (restarting per sample): forward-argument
+        names, so ``Trainer``'s default ``remove_unused_columns`` keeps them all."""
         if not -len(self) <= i < len(self):
             raise IndexError(f"pack {i} out of range for {len(self)} packs")
         tokens, loss_mask, seq_lengths = self.data.pack(i % len(self))
-        return {"tokens": tokens.astype(np.int64), "loss_mask": loss_mask.astype(np.int64), "seq_lengths": seq_lengths}
+        tokens = tokens.astype(np.int64)
+        starts = np.cumsum(seq_lengths) - seq_lengths
+        # A sample's first token is never a target (nothing before it in its sample predicts it): masking it also
+        # keeps a loss that shifts over the whole row (Hugging Face's) from predicting across a boundary.
+        labels = np.where(loss_mask.astype(bool), tokens, IGNORE_INDEX)
+        labels[starts] = IGNORE_INDEX
+        return {"input_ids": tokens, "labels": labels, "position_ids": _positions(seq_lengths)}
 
-    def collate_fn(self, batch: Sequence[Mapping[str, np.ndarray]]) -> dict[str, Any]:
-        """One pack -> packed-batch dict (see the module docstring). Micro-batch size must be 1."""
+    def collate_fn(self, batch: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """One pack -> model-ready batch (see the module docstring). Micro-batch size must be 1.
+
+        Items come from this dataset or from its ``datasets`` view (``vlm_pack.to_hf_dataset``), whose rows carry
+        ``seq_lengths`` too (TRL keeps that column, Trainer keeps ``position_ids``).
+        """
         if len(batch) != 1:
             raise ValueError(
                 f"offline packed data needs micro_batch_size=1 (each item is already a pack of up to {self.pack_size} "
                 f"tokens), got a batch of {len(batch)}; set the DataLoader batch_size to 1 and divide the global batch "
                 "size by the packing factor n from the metadata"
             )
-        item = batch[0]
-        tokens = torch.as_tensor(item["tokens"], dtype=torch.long)
-        loss_mask = torch.tensor(np.asarray(item["loss_mask"]), dtype=torch.long)  # a copy: edited below
-        lengths = np.asarray(item["seq_lengths"], dtype=np.int64)
-        # A sample's first token is never a target (nothing before it in its sample predicts it): masking it also
-        # keeps a loss that shifts over the whole row (Hugging Face's) from predicting across a boundary.
-        loss_mask[torch.from_numpy(np.cumsum(lengths) - lengths)] = 0
-        labels = torch.where(loss_mask.bool(), tokens, IGNORE_INDEX)
+        tokens, labels, lengths = _pack_item(batch[0])
+        mask_first_labels(labels, torch.from_numpy(np.cumsum(lengths) - lengths))
+        loss_mask = (labels != IGNORE_INDEX).long()
         grid = _RowGrid(lengths)  # samples as rows of a padded batch, for the core packer
         packed = pack_batch_sequences(
             grid.fill(tokens, self.pad_token_id),
@@ -218,8 +225,9 @@ class PackedDataset(torch.utils.data.Dataset):
 
     ``PackedDataset(ds, tokenizer, pack_len)`` bin-packs the samples once (``algorithm``, ``seed``); item ``i`` is
     pack ``i``: ``input_ids``, ``labels`` (the sample's own labels, or its input_ids, with -100 at every sample's
-    first token, so a loss that shifts over the whole row never predicts across a boundary), ``position_ids``
-    (restart per sample) and ``cu_seq_lens`` (int32 boundaries). Use ``data_collator=packed.collate``; with
+    first token, so a loss that shifts over the whole row never predicts across a boundary) and ``position_ids``
+    (restart per sample; the boundaries are read from them, and all three are forward-argument names, so Trainer's
+    default ``remove_unused_columns`` keeps them). Use ``data_collator=packed.collate``; with
     ``pad_to_multiple_of`` the collated row is filled up to a multiple with the tokenizer's pad id (a trailing
     segment of its own, labels -100).
     """
@@ -261,33 +269,32 @@ class PackedDataset(torch.utils.data.Dataset):
         i %= len(self)
         bounds = self.seq_offsets[self.pack_offsets[i] : self.pack_offsets[i + 1] + 1]
         lo, hi = int(bounds[0]), int(bounds[-1])
-        lengths = np.diff(bounds)
         return {
             "input_ids": torch.as_tensor(self.tokens[lo:hi], dtype=torch.long),
             "labels": torch.as_tensor(self.labels[lo:hi], dtype=torch.long),
-            "position_ids": torch.from_numpy(np.arange(hi - lo) - np.repeat(bounds[:-1] - lo, lengths)),
-            "cu_seq_lens": torch.from_numpy((bounds - lo).astype(np.int32)),
+            "position_ids": torch.from_numpy(_positions(np.diff(bounds))),
         }
 
-    def collate(self, batch: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
-        """Flatten a batch of packs into ONE row ``[1, T]`` with boundaries (works for any batch size)."""
+    def collate(self, batch: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """Flatten a batch of packs into ONE model-ready row ``[1, T]`` with boundaries (any batch size)."""
         if not batch:
             raise ValueError("empty batch")
-        sizes = torch.tensor([b["input_ids"].numel() for b in batch])
-        shift = torch.cumsum(sizes, 0) - sizes
-        tails = [b["cu_seq_lens"][1:] + s for b, s in zip(batch, shift.tolist())]
-        pieces = {key: [b[key] for b in batch] for key in ("input_ids", "labels", "position_ids")}
-        total = int(sizes.sum())
+        items = [_pack_item(item) for item in batch]
+        lengths = np.concatenate([item[2] for item in items])
+        pieces = {"input_ids": [item[0] for item in items], "labels": [item[1] for item in items]}
+        total = int(lengths.sum())
         fill = -total % self.pad_to_multiple_of
         if fill:  # one trailing segment of padding, never a target
             pieces["input_ids"].append(torch.full((fill,), self.pad_token_id, dtype=torch.long))
             pieces["labels"].append(torch.full((fill,), IGNORE_INDEX, dtype=torch.long))
-            pieces["position_ids"].append(torch.arange(fill))
-            tails.append(torch.tensor([total + fill], dtype=torch.int32))
-        cu = torch.cat([batch[0]["cu_seq_lens"][:1], *tails]).to(torch.int32)
-        max_len = int(cu.diff().max())
+            lengths = np.append(lengths, fill)
+        cu = torch.from_numpy(np.concatenate(([0], np.cumsum(lengths))).astype(np.int32))
+        labels = mask_first_labels(torch.cat(pieces["labels"]), cu[:-1])
+        max_len = int(lengths.max())
         return {
-            **{key: torch.cat(values).unsqueeze(0) for key, values in pieces.items()},
+            "input_ids": torch.cat(pieces["input_ids"]).unsqueeze(0),
+            "labels": labels.unsqueeze(0),
+            "position_ids": torch.from_numpy(_positions(lengths)).unsqueeze(0),
             "cu_seq_lens_q": cu,
             "cu_seq_lens_k": cu,
             "max_length_q": max_len,
@@ -314,6 +321,40 @@ class PackedDataset(torch.utils.data.Dataset):
             f"samples/pack, efficiency {stats.packing_efficiency:.2f}%"
         )
         return report
+
+
+def _positions(lengths: np.ndarray) -> np.ndarray:
+    """Position ids restarting at 0 for every sample: ``[2, 3] -> [0, 1, 0, 1, 2]``."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+
+
+def _pack_item(item: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """``(input_ids [T], labels [T], sample lengths)`` of one pack item; lengths from ``seq_lengths`` or from where
+    ``position_ids`` restart at 0. Raises if neither is there or the lengths do not cover the pack."""
+    tokens = torch.as_tensor(np.asarray(item["input_ids"]), dtype=torch.long).reshape(-1)
+    labels = torch.tensor(np.asarray(item.get("labels", item["input_ids"])), dtype=torch.long).reshape(-1)  # a copy
+    if item.get("seq_lengths") is not None:
+        lengths = np.asarray(item["seq_lengths"], dtype=np.int64).reshape(-1)
+    elif item.get("position_ids") is not None:
+        positions = np.asarray(item["position_ids"]).reshape(-1)
+        starts = np.flatnonzero(positions == 0)
+        if positions.size and (starts.size == 0 or starts[0] != 0):
+            raise ValueError("pack item: position_ids must start at 0 and restart at 0 for every sample")
+        lengths = np.diff(np.append(starts, positions.size))
+    else:
+        raise ValueError(
+            f"pack item has neither 'position_ids' nor 'seq_lengths' (keys: {sorted(item)}), so its sample boundaries "
+            "are lost; if a Trainer removed them (remove_unused_columns), pass the vlm_pack dataset itself to "
+            "Trainer and its to_hf_dataset(...) view to TRL"
+        )
+    if int(lengths.sum()) != tokens.numel() or labels.numel() != tokens.numel():
+        raise ValueError(
+            f"pack item holds {tokens.numel()} input_ids, {labels.numel()} labels but its samples add up to "
+            f"{int(lengths.sum())} tokens: the pack was cut (TRL truncates to max_length unless "
+            "SFTConfig(dataset_kwargs={'skip_prepare_dataset': True}))"
+        )
+    return tokens, labels, lengths
 
 
 def _list_column(dataset, name: str) -> tuple[np.ndarray, np.ndarray]:

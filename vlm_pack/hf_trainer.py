@@ -1,0 +1,124 @@
+"""Hugging Face ``Trainer`` / TRL ``SFTTrainer`` glue: exact losses through Trainer's own extension points.
+
+The default recipe needs nothing from this module::
+
+    trainer = Trainer(model=enable_packing(model), data_collator=collator, args=args, train_dataset=examples)
+
+It is exact under gradient accumulation because (1) batches are model-ready with -100 on every sample's first
+label (``vlm_pack.batch``), so the model's own whole-row shifted loss never crosses a boundary and Trainer's
+``num_items_in_batch`` counts exactly the targets, and (2) ``enable_packing`` sets ``accepts_loss_kwargs`` for
+families whose loss honours ``num_items_in_batch`` (``FamilySpec.loss_honours_num_items``).
+
+Two callables for ``Trainer(compute_loss_func=...)``, Trainer's official custom-loss hook (it receives
+``(outputs, labels, num_items_in_batch)``):
+
+* :func:`compute_loss_func`: the token mean over the accumulation window, for any model (also one whose own loss
+  ignores ``num_items_in_batch``);
+* :class:`SampleMeanLoss`: mean within each sample, then over the samples of the window. It reads the sample
+  boundaries from the forward call (a forward pre-hook) and the window size from Trainer's arguments (it is also
+  a ``TrainerCallback``); see its docstring for when it is exact and what it refuses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import TrainerCallback
+
+from .loss import per_sample_loss_sums
+from .packing import IGNORE_INDEX, segment_ids
+
+__all__ = ["SampleMeanLoss", "compute_loss_func"]
+
+
+def _logits(outputs: Any) -> torch.Tensor:
+    return outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+
+
+def _row_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Next-token targets of every row (``[B, S]``): a whole-row shift, exact because sample starts are -100."""
+    return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def compute_loss_func(outputs: Any, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None,
+                      ) -> torch.Tensor:
+    """``Trainer(compute_loss_func=vlm_pack.compute_loss_func)``: summed shifted CE / label tokens of the window.
+
+    ``num_items_in_batch`` (Trainer's count of label tokens over the accumulation window) makes the micro-batch
+    losses add up to the token mean of the whole window; without it, the micro-batch's own token mean.
+    """
+    logits = _logits(outputs)
+    targets = _row_targets(labels).to(logits.device)
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                            ignore_index=IGNORE_INDEX, reduction="sum")
+    if num_items_in_batch is None:
+        num_items_in_batch = (targets != IGNORE_INDEX).sum().clamp(min=1)
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+class SampleMeanLoss(TrainerCallback):
+    """Per-sample-mean loss for ``Trainer``: pass the SAME object as ``compute_loss_func`` and in ``callbacks``.
+
+    ``loss = SampleMeanLoss(model)``; ``Trainer(model=model, compute_loss_func=loss, callbacks=[loss], ...)``.
+    The window loss is ``sum over samples of (mean loss of the sample) / samples in the window``. Trainer calls the
+    loss once per micro-batch, without the window's sample count, so each micro-batch contributes
+    ``sum of its sample means / (micro_batch_size * gradient_accumulation_steps * processes)``. That is exact when
+    every micro-batch holds ``per_device_train_batch_size`` samples with at least one label token and every window
+    has ``gradient_accumulation_steps`` micro-batches; anything else raises (a short micro-batch, a sample without
+    label tokens, a dataloader length that is not a multiple of the accumulation steps).
+
+    Boundaries come from the forward call itself (a forward pre-hook on ``model`` reads ``cu_seq_lens_q``; an
+    ordinary padded batch is one sample per row).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self._cu_seqlens: torch.Tensor | None = None
+        self._samples_per_step: int | None = None
+        self._per_device: int | None = None
+        self._hook = model.register_forward_pre_hook(self._record_boundaries, with_kwargs=True)
+
+    def _record_boundaries(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self._cu_seqlens = kwargs.get("cu_seq_lens_q")
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        accumulation = args.gradient_accumulation_steps
+        batches = len(train_dataloader) if hasattr(train_dataloader, "__len__") else 0
+        if batches % accumulation:
+            raise ValueError(
+                f"SampleMeanLoss: the dataloader has {batches} micro-batches, not a multiple of "
+                f"gradient_accumulation_steps={accumulation}; the last window would be short and its per-sample "
+                "mean wrong. Trim the dataset or set dataloader_drop_last=True with a matching size."
+            )
+        # Trainer multiplies a compute_loss_func loss by the process count when it averages tokens across devices,
+        # and DDP averages the gradients: dividing by the process count here leaves the global per-sample mean.
+        processes = args.world_size if args.average_tokens_across_devices else 1
+        self._per_device = args.per_device_train_batch_size
+        self._samples_per_step = self._per_device * accumulation * processes
+
+    def __call__(self, outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+        if self._samples_per_step is None:
+            raise ValueError(
+                "SampleMeanLoss needs Trainer's arguments: pass the same object as callbacks=[loss] too"
+            )
+        logits = _logits(outputs)
+        targets = _row_targets(labels).to(logits.device)
+        if self._cu_seqlens is not None and labels.shape[0] == 1:
+            cu = self._cu_seqlens.to(logits.device)
+        else:  # an ordinary padded batch: each row is one sample
+            cu = torch.arange(labels.shape[0] + 1, device=logits.device) * labels.shape[-1]
+        num = cu.numel() - 1
+        seg = segment_ids(cu, targets.numel())
+        sums, counts = per_sample_loss_sums(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), seg, num)
+        with_labels = int((counts > 0).sum())  # one host sync per micro-batch
+        if with_labels != self._per_device:
+            raise ValueError(
+                f"SampleMeanLoss: a micro-batch holds {with_labels} samples with label tokens, expected "
+                f"per_device_train_batch_size={self._per_device}; the per-sample mean over the window is then not "
+                "exact. Drop samples without labels and use dataloader_drop_last=True."
+            )
+        means = sums / counts.clamp(min=1)  # samples without label tokens (e.g. a fill segment) add 0
+        return means.sum() / self._samples_per_step
