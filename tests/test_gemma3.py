@@ -125,6 +125,17 @@ def test_packed_logits_and_losses_equal_each_sample_alone(setup, reference, pack
         assert abs(_shifted_ce(got, single["labels"]) - ref_loss) < LOSS_TOL
 
 
+def test_model_own_loss_on_the_whole_batch_is_the_token_mean_of_the_samples(setup, reference):
+    """``model(**batch)`` (what Trainer does): the model's own whole-row shifted loss equals the token-weighted mean
+    of the per-sample losses alone (first label of every sample is -100)."""
+    _, _, packed, batch, singles = setup
+    with torch.no_grad():
+        loss = packed(**batch, use_cache=False).loss
+    counts = [int((single["labels"][0, 1:] != -100).sum()) for single in singles]
+    expected = sum(ref_loss * n for (_, ref_loss), n in zip(reference, counts)) / sum(counts)
+    assert abs(loss - expected) < LOSS_TOL
+
+
 def test_packed_gradients_equal_sum_of_samples_alone(setup, reference, packed_run):
     """Every parameter (text, SigLIP tower, projector, tied embedding): rtol 1e-4. The atol floor (1e-4 of the
     largest gradient of the model) only matters for SigLIP's key bias, whose true gradient is 0 (softmax is
