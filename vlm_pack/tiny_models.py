@@ -22,6 +22,9 @@ from transformers import (
     Gemma3ForConditionalGeneration,
     Gemma3ImageProcessor,
     Gemma3Processor,
+    Gemma4Config,
+    Gemma4ForConditionalGeneration,
+    Gemma4ImageProcessor,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -53,6 +56,7 @@ from .chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE
 __all__ = [
     "TINY_FAMILIES",
     "gemma3_tokenizer",
+    "gemma4_image_processor",
     "offline_gemma3_processor",
     "offline_qwen2vl_processor",
     "qwen_tokenizer",
@@ -62,7 +66,8 @@ __all__ = [
 ]
 
 TINY_FAMILIES = (
-    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "llama", "qwen2", "qwen3", "qwen3_5_text", "qwen3_next"
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4", "llama", "qwen2", "qwen3", "qwen3_5_text",
+    "qwen3_next",
 )
 
 # Vocabulary of the Qwen tokenizer files (151643 BPE ids + 26 added special tokens); ids must fit.
@@ -182,6 +187,57 @@ def _gemma3_config(initializer_range: float, layers: int) -> Gemma3Config:
                         initializer_range=initializer_range)
 
 
+# Gemma 4 media token ids: image ids shared with the Gemma 3 tokens added above; video / audio ids are Qwen special
+# tokens that no text of ours contains (<|video_pad|>, <|image_pad|>, <|vision_start|>, <|vision_end|>).
+_GEMMA4_IDS = {"boi_token_id": 151669, "eoi_token_id": 151670, "image_token_id": 151671, "video_token_id": 151656,
+               "audio_token_id": 151655, "boa_token_id": 151652, "eoa_token_index": 151653}
+_GEMMA4_SOFT_TOKENS = 70  # smallest budget Gemma4ImageProcessor accepts: 55-64 soft tokens for our photos
+
+
+def gemma4_image_processor() -> Gemma4ImageProcessor:
+    """transformers' own Gemma 4 image processor, matched to the tiny tower (14-pixel patches, 2x2 pooling)."""
+    return Gemma4ImageProcessor(patch_size=_PATCH, pooling_kernel_size=2, max_soft_tokens=_GEMMA4_SOFT_TOKENS)
+
+
+def _gemma4_config(initializer_range: float, layers: int) -> Gemma4Config:
+    """Tiny Gemma 4 with bidirectional vision blocks on sliding layers (window 6), key-equals-value full layers,
+    per-layer input embeddings, KV-sharing in the second half (from 4 layers), final logit softcapping."""
+    text = {
+        "vocab_size": _QWEN_VOCAB + len(_GEMMA_TOKENS),
+        "vocab_size_per_layer_input": _QWEN_VOCAB + len(_GEMMA_TOKENS),
+        "hidden_size_per_layer_input": 8,
+        "hidden_size": _HIDDEN,
+        "intermediate_size": 2 * _HIDDEN,
+        "num_hidden_layers": layers,
+        "num_attention_heads": _HEADS,
+        "num_key_value_heads": 2,
+        "head_dim": _HEAD_DIM,
+        "global_head_dim": 2 * _HEAD_DIM,
+        "sliding_window": _GEMMA_WINDOW,
+        # Gemma 4 wants a full layer last
+        "layer_types": ["full_attention" if i % 2 or i == layers - 1 else "sliding_attention" for i in range(layers)],
+        "use_bidirectional_attention": "vision",
+        "attention_k_eq_v": True,
+        "num_kv_shared_layers": layers // 2 if layers >= 4 else 0,
+        "final_logit_softcapping": 30.0,
+        "initializer_range": initializer_range,
+        "attention_dropout": 0.0,
+    }
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "patch_size": _PATCH,
+        "pooling_kernel_size": 2,
+        "position_embedding_size": 256,
+        "initializer_range": initializer_range,
+    }
+    return Gemma4Config(text_config=text, vision_config=vision, initializer_range=initializer_range, **_GEMMA4_IDS)
+
+
 def _text_config(initializer_range: float, layers: int) -> dict:
     return {
         "vocab_size": _QWEN_VOCAB,
@@ -205,6 +261,8 @@ def tiny_config(family: str, *, initializer_range: float = 0.2, layers: int = 2)
     """
     if family == "gemma3":
         return _gemma3_config(initializer_range, layers)
+    if family == "gemma4":
+        return _gemma4_config(initializer_range, layers)
     text = _text_config(initializer_range, layers)
     if family == "qwen2_vl":
         vision = {"depth": 1, "embed_dim": 32, "hidden_size": _HIDDEN, "mlp_ratio": 2, "num_heads": 2}
@@ -307,6 +365,7 @@ _MODEL_CLASSES = {
     "qwen3_5_text": Qwen3_5ForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
     "gemma3": Gemma3ForConditionalGeneration,
+    "gemma4": Gemma4ForConditionalGeneration,
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,

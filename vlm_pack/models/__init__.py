@@ -205,4 +205,4 @@ def _load_builtin() -> None:
     if _loaded:
         return
     _loaded = True
-    from . import gemma3, llama, qwen3_5, qwen_vl  # noqa: F401
+    from . import gemma3, gemma4, llama, qwen3_5, qwen_vl  # noqa: F401
