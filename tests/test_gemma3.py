@@ -171,6 +171,22 @@ def test_unpacked_calls_stay_exact(setup, reference):
             assert (logits[row, : single["input_ids"].shape[1]] - ref).abs().max() < LOGIT_TOL
 
 
+def test_readme_gemma_snippet_runs_as_written(setup, reference):
+    """The README's Gemma block, on the packed model (enable_packing again: the block hook is installed once)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    [snippet] = [s for s in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "(gemma_processor" in s]
+    processor, _, packed, _, singles = setup
+    namespace = {"model": packed, "gemma_processor": processor, "examples": _examples()}
+    with torch.no_grad():
+        exec(snippet, namespace)
+    counts = [int((single["labels"][0, 1:] != -100).sum()) for single in singles]
+    expected = sum(ref_loss * n for (_, ref_loss), n in zip(reference, counts)) / sum(counts)
+    assert abs(namespace["loss"] - expected) < LOSS_TOL
+
+
 # ---------------------------------------------------------------- corruption: each rule matters
 
 
