@@ -358,3 +358,9 @@ def test_pixel_values_without_token_type_ids_are_refused(setup):
     inputs = {key: value for key, value in model_inputs(batch).items() if key != "token_type_ids"}
     with pytest.raises(ValueError, match="pixel_values without token_type_ids"):
         packed(**inputs, use_cache=False)
+
+
+def test_context_parallel_is_refused(setup):
+    processor, _, packed, _, _ = setup
+    with pytest.raises(ValueError, match="context_parallel_size=2 with a gemma3 model: bidirectional image blocks"):
+        VLMPackingCollator(processor, max_length=256, model_config=packed.config, context_parallel_size=2)

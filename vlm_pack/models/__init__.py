@@ -43,6 +43,12 @@ AttentionRule = Literal["causal", "causal_image_blocks"]
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
 
 
+IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL = (
+    "bidirectional image blocks are not carried through the context-parallel split (each rank's attention would "
+    "need the block ids of its zigzag shards); use context_parallel_size=1 with this family"
+)
+
+
 class UnsupportedModelError(ValueError):
     """A model (family or config feature) that vlm_pack has not proven exact under packing."""
 

@@ -14,7 +14,8 @@ Rules (proven in tests/test_gemma3.py against each sample alone through the stoc
   ``attn_logit_softcapping`` is stored in the config but not passed to the attention by transformers 5.23 (so
   stock and packed agree); if a later version passes it, our attention refuses it.
 
-Refused: ``use_bidirectional_attention=True`` (the embedding variant: no causal mask and a different window).
+Refused: ``use_bidirectional_attention=True`` (the embedding variant: no causal mask and a different window);
+context parallelism (the zigzag split does not carry image-block ids yet).
 ``Gemma3ForCausalLM`` (text-only, ``gemma3_text``) uses the same spec without image blocks.
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import FamilySpec, ImageBlockRule, register_family
+from . import IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL, FamilySpec, ImageBlockRule, register_family
 
 _PROOF = "tests/test_gemma3.py"
 _LAYER_KINDS = frozenset({"full_attention", "sliding_attention"})
@@ -52,5 +53,6 @@ GEMMA3 = register_family(FamilySpec(
     image_blocks=_image_blocks,
     layer_kinds=_LAYER_KINDS,
     token_keys=("input_ids", "labels", "token_type_ids"),
+    context_parallel_refusal=IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL,
     extra_checks=(_causal_only,),
 ))

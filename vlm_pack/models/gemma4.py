@@ -9,14 +9,14 @@ full layers depends on the position only. Key-equals-value full layers, KV-shari
 embeddings act per token or per layer and are covered by the proof.
 
 Refused: ``use_bidirectional_attention="all"`` (no causal mask, halved window), mixture-of-experts blocks and
-audio towers (not proven).
+audio towers (not proven); context parallelism (the zigzag split does not carry image-block ids yet).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import STATIC_ROPE_TYPES, FamilySpec, ImageBlockRule, register_family
+from . import IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL, STATIC_ROPE_TYPES, FamilySpec, ImageBlockRule, register_family
 
 _PROOF = "tests/test_gemma4.py"
 
@@ -55,5 +55,6 @@ GEMMA4 = register_family(FamilySpec(
     layer_kinds=frozenset({"full_attention", "sliding_attention"}),
     token_keys=("input_ids", "labels", "mm_token_type_ids"),
     rope_types=STATIC_ROPE_TYPES | {"proportional"},
+    context_parallel_refusal=IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL,
     extra_checks=(_proven_features,),
 ))
