@@ -239,8 +239,7 @@ def test_flex_route_builds_one_block_mask_per_layer_kind_and_batch(setup, refere
         builds.append(kwargs)
         return document_block_mask(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "_auto_backend", lambda device, dtype, blocks=False: "flex" if blocks else
-                        "sdpa_segments")
+    monkeypatch.setattr(attention, "_auto_block_backend", lambda device, dtype: "flex")
     monkeypatch.setattr(attention, "_flex_kernel", lambda device_type: recording_flex)
     monkeypatch.setattr(attention, "document_block_mask", recording_build)
     for got, (ref, _) in zip(_packed_pieces(model, batch, singles), reference):

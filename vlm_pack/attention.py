@@ -137,9 +137,15 @@ def select_backend(device: torch.device | str, dtype: torch.dtype, *, image_bloc
 
 
 @lru_cache(maxsize=16)
-def _auto_backend(device_type: str, dtype: torch.dtype, image_blocks: bool = False) -> str:
+def _auto_backend(device_type: str, dtype: torch.dtype) -> str:
     """Cached ``select_backend`` (probing imports on every layer call would be wasteful)."""
-    return select_backend(device_type, dtype, image_blocks=image_blocks)
+    return select_backend(device_type, dtype)
+
+
+@lru_cache(maxsize=16)
+def _auto_block_backend(device_type: str, dtype: torch.dtype) -> str:
+    """Cached ``select_backend`` for a row with image blocks."""
+    return select_backend(device_type, dtype, image_blocks=True)
 
 
 def _check_window(window: tuple[int, int] | None) -> None:
@@ -517,7 +523,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         block_ids = block_ids.reshape(-1)
     if q.shape[0] == 0 or k.shape[0] == 0:  # nothing to attend to: every row outputs 0
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
-    name = _auto_backend(q.device.type, q.dtype, block_ids is not None) if backend == "auto" else backend
+    auto = _auto_backend if block_ids is None else _auto_block_backend
+    name = auto(q.device.type, q.dtype) if backend == "auto" else backend
     if name == "sdpa_segments":
         return _sdpa_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window, block_ids)
     if name == "flex":
