@@ -303,7 +303,9 @@ def test_available_backends_explain_why_not(monkeypatch):
     fake_machine(monkeypatch, cuda=False, installed=set())
     status = available_backends()
     assert set(status) == set(BACKENDS)
-    assert status["flash_attn"] == (False, "flash-attn is not installed (pip install flash-attn)")
+    assert not status["flash_attn"].available
+    assert status["flash_attn"].reason.startswith("flash-attn is not installed (pip install flash-attn)")
+    assert not status["flash_attn"].image_blocks and status["flex"].image_blocks
     assert not status["torch_varlen"].available and "CUDA" in status["torch_varlen"].reason
     assert status["sdpa_segments"].available and status["flex"].available
 

@@ -12,6 +12,12 @@ Semantics shared by every backend (those of ``flash_attn_varlen_func``):
 * ``window=(left, right)`` keeps key ``j`` for query ``i`` when ``i' - left <= j <= i' + right`` with
   ``i' = i + Lk - Lq``; ``-1`` means unbounded, and ``causal`` forces ``right = 0``;
 * a query row with no key to attend to (empty key segment, or a window that excludes every key) outputs 0.
+
+Image blocks (Gemma 3 style, optional ``block_ids``): with ``causal=True`` and self-attention segments, tokens
+sharing a block id ``>= 0`` also see each other both ways. The rule per (query ``i``, key ``j``) of one segment is
+``(j <= i + right  OR  block[i] == block[j] >= 0)  AND  j >= i - left``: blocks lift the causal (right) bound
+only, the left window bound still applies (transformers' ``AND(sliding_window, OR(causal, blockwise))``).
+Only ``flex`` and ``sdpa_segments`` express it (``BackendStatus.image_blocks``); ``"auto"`` routes there.
 """
 
 from __future__ import annotations
@@ -45,10 +51,12 @@ _FLEX_BLOCK = 128
 
 
 class BackendStatus(NamedTuple):
-    """Whether a backend can run on this machine, and why (not)."""
+    """Whether a backend can run on this machine, and why (not); ``image_blocks``: whether it can express
+    bidirectional image blocks inside causal attention (``varlen_attention(block_ids=...)``)."""
 
     available: bool
     reason: str
+    image_blocks: bool = False
 
 
 @lru_cache(maxsize=None)
@@ -90,27 +98,36 @@ def available_backends() -> dict[str, BackendStatus]:
         ("transformer_engine", _has_module("transformer_engine"), "transformer-engine is not installed",
          "DotProductAttention(qkv_format='thd')"),
     )
+    # Their masks are a causal/window band per segment: a query cannot see a later key of its own image.
+    no_blocks = "; cannot express bidirectional image blocks (routed to flex / sdpa_segments)"
     status: dict[str, BackendStatus] = {
-        name: BackendStatus(cuda, kernel if cuda else no_cuda) if installed else BackendStatus(False, missing)
+        name: BackendStatus(cuda, (kernel if cuda else no_cuda) + no_blocks) if installed
+        else BackendStatus(False, missing + no_blocks)
         for name, installed, missing, kernel in cuda_kernels
     }
     if not _has_flex():
         status["flex"] = BackendStatus(False, "this torch build has no torch.nn.attention.flex_attention")
     else:
         status["flex"] = BackendStatus(
-            True, "FlexAttention document mask (compiled on first use; forward only on CPU: no CPU backward)"
+            True, "FlexAttention document (x image block) mask (compiled on first use; forward only on CPU: no "
+            "CPU backward)", True,
         )
-    status["sdpa_segments"] = BackendStatus(True, "exact per-segment SDPA (one host sync per call)")
+    status["sdpa_segments"] = BackendStatus(
+        True, "exact per-segment SDPA (one host sync per call; image blocks via a per-segment mask)", True
+    )
     return status
 
 
-def select_backend(device: torch.device | str, dtype: torch.dtype) -> str:
+def select_backend(device: torch.device | str, dtype: torch.dtype, *, image_blocks: bool = False) -> str:
     """The backend ``"auto"`` resolves to for tensors on ``device`` with ``dtype``.
 
     CUDA with fp16/bf16: flash_attn > torch_varlen > transformer_engine (the first available); everything
-    else (CPU, fp32, no CUDA kernel installed): the exact per-segment SDPA path.
+    else (CPU, fp32, no CUDA kernel installed): the exact per-segment SDPA path. With ``image_blocks`` (a rule
+    the varlen kernels cannot express): FlexAttention on CUDA when available, else the per-segment SDPA path.
     """
     device = torch.device(device)
+    if image_blocks:
+        return "flex" if device.type == "cuda" and available_backends()["flex"].available else "sdpa_segments"
     if device.type == "cuda" and dtype in _HALF_DTYPES:
         status = available_backends()
         for name in _CUDA_PREFERENCE:
@@ -123,6 +140,12 @@ def select_backend(device: torch.device | str, dtype: torch.dtype) -> str:
 def _auto_backend(device_type: str, dtype: torch.dtype) -> str:
     """Cached ``select_backend`` (probing imports on every layer call would be wasteful)."""
     return select_backend(device_type, dtype)
+
+
+@lru_cache(maxsize=16)
+def _auto_block_backend(device_type: str, dtype: torch.dtype) -> str:
+    """Cached ``select_backend`` for a row with image blocks."""
+    return select_backend(device_type, dtype, image_blocks=True)
 
 
 def _check_window(window: tuple[int, int] | None) -> None:
@@ -182,23 +205,37 @@ def _host_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int, tk: int) -> t
     return offs_q, offs_k
 
 
-def _segment_mask(lq: int, lk: int, left: int, right: int, device: torch.device) -> torch.Tensor:
-    """Boolean ``[Lq, Lk]`` mask of allowed (query, key) pairs, bottom-right aligned."""
+def _segment_mask(lq: int, lk: int, left: int, right: int, device: torch.device,
+                  blocks: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean ``[Lq, Lk]`` mask of allowed (query, key) pairs, bottom-right aligned.
+
+    ``blocks`` (``[n, L]`` image-block ids of ``n`` self-attention segments, ``-1`` outside blocks) lifts the
+    right bound for pairs inside one block; the mask is then ``[n, 1, L, L]``.
+    """
     qpos = torch.arange(lq, device=device).unsqueeze(1) + (lk - lq)
     kpos = torch.arange(lk, device=device).unsqueeze(0)
     allowed = torch.ones(lq, lk, dtype=torch.bool, device=device)
     if right >= 0:
         allowed &= kpos <= qpos + right
+    if blocks is not None:
+        same_block = (blocks.unsqueeze(2) == blocks.unsqueeze(1)) & (blocks >= 0).unsqueeze(2)
+        allowed = (allowed | same_block).unsqueeze(1)
     if left >= 0:
         allowed &= kpos >= qpos - left
     return allowed
 
 
 def _sdpa_group(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, left: int, right: int,
-                scale: float | None) -> torch.Tensor:
-    """SDPA over ``n`` equal-length segments batched as ``[n, H, L, D]``; returns ``[n, H, Lq, Dv]``."""
+                scale: float | None, blocks: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA over ``n`` equal-length segments batched as ``[n, H, L, D]``; returns ``[n, H, Lq, Dv]``.
+
+    ``blocks``: ``[n, L]`` image-block ids (self-attention segments only), see ``_segment_mask``.
+    """
     lq, lk = qg.shape[2], kg.shape[2]
     gqa = qg.shape[1] != kg.shape[1]
+    if blocks is not None:  # the diagonal is always allowed, so no row is empty
+        allowed = _segment_mask(lq, lk, left, right, qg.device, blocks)
+        return F.scaled_dot_product_attention(qg, kg, vg, attn_mask=allowed, scale=scale, enable_gqa=gqa)
     if left < 0 and right < 0:
         return F.scaled_dot_product_attention(qg, kg, vg, scale=scale, enable_gqa=gqa)
     if left < 0 and right == 0 and lq == lk:
@@ -211,22 +248,50 @@ def _sdpa_group(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, left: int,
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                    softmax_scale: float | None = None, window: tuple[int, int] | None = None) -> torch.Tensor:
+                    softmax_scale: float | None = None, window: tuple[int, int] | None = None,
+                    block_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Unpacked ``[B, H, S, D]`` attention (one sequence per row) with ``varlen_attention``'s semantics.
 
     Causal masking is bottom-right aligned, so a query chunk attending to a longer cached key range is right.
+    ``block_ids`` (``[B, S]``, causal self-attention only): image blocks, see the module docstring.
     """
     _check_window(window)
     left, right = _effective_window(causal, window)
-    return _sdpa_group(q, k, v, left, right, softmax_scale)
+    if block_ids is not None:
+        _check_blocks(block_ids, q.shape[0] * q.shape[2], k.shape[2], q.shape[2], causal)
+        block_ids = block_ids.reshape(q.shape[0], q.shape[2])
+    return _sdpa_group(q, k, v, left, right, softmax_scale, block_ids)
+
+
+def _check_blocks(block_ids: torch.Tensor, tokens: int, tk: int, tq: int, causal: bool) -> None:
+    """Image blocks need causal self-attention (queries and keys on the same slots) and one id per token."""
+    if not causal or tq != tk:
+        raise ValueError(
+            "block_ids (bidirectional image blocks) need causal self-attention with as many keys as queries; got "
+            f"causal={causal}, {tq} queries, {tk} keys (a KV cache longer than the query is not supported)"
+        )
+    if block_ids.numel() != tokens:
+        raise ValueError(f"block_ids must hold one id per query token ({tokens}); got shape {tuple(block_ids.shape)}")
+
+
+def _segments_with_blocks(block_ids: torch.Tensor, cu_q: torch.Tensor, offs_q: np.ndarray) -> np.ndarray:
+    """Per segment: 1 if it holds an image-block token (one host read of ``N`` flags)."""
+    n_seg = offs_q.size - 1
+    seg = segment_ids(cu_q.to(torch.int64), block_ids.numel())
+    counts = torch.zeros(n_seg + 1, dtype=torch.int64, device=block_ids.device)
+    counts.index_add_(0, seg, (block_ids >= 0).to(torch.int64))
+    return (np.asarray(counts[:n_seg].tolist(), dtype=np.int64) > 0).astype(np.int64)
 
 
 def _sdpa_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                   causal: bool, scale: float | None, window: tuple[int, int] | None) -> torch.Tensor:
+                   causal: bool, scale: float | None, window: tuple[int, int] | None,
+                   block_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Exact per-segment SDPA: segments of equal (Lq, Lk) are batched into one SDPA call.
 
     Cost is one host sync (reading cu_seqlens) and two host-to-device index copies per call, never one per
     segment; attention work is ``sum(Lq_i * Lk_i)`` (a block-diagonal dense mask would pay ``Tq * Tk``).
+    With ``block_ids``, segments holding an image get a small per-segment ``[L, L]`` mask (one more host read);
+    the others keep the mask-free causal kernel.
     """
     left, right = _effective_window(causal, window)
     offs_q, offs_k = _host_offsets(cu_q, cu_k, q.shape[0], k.shape[0])
@@ -234,7 +299,8 @@ def _sdpa_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torc
     work = np.flatnonzero((len_q > 0) & (len_k > 0))
     if work.size == 0:
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
-    keys = len_q[work] * (int(len_k.max()) + 1) + len_k[work]
+    masked = np.zeros(len_q.size, dtype=np.int64) if block_ids is None else _segments_with_blocks(block_ids, cu_q, offs_q)
+    keys = (len_q[work] * (int(len_k.max()) + 1) + len_k[work]) * 2 + masked[work]
     _, group_of = np.unique(keys, return_inverse=True)
     order = np.argsort(group_of, kind="stable")
     groups = np.split(work[order], np.flatnonzero(np.diff(group_of[order])) + 1)
@@ -248,16 +314,21 @@ def _sdpa_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torc
     pieces, start_q, start_k = [], 0, 0
     for g in groups:
         n, lq, lk = len(g), int(len_q[g[0]]), int(len_k[g[0]])
+        blocks = None
         if n == 1:  # a lone segment is a view: no gather copy
             sq, sk = int(offs_q[g[0]]), int(offs_k[g[0]])
             qs, ks, vs = q.narrow(0, sq, lq), k.narrow(0, sk, lk), v.narrow(0, sk, lk)
+            if masked[g[0]]:
+                blocks = block_ids.narrow(0, sq, lq).view(1, lq)
         else:
             iq, ik = dev_q[start_q:start_q + n * lq], dev_k[start_k:start_k + n * lk]
             qs, ks, vs = q.index_select(0, iq), k.index_select(0, ik), v.index_select(0, ik)
+            if masked[g[0]]:
+                blocks = block_ids.index_select(0, iq).view(n, lq)
         qg = qs.reshape(n, lq, q.shape[1], q.shape[2]).transpose(1, 2)
         kg = ks.reshape(n, lk, k.shape[1], k.shape[2]).transpose(1, 2)
         vg = vs.reshape(n, lk, v.shape[1], v.shape[2]).transpose(1, 2)
-        out = _sdpa_group(qg, kg, vg, left, right, scale)
+        out = _sdpa_group(qg, kg, vg, left, right, scale, blocks)
         pieces.append(out.transpose(1, 2).reshape(n * lq, q.shape[1], v.shape[-1]))
         start_q, start_k = start_q + n * lq, start_k + n * lk
 
@@ -268,12 +339,13 @@ def _sdpa_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torc
 
 
 def document_block_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int, tk: int, *, causal: bool,
-                        window: tuple[int, int] | None = None,
-                        block_size: int = _FLEX_BLOCK) -> "torch.nn.attention.flex_attention.BlockMask":
+                        window: tuple[int, int] | None = None, block_size: int = _FLEX_BLOCK,
+                        block_ids: torch.Tensor | None = None) -> "torch.nn.attention.flex_attention.BlockMask":
     """FlexAttention ``BlockMask`` for a packed row, built from block-level segment ranges (no ``T x T`` eval).
 
     Blocks where every (query, key) pair is allowed are marked full (no ``mask_mod`` call); blocks that may hold
-    an allowed pair are partial; all others are skipped. All on device, no host sync.
+    an allowed pair are partial; all others are skipped. All on device, no host sync. ``block_ids`` (``[T]``,
+    causal self-attention): documents x image blocks, see the module docstring.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -290,7 +362,10 @@ def document_block_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int, tk: int
     def mask_mod(b, h, qi, ki):
         allowed = seg_q[qi] == seg_k[ki]
         if right >= 0:
-            allowed = allowed & (pos_k[ki] <= pos_q[qi] + right)
+            forward_ok = pos_k[ki] <= pos_q[qi] + right
+            if block_ids is not None:
+                forward_ok = forward_ok | ((block_ids[qi] == block_ids[ki]) & (block_ids[qi] >= 0))
+            allowed = allowed & forward_ok
         if left >= 0:
             allowed = allowed & (pos_k[ki] >= pos_q[qi] - left)
         return allowed
@@ -316,7 +391,13 @@ def document_block_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int, tk: int
     if pad_k:  # the padded tail of the last key block is masked, so that block cannot be full
         full[:, -1] = False
     if right >= 0:
-        maybe &= pk_min[row] <= pq_max[col] + right
+        forward_maybe = pk_min[row] <= pq_max[col] + right
+        if block_ids is not None:  # a key block after the diagonal may share an image with the query block
+            image = block_ids >= 0  # text tokens get values that never widen a block's id range
+            b_min = block_stats(torch.where(image, block_ids, big), tq, big, big)[0]
+            b_max = block_stats(torch.where(image, block_ids, -big), tq, -big, -big)[1]
+            forward_maybe |= (b_min[col] <= b_max[row]) & (b_min[row] <= b_max[col])
+        maybe &= forward_maybe
         full &= pk_max[row] <= pq_min[col] + right
     if left >= 0:
         maybe &= pk_max[row] >= pq_min[col] - left
@@ -355,14 +436,25 @@ def _flex_kernel(device_type: str) -> Callable:
 
 
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-          causal: bool, scale: float | None, window: tuple[int, int] | None) -> torch.Tensor:
-    """FlexAttention with a document mask built from cu_seqlens (forward only on CPU)."""
+          causal: bool, scale: float | None, window: tuple[int, int] | None,
+          block_ids: torch.Tensor | None = None, plan_cache: dict | None = None) -> torch.Tensor:
+    """FlexAttention with a document (x image block) mask built from cu_seqlens (forward only on CPU).
+
+    ``plan_cache``: a dict owned by the caller for one batch; the block mask is built once per (rule, window)
+    and reused by every later layer of that batch.
+    """
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise NotImplementedError(
             "backend='flex' has no backward on CPU in this torch build; use backend='sdpa_segments' for "
             "CPU training (or run flex under torch.no_grad())"
         )
-    block_mask = document_block_mask(cu_q, cu_k, q.shape[0], k.shape[0], causal=causal, window=window)
+    key = ("flex", q.shape[0], k.shape[0], causal, window, block_ids is not None)
+    block_mask = None if plan_cache is None else plan_cache.get(key)
+    if block_mask is None:
+        block_mask = document_block_mask(cu_q, cu_k, q.shape[0], k.shape[0], causal=causal, window=window,
+                                         block_ids=block_ids)
+        if plan_cache is not None:
+            plan_cache[key] = block_mask
     q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # THD -> [1, H, T, D]
     out = _flex_kernel(q.device.type)(q4, k4, v4, block_mask=block_mask, scale=scale,
                                       enable_gqa=q.shape[1] != k.shape[1])
@@ -413,23 +505,38 @@ def _transformer_engine(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = True,
                      softmax_scale: float | None = None, window: tuple[int, int] | None = None,
-                     backend: str = "auto") -> torch.Tensor:
+                     backend: str = "auto", block_ids: torch.Tensor | None = None,
+                     plan_cache: dict | None = None) -> torch.Tensor:
     """Attention over a packed THD row, never across a ``cu_seqlens`` boundary; returns ``[Tq, Hq, Dv]``.
 
     ``cu_seqlens_*`` are the PHYSICAL boundaries and end at ``T`` (the host paths check it; GPU kernels trust
     it). ``max_seqlen_*`` should be Python ints (a tensor costs a device sync). ``backend="auto"`` uses
     ``select_backend``; name one of ``BACKENDS`` to force it (``available_backends()`` says what runs here).
+    ``block_ids`` (``[T]`` int, ``-1`` outside images; causal self-attention with ``cu_seqlens_q`` equal to
+    ``cu_seqlens_k``): tokens of one image block also see each other both ways (module docstring).
+    ``plan_cache``: optional dict, one per batch, in which a backend keeps what it derives from the boundaries
+    (FlexAttention's block mask) for the next layer of the same batch.
     """
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, window)
+    if block_ids is not None:
+        _check_blocks(block_ids, q.shape[0], k.shape[0], q.shape[0], causal)
+        block_ids = block_ids.reshape(-1)
     if q.shape[0] == 0 or k.shape[0] == 0:  # nothing to attend to: every row outputs 0
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
-    name = _auto_backend(q.device.type, q.dtype) if backend == "auto" else backend
-    if name in ("sdpa_segments", "flex"):
-        fn = _sdpa_segments if name == "sdpa_segments" else _flex
-        return fn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window)
+    auto = _auto_backend if block_ids is None else _auto_block_backend
+    name = auto(q.device.type, q.dtype) if backend == "auto" else backend
+    if name == "sdpa_segments":
+        return _sdpa_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window, block_ids)
+    if name == "flex":
+        return _flex(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window, block_ids, plan_cache)
     kernels = {"flash_attn": _flash_attn, "torch_varlen": _torch_varlen, "transformer_engine": _transformer_engine}
     if name not in kernels:
         raise ValueError(f"unknown attention backend {backend!r}; choose 'auto' or one of {BACKENDS}")
+    if block_ids is not None:
+        raise ValueError(
+            f"backend {name!r} cannot express bidirectional image blocks (block_ids): its mask is a causal band per "
+            "segment. Use backend='auto', 'flex' or 'sdpa_segments' (see available_backends()[name].image_blocks)"
+        )
     status = available_backends()[name]
     if not status.available:
         raise RuntimeError(f"attention backend {name!r} is not available here: {status.reason}")

@@ -332,6 +332,8 @@ def encode_conversations(
     images, videos = ([sum(part["type"] == kind for turn in c for part in turn["content"]) for c in conversations]
                       for kind in ("image", "video"))
     samples: list[dict[str, torch.Tensor]] = [{} for _ in conversations]
+    # Per-image tensors some processors return as a list (Gemma 3's pixel_values): one row per image.
+    out = {key: torch.stack(value) if _is_tensor_list(value) else value for key, value in out.items()}
     vision = {key: torch.as_tensor(value) if key in _PER_VIDEO_LISTS else value
               for key, value in out.items() if isinstance(value, torch.Tensor) or key in _PER_VIDEO_LISTS}
     for key, chunks in _split_vision(vision, images, videos).items():
@@ -343,10 +345,15 @@ def encode_conversations(
             if not isinstance(value, torch.Tensor) and key not in ("attention_mask", *_PER_VIDEO_LISTS):
                 sample[key] = torch.tensor(value[i], dtype=torch.long).unsqueeze(0)
         assistant = sample.pop("assistant_masks").bool()
-        if "mm_token_type_ids" in sample:
-            assistant &= sample["mm_token_type_ids"] == 0
+        for media_key in ("mm_token_type_ids", "token_type_ids"):  # media tokens never get labels
+            if media_key in sample:
+                assistant &= sample[media_key] == 0
         sample["labels"] = sample["input_ids"].masked_fill(~assistant, IGNORE_INDEX)
     return samples
+
+
+def _is_tensor_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) > 0 and all(isinstance(v, torch.Tensor) for v in value)
 
 
 def _apply_template(processor: Any, conversations: list[list[dict]], chat_template: str) -> Mapping[str, Any]:

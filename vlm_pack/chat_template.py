@@ -35,6 +35,30 @@ CHATML_TEMPLATE = (
 )
 
 
+# Gemma-style turns (``<start_of_turn>user`` ... ``<end_of_turn>``, assistant role named ``model``) with Gemma 3's
+# image placeholder ``<start_of_image>`` (the processor expands it to the image's soft tokens); assistant
+# content and its ``<end_of_turn>`` sit inside a generation block.
+GEMMA_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{%- set body -%}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}<start_of_image>"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endset -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{% generation %}{{ body }}{{ '<end_of_turn>' }}{% endgeneration %}"
+    "{%- else -%}{{ body }}{{ '<end_of_turn>' }}"
+    "{%- endif -%}"
+    "{{ '\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
 # The jinja tag HF uses to record assistant spans ("add_generation_prompt" must not count).
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 

@@ -10,23 +10,34 @@ forward (one device sync), with a one-time warning.
 
 Where flash-attn is installed, ``attn_implementation="flash_attention_2"`` consumes the same ``cu_seq_lens_*``
 kwargs natively (tested on GPU in tests/test_hf_integration.py).
+
+Families with bidirectional image blocks (Gemma 3): ``enable_packing`` adds a forward pre-hook to the model class
+named by the family's :class:`~vlm_pack.models.ImageBlockRule`. It turns the per-token ``token_type_ids`` of
+that forward into block ids and passes them down as the ``vlm_pack_image_blocks`` kwarg (an
+:class:`ImageBlocks`), which transformers forwards to every attention call of the same forward (gradient
+checkpointing included). The attention then adds "same image block" to its causal rule (flex or per-segment
+SDPA; the varlen kernels cannot express it).
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import dataclass, field
 
 import torch
+import transformers
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import dense_attention, varlen_attention
-from .models import get_family
+from .models import ImageBlockRule, get_family
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "IMAGE_BLOCKS_KWARG",
+    "ImageBlocks",
     "enable_packing",
     "packing_attention_forward",
     "packing_mask",
@@ -36,10 +47,68 @@ __all__ = [
 ATTN_IMPLEMENTATION = "vlm_pack_varlen"
 """The name our implementation is registered under (no "flash" in it: see DESIGN.md)."""
 
+IMAGE_BLOCKS_KWARG = "vlm_pack_image_blocks"
+"""Forward kwarg that carries an :class:`ImageBlocks` from the family's model class down to the attention."""
+
 logger = logging.getLogger(__name__)
 _warned_position_ids = False
 # Boundaries inferred from the last position_ids tensor seen: every layer of one forward shares that tensor.
 _position_cache: tuple[weakref.ref, int, tuple[torch.Tensor, int] | None] | None = None
+
+
+@dataclass(eq=False)
+class ImageBlocks:
+    """Image-block ids of the batch in flight and the layer kinds that honour them.
+
+    ``ids``: ``[B, T]`` (``-1`` outside image blocks). ``plans``: filled by the attention backend with what it
+    derives once per batch (FlexAttention's block mask), reused by every later layer of the same forward.
+    """
+
+    ids: torch.Tensor
+    layer_types: frozenset[str]
+    plans: dict = field(default_factory=dict)
+
+
+def _layer_type(module: torch.nn.Module, sliding_window: int | None) -> str:
+    """The attention layer's kind: its own ``layer_type`` when set, else sliding iff it has a window."""
+    kind = getattr(module, "layer_type", None)
+    if kind is not None:
+        return kind
+    return "sliding_attention" if sliding_window is not None else "full_attention"
+
+
+def _block_hook(rule: ImageBlockRule):
+    """Forward pre-hook (with kwargs): ``rule.token_key`` -> ``IMAGE_BLOCKS_KWARG`` for this forward."""
+
+    def hook(module, args, kwargs):
+        token_types = kwargs.get(rule.token_key)
+        if token_types is None:
+            if kwargs.get("pixel_values") is not None:
+                raise ValueError(
+                    f"{type(module).__name__} got pixel_values without {rule.token_key}: its image tokens would attend "
+                    f"causally instead of bidirectionally. Pass the processor's {rule.token_key} (VLMPackingCollator "
+                    "packs it per token)."
+                )
+            return None
+        return args, {**kwargs, IMAGE_BLOCKS_KWARG: ImageBlocks(rule.block_ids(token_types), rule.layer_types)}
+
+    return hook
+
+
+def _install_image_blocks(model: torch.nn.Module, rule: ImageBlockRule) -> None:
+    """Hook every ``rule.model_class`` inside ``model`` once (``enable_packing`` may be called again)."""
+    target = getattr(transformers, rule.model_class)
+    hooked = 0
+    for module in model.modules():
+        if isinstance(module, target):
+            if getattr(module, "_vlm_pack_block_hook", None) is None:
+                module._vlm_pack_block_hook = module.register_forward_pre_hook(_block_hook(rule), with_kwargs=True)
+            hooked += 1
+    if hooked == 0:
+        raise ValueError(
+            f"{type(model).__name__} holds no {rule.model_class}: cannot read {rule.token_key} for its image blocks. "
+            "Call enable_packing on the full model (e.g. the ...ForConditionalGeneration)."
+        )
 
 
 def packing_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
@@ -107,6 +176,9 @@ def packing_attention_forward(
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window = None if sliding_window is None else (sliding_window - 1, sliding_window - 1)
     batch, heads, q_len, _ = query.shape
+    blocks: ImageBlocks | None = kwargs.get(IMAGE_BLOCKS_KWARG)
+    if blocks is not None and not (causal and _layer_type(module, sliding_window) in blocks.layer_types):
+        blocks = None  # bidirectional calls see the whole block anyway; other layer kinds keep images causal
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
@@ -129,6 +201,7 @@ def packing_attention_forward(
             key.transpose(1, 2).reshape(-1, key.shape[1], key.shape[-1]),
             value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[-1]),
             cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=scaling, window=window,
+            block_ids=None if blocks is None else blocks.ids, plan_cache=None if blocks is None else blocks.plans,
         )
         return out.view(batch, q_len, heads, value.shape[-1]), None
 
@@ -136,7 +209,8 @@ def packing_attention_forward(
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
                                              enable_gqa=query.shape[1] != key.shape[1])
     else:
-        out = dense_attention(query, key, value, causal=causal, softmax_scale=scaling, window=window)
+        out = dense_attention(query, key, value, causal=causal, softmax_scale=scaling, window=window,
+                              block_ids=None if blocks is None else blocks.ids)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -157,8 +231,8 @@ def enable_packing(model, name: str = ATTN_IMPLEMENTATION, *, allow_unproven: bo
 
     The model's family must be in the registry (``vlm_pack.models``) with every feature of its config covered,
     else :class:`~vlm_pack.models.UnsupportedModelError` names what is missing (``allow_unproven=True``: a
-    warning instead). The family's own setup (e.g. boundary-aware linear-attention kernels) is applied too, and
-    ``accepts_loss_kwargs`` is set where the family's loss honours Trainer's ``num_items_in_batch`` (see
+    warning instead). The family's own setup (e.g. boundary-aware linear-attention kernels, the image-block hook
+    of Gemma 3 / 4) is applied too, and ``accepts_loss_kwargs`` is set where the family's loss honours Trainer's ``num_items_in_batch`` (see
     :class:`~vlm_pack.models.FamilySpec`), so ``Trainer(model=enable_packing(model), data_collator=collator)`` is
     exact under gradient accumulation with nothing else passed.
     The forward KV cache is switched off (``config.use_cache=False``, text config included): a packed row must
@@ -170,6 +244,9 @@ def enable_packing(model, name: str = ATTN_IMPLEMENTATION, *, allow_unproven: bo
     model.set_attn_implementation(name)
     for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
         config.use_cache = False
+    rule = None if family.image_blocks is None else family.image_blocks(model.config)
+    if rule is not None:
+        _install_image_blocks(model, rule)
     if family.prepare_model is not None:
         family.prepare_model(model)
     if family.loss_honours_num_items:

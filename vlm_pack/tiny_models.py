@@ -18,6 +18,13 @@ import pathlib
 import torch
 from transformers import (
     AutoTokenizer,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3ImageProcessor,
+    Gemma3Processor,
+    Gemma4Config,
+    Gemma4ForConditionalGeneration,
+    Gemma4ImageProcessor,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -44,10 +51,13 @@ from transformers import (
 )
 from transformers.configuration_utils import PreTrainedConfig
 
-from .chat import CHATML_TEMPLATE
+from .chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE
 
 __all__ = [
     "TINY_FAMILIES",
+    "gemma3_tokenizer",
+    "gemma4_image_processor",
+    "offline_gemma3_processor",
     "offline_qwen2vl_processor",
     "qwen_tokenizer",
     "qwen_tokenizer_path",
@@ -56,7 +66,8 @@ __all__ = [
 ]
 
 TINY_FAMILIES = (
-    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llama", "qwen2", "qwen3", "qwen3_5_text", "qwen3_next"
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4", "llama", "qwen2", "qwen3", "qwen3_5_text",
+    "qwen3_next",
 )
 
 # Vocabulary of the Qwen tokenizer files (151643 BPE ids + 26 added special tokens); ids must fit.
@@ -69,6 +80,19 @@ _MROPE_SECTION = [2, 3, 3]
 # Vision patching must match the processor below: 14-pixel patches, 2 frames, 2x2 merge.
 _PATCH = 14
 _MERGE = 2
+# Gemma 3: every image is resized to 56x56 = 4x4 SigLIP patches -> 16 soft tokens (one block of 16). Gemma's
+# special tokens are added to the Qwen vocabulary (ids 151669..151673); a small sliding window (6) makes the
+# local layers' window bite inside and around image blocks.
+_GEMMA_IMAGE = 56
+_GEMMA_IMAGE_TOKENS = 16
+_GEMMA_WINDOW = 6
+_GEMMA_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+    "sot_token": "<start_of_turn>",
+    "eot_token": "<end_of_turn>",
+}
 
 
 def qwen_tokenizer_path() -> pathlib.Path:
@@ -114,6 +138,106 @@ def offline_qwen2vl_processor(
     )
 
 
+def gemma3_tokenizer() -> PreTrainedTokenizerBase:
+    """SUBSTITUTE for the Gemma tokenizer (not downloadable here): the real Qwen tokenizer plus Gemma 3's special
+    tokens (``<start_of_image>``, ``<image_soft_token>``, ``<end_of_image>``, ``<start_of_turn>``,
+    ``<end_of_turn>``) as extra special tokens, so ``Gemma3Processor`` finds ``boi_token`` / ``image_token``."""
+    tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_path(), extra_special_tokens=dict(_GEMMA_TOKENS))
+    tokenizer.chat_template = GEMMA_TEMPLATE
+    return tokenizer
+
+
+def offline_gemma3_processor() -> Gemma3Processor:
+    """A ``Gemma3Processor`` assembled offline: the real ``Gemma3ImageProcessor`` (56x56 images, 16 soft tokens
+    each) and :func:`gemma3_tokenizer` (a Qwen tokenizer standing in for Gemma's), with :data:`GEMMA_TEMPLATE`."""
+    image_processor = Gemma3ImageProcessor(size={"height": _GEMMA_IMAGE, "width": _GEMMA_IMAGE})
+    return Gemma3Processor(image_processor=image_processor, tokenizer=gemma3_tokenizer(),
+                           chat_template=GEMMA_TEMPLATE, image_seq_length=_GEMMA_IMAGE_TOKENS)
+
+
+def _gemma3_config(initializer_range: float, layers: int) -> Gemma3Config:
+    """Tiny Gemma 3: alternating sliding / full layers, query_pre_attn_scalar != head_dim (so a missing
+    ``scaling`` shows), final logit softcapping on, SigLIP tower of one block."""
+    ids = {name: 151669 + i for i, name in enumerate(("boi", "eoi", "image"))}
+    text = {
+        "vocab_size": _QWEN_VOCAB + len(_GEMMA_TOKENS),
+        "hidden_size": _HIDDEN,
+        "intermediate_size": 2 * _HIDDEN,
+        "num_hidden_layers": layers,
+        "num_attention_heads": _HEADS,
+        "num_key_value_heads": 2,
+        "head_dim": _HEAD_DIM,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": _GEMMA_WINDOW,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "final_logit_softcapping": 30.0,
+        "initializer_range": initializer_range,
+        "attention_dropout": 0.0,
+    }
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": _GEMMA_IMAGE,
+        "patch_size": _PATCH,
+    }
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=_GEMMA_IMAGE_TOKENS,
+                        boi_token_index=ids["boi"], eoi_token_index=ids["eoi"], image_token_index=ids["image"],
+                        initializer_range=initializer_range)
+
+
+# Gemma 4 media token ids: image ids shared with the Gemma 3 tokens added above; video / audio ids are Qwen special
+# tokens that no text of ours contains (<|video_pad|>, <|image_pad|>, <|vision_start|>, <|vision_end|>).
+_GEMMA4_IDS = {"boi_token_id": 151669, "eoi_token_id": 151670, "image_token_id": 151671, "video_token_id": 151656,
+               "audio_token_id": 151655, "boa_token_id": 151652, "eoa_token_index": 151653}
+_GEMMA4_SOFT_TOKENS = 70  # smallest budget Gemma4ImageProcessor accepts: 55-64 soft tokens for our photos
+
+
+def gemma4_image_processor() -> Gemma4ImageProcessor:
+    """transformers' own Gemma 4 image processor, matched to the tiny tower (14-pixel patches, 2x2 pooling)."""
+    return Gemma4ImageProcessor(patch_size=_PATCH, pooling_kernel_size=2, max_soft_tokens=_GEMMA4_SOFT_TOKENS)
+
+
+def _gemma4_config(initializer_range: float, layers: int) -> Gemma4Config:
+    """Tiny Gemma 4 with bidirectional vision blocks on sliding layers (window 6), key-equals-value full layers,
+    per-layer input embeddings, KV-sharing in the second half (from 4 layers), final logit softcapping."""
+    text = {
+        "vocab_size": _QWEN_VOCAB + len(_GEMMA_TOKENS),
+        "vocab_size_per_layer_input": _QWEN_VOCAB + len(_GEMMA_TOKENS),
+        "hidden_size_per_layer_input": 8,
+        "hidden_size": _HIDDEN,
+        "intermediate_size": 2 * _HIDDEN,
+        "num_hidden_layers": layers,
+        "num_attention_heads": _HEADS,
+        "num_key_value_heads": 2,
+        "head_dim": _HEAD_DIM,
+        "global_head_dim": 2 * _HEAD_DIM,
+        "sliding_window": _GEMMA_WINDOW,
+        # Gemma 4 wants a full layer last
+        "layer_types": ["full_attention" if i % 2 or i == layers - 1 else "sliding_attention" for i in range(layers)],
+        "use_bidirectional_attention": "vision",
+        "attention_k_eq_v": True,
+        "num_kv_shared_layers": layers // 2 if layers >= 4 else 0,
+        "final_logit_softcapping": 30.0,
+        "initializer_range": initializer_range,
+        "attention_dropout": 0.0,
+    }
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "patch_size": _PATCH,
+        "pooling_kernel_size": 2,
+        "position_embedding_size": 256,
+        "initializer_range": initializer_range,
+    }
+    return Gemma4Config(text_config=text, vision_config=vision, initializer_range=initializer_range, **_GEMMA4_IDS)
+
+
 def _text_config(initializer_range: float, layers: int) -> dict:
     return {
         "vocab_size": _QWEN_VOCAB,
@@ -135,6 +259,10 @@ def tiny_config(family: str, *, initializer_range: float = 0.2, layers: int = 2)
     ``initializer_range`` is larger than the usual 0.02 so that attention scores actually differ between
     tokens: an exactness test is only meaningful if a wrong mask or wrong position would change the loss.
     """
+    if family == "gemma3":
+        return _gemma3_config(initializer_range, layers)
+    if family == "gemma4":
+        return _gemma4_config(initializer_range, layers)
     text = _text_config(initializer_range, layers)
     if family == "qwen2_vl":
         vision = {"depth": 1, "embed_dim": 32, "hidden_size": _HIDDEN, "mlp_ratio": 2, "num_heads": 2}
@@ -236,6 +364,8 @@ _MODEL_CLASSES = {
     "qwen3_5": Qwen3_5ForConditionalGeneration,
     "qwen3_5_text": Qwen3_5ForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
+    "gemma3": Gemma3ForConditionalGeneration,
+    "gemma4": Gemma4ForConditionalGeneration,
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
@@ -265,4 +395,7 @@ def tiny_model(
         model = _MODEL_CLASSES[family]._from_config(
             config, attn_implementation=attn_implementation, dtype=torch.float32
         )
+        if family == "gemma3":  # HF starts the image projection at zero: images would all embed to 0
+            with torch.no_grad():
+                model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=initializer_range)
     return model.eval()

@@ -23,8 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 __all__ = [
     "FamilySpec",
+    "ImageBlockRule",
     "UnsupportedModelError",
     "check_config",
     "get_family",
@@ -40,8 +43,38 @@ AttentionRule = Literal["causal", "causal_image_blocks"]
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
 
 
+IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL = (
+    "bidirectional image blocks are not carried through the context-parallel split (each rank's attention would "
+    "need the block ids of its zigzag shards); use context_parallel_size=1 with this family"
+)
+
+
 class UnsupportedModelError(ValueError):
     """A model (family or config feature) that vlm_pack has not proven exact under packing."""
+
+
+@dataclass(frozen=True)
+class ImageBlockRule:
+    """Causal attention plus bidirectional attention inside each image (Gemma 3 / Gemma 4 style).
+
+    A block is a maximal run of consecutive tokens whose ``token_key`` value is in ``block_types`` (the rule of
+    transformers' ``get_block_sequence_ids_for_mask``): its tokens see each other both ways, every other pair
+    stays causal, and a layer's sliding window still bounds how far back any token looks. ``layer_types``: the
+    layer kinds that apply it (Gemma 3 all, Gemma 4 sliding only). ``model_class``: the transformers class whose
+    ``forward`` receives ``token_key``; ``enable_packing`` hooks it to hand the block ids to the attention.
+    """
+
+    token_key: str
+    block_types: tuple[int, ...]
+    layer_types: frozenset[str]
+    model_class: str
+
+    def block_ids(self, token_types: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` block id per token (``-1`` outside blocks; ids count up along each row), on device."""
+        inside = torch.isin(token_types, torch.tensor(self.block_types, device=token_types.device))
+        before = torch.nn.functional.pad(inside, (1, 0), value=False)[..., :-1]
+        ids = torch.cumsum((inside & ~before).long(), dim=-1) - 1
+        return torch.where(inside, ids, -1)
 
 
 @dataclass(frozen=True)
@@ -55,8 +88,10 @@ class FamilySpec:
     ``layer_kinds``: the ``text_config.layer_types`` values handled. ``token_keys``: processor outputs with one
     value per token (packed like ``input_ids``); every other tensor is per image / per sample and is
     concatenated in sample order. ``videos``: video inputs are proven (else the collator refuses them).
-    ``prepare_model``: family setup run by ``enable_packing`` after the attention
-    switch (e.g. boundary-aware linear-attention kernels). ``proof``: the test that shows the family exact.
+    ``prepare_model``: family setup run by ``enable_packing`` after the attention switch (e.g. boundary-aware
+    linear-attention kernels). ``image_blocks``: for ``"causal_image_blocks"``, the :class:`ImageBlockRule` of a
+    given ``model.config`` (None where that config keeps images causal). ``extra_checks``: config checks
+    returning a problem string (or None). ``proof``: the test that shows the family exact.
     ``context_parallel_refusal``: why the family cannot be split across context-parallel ranks (the collator
     then refuses ``context_parallel_size > 1`` with it); None when it can.
     ``loss_honours_num_items``: the family's forward hands Trainer's ``num_items_in_batch`` to its own loss (true
@@ -77,12 +112,16 @@ class FamilySpec:
     rope_types: frozenset[str] = STATIC_ROPE_TYPES
     prepare_model: Callable[[Any], None] | None = None
     loss_honours_num_items: bool = True
+    image_blocks: Callable[[Any], ImageBlockRule | None] | None = None
     extra_checks: tuple[Callable[[Any], str | None], ...] = field(default=())
     context_parallel_refusal: str | None = None
 
     def __post_init__(self) -> None:
         if (self.positions == "mrope") != (self.rope_index_model is not None):
             raise ValueError(f"family {self.name!r}: rope_index_model is required exactly when positions='mrope'")
+        if (self.attention == "causal_image_blocks") != (self.image_blocks is not None):
+            raise ValueError(f"family {self.name!r}: image_blocks is required exactly when "
+                             "attention='causal_image_blocks'")
 
 
 _REGISTRY: dict[str, FamilySpec] = {}
@@ -177,4 +216,4 @@ def _load_builtin() -> None:
     if _loaded:
         return
     _loaded = True
-    from . import llama, qwen3_5, qwen_vl  # noqa: F401
+    from . import gemma3, gemma4, llama, qwen3_5, qwen_vl  # noqa: F401

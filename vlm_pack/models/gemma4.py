@@ -1,0 +1,60 @@
+"""Gemma 4 (vision + text): causal text attention; on sliding layers each image's (and video's) tokens are
+bidirectional, inside the window; full-attention layers stay causal.
+
+Rules (proven in tests/test_gemma4.py against each sample alone through the stock sdpa model): with
+``use_bidirectional_attention="vision"``, ``Gemma4Model`` builds its sliding masks as ``AND(window, OR(causal,
+same block))`` where a block is a run of ``mm_token_type_ids`` in {1 (image), 2 (video)}; full layers are plain
+causal. ``mm_token_type_ids`` is per token. Positions restart per sample (1-D); the ``proportional`` RoPE of the
+full layers depends on the position only. Key-equals-value full layers, KV-sharing layers and per-layer input
+embeddings act per token or per layer and are covered by the proof.
+
+Refused: ``use_bidirectional_attention="all"`` (no causal mask, halved window), mixture-of-experts blocks and
+audio towers (not proven); context parallelism (the zigzag split does not carry image-block ids yet).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL, STATIC_ROPE_TYPES, FamilySpec, ImageBlockRule, register_family
+
+_PROOF = "tests/test_gemma4.py"
+
+IMAGE_BLOCKS = ImageBlockRule(
+    token_key="mm_token_type_ids", block_types=(1, 2), layer_types=frozenset({"sliding_attention"}),
+    model_class="Gemma4Model",
+)
+
+
+def _text(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _image_blocks(config: Any) -> ImageBlockRule | None:
+    vision = getattr(config, "vision_config", None) is not None
+    return IMAGE_BLOCKS if vision and _text(config).use_bidirectional_attention == "vision" else None
+
+
+def _proven_features(config: Any) -> str | None:
+    text = _text(config)
+    if text.use_bidirectional_attention == "all":
+        return "use_bidirectional_attention='all' (bidirectional text and a halved sliding window)"
+    if getattr(text, "enable_moe_block", False):
+        return "enable_moe_block=True (mixture-of-experts blocks are not proven)"
+    if getattr(config, "audio_config", None) is not None:
+        return "an audio tower (audio inputs are not proven; drop audio_config or pass allow_unproven=True)"
+    return None
+
+
+GEMMA4 = register_family(FamilySpec(
+    name="gemma4",
+    model_types=("gemma4", "gemma4_text"),
+    proof=_PROOF,
+    attention="causal_image_blocks",
+    image_blocks=_image_blocks,
+    layer_kinds=frozenset({"full_attention", "sliding_attention"}),
+    token_keys=("input_ids", "labels", "mm_token_type_ids"),
+    rope_types=STATIC_ROPE_TYPES | {"proportional"},
+    context_parallel_refusal=IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL,
+    extra_checks=(_proven_features,),
+))
