@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vlm_pack.batch import packing_metadata
 from vlm_pack.collator import VLMPackingCollator, model_inputs
 from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
 from vlm_pack.hf import enable_packing
@@ -87,8 +88,9 @@ def packed_segments(model, batch: dict, **overrides) -> list[torch.Tensor]:
     """Logits of each sample's real slots in the packed row."""
     inputs = {**model_inputs(batch), **overrides}
     logits = model(**inputs, use_cache=False).logits[0]
-    starts = batch["cu_seqlens_padded"][:-1].tolist()
-    return [logits[s : s + n] for s, n in zip(starts, batch["seq_lengths"].tolist())]
+    meta = packing_metadata(batch)
+    starts = meta["cu_seqlens_padded"][:-1].tolist()
+    return [logits[s : s + n] for s, n in zip(starts, meta["seq_lengths"].tolist())]
 
 
 def references(setup: Setup, examples: list[dict]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -104,7 +106,7 @@ def references(setup: Setup, examples: list[dict]) -> tuple[list[torch.Tensor], 
 def errors(batch: dict, segments: list[torch.Tensor], refs) -> dict[str, float]:
     """Max |dlogit| and max |dloss| of the packed segments against the per-sample references."""
     labels = batch["labels"][0]
-    starts = batch["cu_seqlens_padded"][:-1].tolist()
+    starts = packing_metadata(batch)["cu_seqlens_padded"][:-1].tolist()
     losses = [shifted_ce(seg, labels[s : s + seg.shape[0]]) for seg, s in zip(segments, starts)]
     return {
         "logit": max((seg - ref).abs().max().item() for seg, ref in zip(segments, refs[0])),

@@ -338,7 +338,7 @@ def encode_conversations(
     samples: list[dict[str, torch.Tensor]] = [{} for _ in conversations]
     vision = {key: torch.as_tensor(value) if key in _PER_VIDEO_LISTS else value
               for key, value in out.items() if isinstance(value, torch.Tensor) or key in _PER_VIDEO_LISTS}
-        vision_rows = vision_rows or {}
+    vision_rows = vision_rows or {}
     image_tokens = _image_token_counts(processor, out["input_ids"]) if "image_token" in vision_rows.values() else None
     for key, chunks in _split_vision(vision, images, videos, vision_rows, image_tokens).items():
         for sample, chunk in zip(samples, chunks):
