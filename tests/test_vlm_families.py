@@ -24,7 +24,7 @@ from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
 from vlm_pack.hf import enable_packing
 from vlm_pack.models import UnsupportedModelError, get_family
 from vlm_pack.tiny_families import tiny_vlm, tiny_vlm_processor
-from vlm_pack.tiny_models import tiny_config
+from vlm_pack.tiny_models import qwen_tokenizer, tiny_config
 
 LOGIT_ATOL = 1e-4
 LOSS_ATOL = 1e-5
@@ -84,23 +84,28 @@ def shifted_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:-1], labels[1:], ignore_index=-100)
 
 
-def packed_segments(model, batch: dict, **overrides) -> list[torch.Tensor]:
-    """Logits of each sample's real slots in the packed row."""
-    inputs = {**model_inputs(batch), **overrides}
-    logits = model(**inputs, use_cache=False).logits[0]
+def segments_of(logits: torch.Tensor, batch: dict) -> list[torch.Tensor]:
+    """Each sample's real slots of packed logits ``[1, T, V]``."""
     meta = packing_metadata(batch)
     starts = meta["cu_seqlens_padded"][:-1].tolist()
-    return [logits[s : s + n] for s, n in zip(starts, meta["seq_lengths"].tolist())]
+    return [logits[0, s : s + n] for s, n in zip(starts, meta["seq_lengths"].tolist())]
 
 
-def references(setup: Setup, examples: list[dict]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each sample ALONE through the stock sdpa model: logits and plain shifted cross entropy (graph kept)."""
-    logits, losses = [], []
+def packed_segments(model, batch: dict, **overrides) -> list[torch.Tensor]:
+    """Logits of each sample's real slots in the packed row (``overrides`` replace forward arguments)."""
+    return segments_of(model(**{**model_inputs(batch), **overrides}, use_cache=False).logits, batch)
+
+
+def references(setup: Setup, examples: list[dict]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """Each sample ALONE through the stock sdpa model: logits, plain shifted cross entropy (graph kept) and its
+    number of targets."""
+    logits, losses, targets = [], [], []
     for example in examples:
         inputs, labels = alone(setup, example)
         logits.append(setup.stock(**inputs, use_cache=False).logits[0])
         losses.append(shifted_ce(logits[-1], labels))
-    return logits, losses
+        targets.append(int((labels[1:] != -100).sum()))
+    return logits, losses, targets
 
 
 def errors(batch: dict, segments: list[torch.Tensor], refs) -> dict[str, float]:
@@ -116,14 +121,17 @@ def errors(batch: dict, segments: list[torch.Tensor], refs) -> dict[str, float]:
 
 
 def compare(setup: Setup, examples: list[dict]) -> dict[str, float]:
-    """Packed vs alone: max |dlogit|, max |dloss|, and per parameter max |dgrad| / max |grad| of the summed
-    per-sample losses (asserted by the caller)."""
+    """Packed vs alone: max |dlogit|, max |dloss| per sample, |dloss| of the model's OWN loss on the batch vs
+    the per-sample token mean, and per parameter max |dgrad| / max |grad| of the summed per-sample losses."""
     batch = setup.collator(examples)
     assert "attention_mask" not in batch
     for model in (setup.stock, setup.packed):
         model.zero_grad()
     refs = references(setup, examples)
-    result = errors(batch, packed_segments(setup.packed, batch), refs)
+    output = setup.packed(**batch, use_cache=False)  # as Trainer calls it: labels and the metadata entry included
+    result = errors(batch, segments_of(output.logits, batch), refs)
+    token_mean = sum(loss * n for loss, n in zip(refs[1], refs[2])) / sum(refs[2])
+    result["own_loss"] = (output.loss - token_mean).abs().item()
     sum(refs[1]).backward()
     sum(result.pop("_losses")).backward()
     reference = dict(setup.stock.named_parameters())
@@ -142,6 +150,7 @@ def compare(setup: Setup, examples: list[dict]) -> dict[str, float]:
 def assert_exact(result: dict[str, float]) -> None:
     assert result["logit"] < LOGIT_ATOL, result
     assert result["loss"] < LOSS_ATOL, result
+    assert result.get("own_loss", 0.0) < LOSS_ATOL, result
     assert result.get("grad_rel", 0.0) < GRAD_RTOL, result
 
 
@@ -264,52 +273,30 @@ def test_mistral3_with_an_unproven_language_model_is_refused():
 # ------------------------------------------------------------------ Mistral text: sliding window inside each sample
 
 
-def _text_samples(lengths=(9, 14, 5, 11)) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
-    return [torch.randint(0, 5000, (n,), generator=generator) for n in lengths]
-
-
-def _mistral(window, attn="sdpa"):
+def _mistral(window: int | None, vocab_size: int):
     from transformers import MistralForCausalLM
 
     from vlm_pack.tiny_families import mistral_text_config
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        config = mistral_text_config(6000, sliding_window=window)
-        return MistralForCausalLM._from_config(config, attn_implementation=attn, dtype=torch.float32).eval()
-
-
-def _packed_text_logits(model, samples: list[torch.Tensor]) -> list[torch.Tensor]:
-    from vlm_pack import pack_batch_sequences
-
-    width = max(len(s) for s in samples)
-    padded = torch.zeros(len(samples), width, dtype=torch.long)
-    mask = torch.zeros_like(padded)
-    for row, sample in enumerate(samples):
-        padded[row, : len(sample)] = sample
-        mask[row, : len(sample)] = 1
-    packed = pack_batch_sequences(padded, padding_mask=mask, pad_to_multiple_of=2)
-    logits = model(input_ids=packed.tokens, position_ids=packed.position_ids, use_cache=False,
-                   **packed.attention_kwargs()).logits[0]
-    return [logits[start : start + len(s)] for start, s in zip(packed.cu_seqlens_padded.tolist(), samples)]
+        config = mistral_text_config(vocab_size, sliding_window=window)
+        return MistralForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
 
 
 def test_mistral_sliding_window_packed_equals_each_sample_alone():
-    """A window (4) shorter than every sample: the packed path applies it inside each sample like HF does."""
-    stock, packed = _mistral(4), enable_packing(_mistral(4))
-    samples = _text_samples()
-    with torch.no_grad():
-        errors = [
-            ((logits - stock(input_ids=s[None], use_cache=False).logits[0]).abs().max().item(),
-             (shifted_ce(logits, s) - shifted_ce(stock(input_ids=s[None], use_cache=False).logits[0], s)).abs().item())
-            for s, logits in zip(samples, _packed_text_logits(packed, samples))
-        ]
-        MEASURED["mistral"] = {"logit": max(e[0] for e in errors), "loss": max(e[1] for e in errors)}
-        print("mistral", MEASURED["mistral"])
-        assert MEASURED["mistral"]["logit"] < LOGIT_ATOL and MEASURED["mistral"]["loss"] < LOSS_ATOL
-        # Corruption: the packed model without the window differs from the windowed reference.
-        unwindowed = enable_packing(_mistral(None))
-        worst = max((logits - stock(input_ids=s[None], use_cache=False).logits[0]).abs().max().item()
-                    for s, logits in zip(samples, _packed_text_logits(unwindowed, samples)))
-    assert worst > 100 * LOGIT_ATOL
+    """Mistral text with a window (4) shorter than every sample: the packed path applies it inside each sample
+    like HF does (logits, losses, the model's own loss, gradients); without the window it would not match."""
+    tokenizer = qwen_tokenizer()
+    packed = enable_packing(_mistral(4, len(tokenizer)))
+    collator = VLMPackingCollator(tokenizer, max_length=1024, model_config=packed.config)
+    setup = Setup("mistral", tokenizer, _mistral(4, len(tokenizer)), packed, collator)
+    examples = text_chat_examples(3, seed=1, max_turns=2)
+    result = compare(setup, examples)
+    MEASURED["mistral"] = result
+    print("mistral", 3, result)
+    assert_exact(result)
+    with torch.no_grad():  # corruption: the same weights without the window
+        batch = collator(examples)
+        unwindowed = packed_segments(enable_packing(_mistral(None, len(tokenizer))), batch)
+        assert errors(batch, unwindowed, references(setup, examples))["logit"] > 100 * LOGIT_ATOL
