@@ -17,6 +17,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import GPT2Config
 
 from vlm_pack.batch import packing_metadata
 from vlm_pack.collator import VLMPackingCollator, model_inputs
@@ -159,7 +160,7 @@ def assert_exact(result: dict[str, float]) -> None:
 
 # Together the families cover micro-batches 2..6 (with gradients); batches of 3+ mix image sizes, multi-image and
 # text-only samples, and test_corruptions_are_caught checks such a 4-sample batch exact for every family.
-EXACT_CASES = [("llava_onevision", 4, 3), ("mistral3", 2, 1), ("internvl", 6, 2)]
+EXACT_CASES = [("llava_onevision", 4, 3), ("mistral3", 2, 1), ("internvl", 6, 2), ("idefics3", 3, 4)]
 FAMILIES = [family for family, _, _ in EXACT_CASES]
 
 
@@ -214,11 +215,14 @@ def test_corruptions_are_caught(family):
     positions = errors(batch, packed_segments(setup.stock, batch, **no_kwargs, position_ids=whole_row), refs)
     assert positions["logit"] > 100 * LOGIT_ATOL
 
-    # Rows of ONE image per key (a tile block for InternVL): the images of samples 0 and 2 are rows [0, r), [r, 2r).
-    rows = {key: alone(setup, examples[0])[0][key].shape[0] for key in _PER_IMAGE_KEYS[family]}
+    # Give sample 0's vision rows to sample 2 and back (same-size images: the batch stays well-formed).
+    samples, _ = setup.collator._encode_all(examples)
     swapped = dict(batch)
-    for key, r in rows.items():
-        swapped[key] = torch.cat([batch[key][r : 2 * r], batch[key][:r], batch[key][2 * r :]])
+    for key in (k for k in samples[0] if k not in setup.collator.token_keys):
+        chunks = [sample.get(key) for sample in samples]
+        chunks[0], chunks[2] = chunks[2], chunks[0]
+        swapped[key] = torch.cat([chunk for chunk in chunks if chunk is not None])
+        assert swapped[key].shape == batch[key].shape
     assert errors(batch, packed_segments(setup.packed, swapped), refs)["logit"] > 100 * LOGIT_ATOL
 
 
@@ -244,22 +248,23 @@ def test_internvl_tiles_split_by_image_tokens_or_refused(monkeypatch):
         setup.collator(examples)
 
 
-_PER_IMAGE_KEYS = {"llava_onevision": ("pixel_values", "image_sizes"), "mistral3": ("pixel_values", "image_sizes"),
-                   "internvl": ("pixel_values",)}
-
-
 # ------------------------------------------------------------------ refusals
 
 
-def test_llava_onevision_with_an_unproven_language_model_is_refused():
-    setup = setup_for("llava_onevision")
-    config = setup.packed.config.__class__.from_dict(setup.packed.config.to_dict())
-    config.text_config.layer_types = ["sliding_attention"] * config.text_config.num_hidden_layers
-    with pytest.raises(UnsupportedModelError, match=r"language model 'qwen2' with layer types"):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unproven_language_model_is_refused(family):
+    """The composite rule is proven with the family's proven text models only; any other language model, or a
+    proven one with an unhandled feature (sliding layers), is refused by name."""
+    config = setup_for(family).packed.config
+    config = config.__class__.from_dict(config.to_dict())
+    config.text_config = GPT2Config()
+    with pytest.raises(UnsupportedModelError, match=rf"{family} model with language model 'gpt2' \(proven"):
         get_family(config)
-    config.text_config = type(setup.packed.config.vision_config)()  # any non-text-family model as language model
-    with pytest.raises(UnsupportedModelError, match="language model 'siglip_vision_model'"):
-        get_family(config)
+    if family != "mistral3":
+        config.text_config = tiny_config("qwen2")
+        config.text_config.layer_types = ["sliding_attention", "full_attention"]
+        with pytest.raises(UnsupportedModelError, match=r"language model 'qwen2' with layer types"):
+            get_family(config)
 
 
 def test_mistral3_with_an_unproven_language_model_is_refused():

@@ -218,6 +218,52 @@ def _internvl_model(processor, initializer_range: float, layers: int, attn: str)
     return InternVLForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
+# ---------------------------------------------------------------- Idefics3
+
+# Images fit in 56 px and are split into 28-px tiles (up to 2x2) plus a global 28-px view; 7-px patches,
+# pixel-shuffled by 2: 4 <image> tokens per tile. Tiles are framed by <fake_token_around_image>/<row_r_col_c>.
+_IDEFICS3_TILE = 28
+_IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
+    f"<row_{row}_col_{col}>" for row in range(1, 3) for col in range(1, 3)
+]
+
+
+def _idefics3_processor() -> ProcessorMixin:
+    from transformers import Idefics3ImageProcessor, Idefics3Processor
+
+    return Idefics3Processor(
+        image_processor=Idefics3ImageProcessor(
+            size={"longest_edge": 2 * _IDEFICS3_TILE},
+            max_image_size={"longest_edge": _IDEFICS3_TILE},
+            do_image_splitting=True,
+        ),
+        tokenizer=_tokenizer(_IDEFICS3_TOKENS),
+        image_seq_len=4,
+        chat_template=chatml_template("<image>"),
+    )
+
+
+def _idefics3_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    text = _qwen2_text(len(processor.tokenizer), initializer_range, layers)
+    config = Idefics3Config(
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": _IDEFICS3_TILE,
+            "patch_size": 7,
+            "initializer_range": initializer_range,
+        },
+        text_config={**text, "model_type": "llama", "head_dim": _HIDDEN // 4},
+        image_token_id=processor.image_token_id,
+        scale_factor=2,
+    )
+    return Idefics3ForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
 @dataclass(frozen=True)
 class _Builder:
     processor: Callable[[], ProcessorMixin]
@@ -243,6 +289,13 @@ _BUILDERS = {
         _internvl_model,
         "Qwen tokenizer + '<img>'/'</img>'/'<IMG_CONTEXT>'/'<video>' tokens and ChatML instead of the checkpoint's; "
         "real GotOcr2ImageProcessor (28-px tiles, up to 4 + thumbnail) and InternVLProcessor",
+    ),
+    "idefics3": _Builder(
+        _idefics3_processor,
+        _idefics3_model,
+        "Qwen tokenizer + '<image>', '<fake_token_around_image>', '<global-img>', '<row_r_col_c>' tokens and "
+        "ChatML instead of the checkpoint's; real Idefics3ImageProcessor (28-px tiles) and Idefics3Processor; "
+        "Llama language model",
     ),
 }
 TINY_VLM_FAMILIES = tuple(_BUILDERS)
