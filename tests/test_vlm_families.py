@@ -160,7 +160,7 @@ def assert_exact(result: dict[str, float]) -> None:
 
 # Together the families cover micro-batches 2..6 (with gradients); batches of 3+ mix image sizes, multi-image and
 # text-only samples, and test_corruptions_are_caught checks such a 4-sample batch exact for every family.
-EXACT_CASES = [("llava_onevision", 4, 3), ("mistral3", 2, 1), ("internvl", 6, 2), ("idefics3", 3, 4)]
+EXACT_CASES = [("llava_onevision", 4, 3), ("mistral3", 2, 1), ("internvl", 6, 2), ("idefics3", 3, 4), ("smolvlm", 5, 5)]
 FAMILIES = [family for family, _, _ in EXACT_CASES]
 
 

@@ -357,10 +357,11 @@ def encode_conversations(
 
 def _apply_template(processor: Any, conversations: list[list[dict]], chat_template: str) -> Mapping[str, Any]:
     # Vision outputs as tensors (some image processors return lists by default); token ids stay per-sample lists
-    # (some processors default to tensors for text too, which fails on samples of different lengths).
+    # (some processors default to tensors for text too, which fails on samples of different lengths). The
+    # top-level return_tensors stays "auto" (no global override; SmolVLM's own default would clash).
     images = hasattr(processor, "image_processor")
     per_kind = {"images_kwargs": {"return_tensors": "pt"}, "text_kwargs": {"return_tensors": None}}
-    tensors = {"processor_kwargs": per_kind} if images else {}
+    tensors = {"processor_kwargs": per_kind, "return_tensors": "auto"} if images else {}
     return processor.apply_chat_template(
         conversations,
         chat_template=chat_template,

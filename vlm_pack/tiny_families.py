@@ -243,12 +243,11 @@ def _idefics3_processor() -> ProcessorMixin:
     )
 
 
-def _idefics3_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
-
+def _idefics3_parts(processor, initializer_range: float, layers: int) -> dict:
+    """Config arguments shared by Idefics3 and SmolVLM (a Llama language model)."""
     text = _qwen2_text(len(processor.tokenizer), initializer_range, layers)
-    config = Idefics3Config(
-        vision_config={
+    return {
+        "vision_config": {
             "hidden_size": 32,
             "intermediate_size": 64,
             "num_hidden_layers": 1,
@@ -257,11 +256,40 @@ def _idefics3_model(processor, initializer_range: float, layers: int, attn: str)
             "patch_size": 7,
             "initializer_range": initializer_range,
         },
-        text_config={**text, "model_type": "llama", "head_dim": _HIDDEN // 4},
-        image_token_id=processor.image_token_id,
-        scale_factor=2,
-    )
+        "text_config": {**text, "model_type": "llama", "head_dim": _HIDDEN // 4},
+        "image_token_id": processor.image_token_id,
+        "scale_factor": 2,
+    }
+
+
+def _idefics3_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    config = Idefics3Config(**_idefics3_parts(processor, initializer_range, layers))
     return Idefics3ForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+def _smolvlm_processor() -> ProcessorMixin:
+    from transformers import SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
+
+    return SmolVLMProcessor(
+        image_processor=SmolVLMImageProcessor(
+            size={"longest_edge": 2 * _IDEFICS3_TILE},
+            max_image_size={"longest_edge": _IDEFICS3_TILE},
+            do_image_splitting=True,
+        ),
+        video_processor=SmolVLMVideoProcessor(),
+        tokenizer=_tokenizer(_IDEFICS3_TOKENS),
+        image_seq_len=4,
+        chat_template=chatml_template("<image>"),
+    )
+
+
+def _smolvlm_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
+
+    config = SmolVLMConfig(**_idefics3_parts(processor, initializer_range, layers))
+    return SmolVLMForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
 @dataclass(frozen=True)
@@ -296,6 +324,11 @@ _BUILDERS = {
         "Qwen tokenizer + '<image>', '<fake_token_around_image>', '<global-img>', '<row_r_col_c>' tokens and "
         "ChatML instead of the checkpoint's; real Idefics3ImageProcessor (28-px tiles) and Idefics3Processor; "
         "Llama language model",
+    ),
+    "smolvlm": _Builder(
+        _smolvlm_processor,
+        _smolvlm_model,
+        "as idefics3, with SmolVLMImageProcessor / SmolVLMProcessor (needs the PyPI package num2words)",
     ),
 }
 TINY_VLM_FAMILIES = tuple(_BUILDERS)

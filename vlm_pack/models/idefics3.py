@@ -1,4 +1,4 @@
-"""Idefics3 (and its SmolVLM derivative's layout): image tiles per sample, features placed by image-token id,
+"""Idefics3 and SmolVLM (same layout and forward): image tiles per sample, features placed by image-token id,
 1-D positions per sample.
 
 Rules (proven in tests/test_vlm_families.py): ``pixel_values`` ``[B, max_tiles, C, H, W]`` and
@@ -10,8 +10,12 @@ with all-zero tiles that the model drops; the vision tower runs per tile (its ow
 
 from . import FamilySpec, register_family, text_backbone
 
+_ROWS = {"pixel_values": "sample", "pixel_attention_mask": "sample"}
+_TEXT = (text_backbone("llama", "qwen2", "qwen3"),)
+
 IDEFICS3 = register_family(FamilySpec(
-    name="idefics3", model_types=("idefics3",), proof="tests/test_vlm_families.py",
-    vision_rows={"pixel_values": "sample", "pixel_attention_mask": "sample"},
-    extra_checks=(text_backbone("llama", "qwen2", "qwen3"),),
+    name="idefics3", model_types=("idefics3",), proof="tests/test_vlm_families.py", vision_rows=_ROWS, extra_checks=_TEXT,
+))
+SMOLVLM = register_family(FamilySpec(
+    name="smolvlm", model_types=("smolvlm",), proof="tests/test_vlm_families.py", vision_rows=_ROWS, extra_checks=_TEXT,
 ))
