@@ -160,7 +160,7 @@ def assert_exact(result: dict[str, float]) -> None:
 
 # Together the families cover micro-batches 2..6 (with gradients); batches of 3+ mix image sizes, multi-image and
 # text-only samples, and test_corruptions_are_caught checks such a 4-sample batch exact for every family.
-EXACT_CASES = [("llava_onevision", 4, 3), ("mistral3", 2, 1), ("internvl", 6, 2), ("idefics3", 3, 4), ("smolvlm", 5, 5)]
+EXACT_CASES = [("llava_onevision", 4, 3), ("mistral3", 2, 1), ("internvl", 6, 2), ("idefics3", 3, 4), ("smolvlm", 5, 5), ("glm4v", 4, 6)]
 FAMILIES = [family for family, _, _ in EXACT_CASES]
 
 
@@ -238,6 +238,20 @@ def test_corruption_llava_onevision_one_image_count_for_the_whole_row():
         packed_segments(setup.packed, batch, batch_num_images=batch["batch_num_images"].sum().reshape(1))
 
 
+@torch.no_grad()
+def test_corruption_glm4v_one_dimensional_positions():
+    """GLM-4V's positions rule is "mrope": rows 1-3 from GLM's own get_rope_index, per sample. Treating it as a
+    1-D family (every row the per-sample text arange: restarted per sample, but no 3-D image grid) is caught."""
+    setup = setup_for("glm4v")
+    examples = swap_examples()
+    refs = references(setup, examples)
+    batch = setup.collator(examples)
+    assert batch["position_ids"].shape[0] == 4
+    flat = batch["position_ids"][:1].expand_as(batch["position_ids"])
+    assert not torch.equal(flat, batch["position_ids"])
+    assert errors(batch, packed_segments(setup.packed, batch, position_ids=flat), refs)["logit"] > 100 * LOGIT_ATOL
+
+
 def test_internvl_tiles_split_by_image_tokens_or_refused(monkeypatch):
     """InternVL's pixel_values rows are tiles (per-image counts are not returned): without the family's
     "image_token" row rule the collator cannot attribute them and refuses, naming the key."""
@@ -251,7 +265,7 @@ def test_internvl_tiles_split_by_image_tokens_or_refused(monkeypatch):
 # ------------------------------------------------------------------ refusals
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "glm4v"])  # GLM-4V's language model is its own
 def test_unproven_language_model_is_refused(family):
     """The composite rule is proven with the family's proven text models only; any other language model, or a
     proven one with an unhandled feature (sliding layers), is refused by name."""

@@ -292,6 +292,63 @@ def _smolvlm_model(processor, initializer_range: float, layers: int, attn: str) 
     return SmolVLMForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
+# ---------------------------------------------------------------- GLM-4V (3-D rope from the model's own get_rope_index)
+
+_GLM4V_TOKENS = {
+    "image_token": "<|image|>",
+    "video_token": "<|video|>",
+    "image_start_token": "<|begin_of_image|>",
+    "image_end_token": "<|end_of_image|>",
+    "video_start_token": "<|begin_of_video|>",
+    "video_end_token": "<|end_of_video|>",
+}
+
+
+def _glm4v_processor() -> ProcessorMixin:
+    from transformers import Glm4vImageProcessor, Glm4vProcessor, Glm4vVideoProcessor
+
+    # Images between 56x56 and 112x112 pixels: 4-16 merged tokens of 14-px patches, 2x2 merge (like Qwen2-VL).
+    size = {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}
+    return Glm4vProcessor(
+        image_processor=Glm4vImageProcessor(size=size, patch_size=14, merge_size=2, temporal_patch_size=2),
+        video_processor=Glm4vVideoProcessor(),
+        tokenizer=_tokenizer(_GLM4V_TOKENS),
+        chat_template=chatml_template("<|begin_of_image|><|image|><|end_of_image|>"),
+    )
+
+
+def _glm4v_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import Glm4vConfig, Glm4vForConditionalGeneration
+
+    tokenizer = processor.tokenizer
+    text = _qwen2_text(len(tokenizer), initializer_range, layers)
+    del text["model_type"]
+    ids = {f"{name}_id": tokenizer.convert_tokens_to_ids(token) for name, token in _GLM4V_TOKENS.items()}
+    config = Glm4vConfig(
+        text_config={
+            **text,
+            "head_dim": _HIDDEN // 4,
+            # GLM's partial rotary (half the head) split into (temporal, height, width) sections.
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                "mrope_section": [2, 1, 1]},
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "out_hidden_size": _HIDDEN,
+            "num_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "initializer_range": initializer_range,
+        },
+        **ids,
+    )
+    return Glm4vForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
 @dataclass(frozen=True)
 class _Builder:
     processor: Callable[[], ProcessorMixin]
@@ -329,6 +386,12 @@ _BUILDERS = {
         _smolvlm_processor,
         _smolvlm_model,
         "as idefics3, with SmolVLMImageProcessor / SmolVLMProcessor (needs the PyPI package num2words)",
+    ),
+    "glm4v": _Builder(
+        _glm4v_processor,
+        _glm4v_model,
+        "Qwen tokenizer + GLM's <|begin_of_image|>/<|image|>/<|end_of_image|> (and video) tokens and ChatML "
+        "instead of GLM's; real Glm4vImageProcessor (56-112 px images) and Glm4vProcessor",
     ),
 }
 TINY_VLM_FAMILIES = tuple(_BUILDERS)

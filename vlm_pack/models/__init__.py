@@ -197,4 +197,4 @@ def _load_builtin() -> None:
     if _loaded:
         return
     _loaded = True
-    from . import idefics3, internvl, llama, llava_onevision, mistral, qwen3_5, qwen_vl  # noqa: F401
+    from . import glm4v, idefics3, internvl, llama, llava_onevision, mistral, qwen3_5, qwen_vl  # noqa: F401
