@@ -310,7 +310,10 @@ def _split_placeholders(text: str) -> list[dict]:
 
 
 def encode_conversations(
-    processor: Any, conversations: list[list[dict]], chat_template: str
+    processor: Any,
+    conversations: list[list[dict]],
+    chat_template: str,
+    vision_rows: Mapping[str, str] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Render and tokenise normalised conversations in ONE processor call; returns one dict per sample.
 
@@ -318,7 +321,8 @@ def encode_conversations(
     Each dict holds the per-token tensors ``[1, L]`` (``input_ids``, ``labels``, ``mm_token_type_ids``, ...) and
     the sample's share of every vision tensor (``pixel_values`` rows, ``image_grid_thw`` rows, ...), present only
     if the sample has images or videos. ``labels`` equal ``input_ids`` on assistant tokens and -100 elsewhere
-    (image and video tokens never get labels). If the processor fails, the error names the first sample it fails on.
+    (image and video tokens never get labels). ``vision_rows``: the family's ``FamilySpec.vision_rows`` (what
+    each row of a vision tensor belongs to). If the processor fails, the error names the first sample it fails on.
     """
     try:
         out = _apply_template(processor, conversations, chat_template)
@@ -336,7 +340,9 @@ def encode_conversations(
     out = {key: torch.stack(value) if _is_tensor_list(value) else value for key, value in out.items()}
     vision = {key: torch.as_tensor(value) if key in _PER_VIDEO_LISTS else value
               for key, value in out.items() if isinstance(value, torch.Tensor) or key in _PER_VIDEO_LISTS}
-    for key, chunks in _split_vision(vision, images, videos).items():
+    vision_rows = vision_rows or {}
+    image_tokens = _image_token_counts(processor, out["input_ids"]) if "image_token" in vision_rows.values() else None
+    for key, chunks in _split_vision(vision, images, videos, vision_rows, image_tokens).items():
         for sample, chunk in zip(samples, chunks):
             if chunk is not None:
                 sample[key] = chunk
@@ -357,24 +363,44 @@ def _is_tensor_list(value: Any) -> bool:
 
 
 def _apply_template(processor: Any, conversations: list[list[dict]], chat_template: str) -> Mapping[str, Any]:
+    # Vision outputs as tensors (some image processors return lists by default); token ids stay per-sample lists
+    # (some processors default to tensors for text too, which fails on samples of different lengths). The
+    # top-level return_tensors stays "auto" (no global override; SmolVLM's own default would clash).
+    images = hasattr(processor, "image_processor")
+    per_kind = {"images_kwargs": {"return_tensors": "pt"}, "text_kwargs": {"return_tensors": None}}
+    tensors = {"processor_kwargs": per_kind, "return_tensors": "auto"} if images else {}
     return processor.apply_chat_template(
         conversations,
         chat_template=chat_template,
         tokenize=True,
         return_dict=True,
         return_assistant_tokens_mask=True,
+        **tensors,
     )
 
 
+def _image_token_counts(processor: Any, input_ids: Sequence[Sequence[int]]) -> list[int]:
+    """Image placeholder tokens per sample (``processor.image_token_id``)."""
+    image_token = getattr(processor, "image_token_id", None)
+    if not isinstance(image_token, int):
+        raise ValueError("the processor has no integer image_token_id, needed to split vision rows per image token")
+    return [int(np.count_nonzero(np.asarray(ids) == image_token)) for ids in input_ids]
+
+
 def _split_vision(
-    vision: dict[str, torch.Tensor], images: list[int], videos: list[int]
+    vision: dict[str, torch.Tensor],
+    images: list[int],
+    videos: list[int],
+    vision_rows: Mapping[str, str],
+    image_tokens: list[int] | None = None,
 ) -> dict[str, list[torch.Tensor | None]]:
     """Attribute each batched vision tensor's rows to samples; samples without rows get None.
 
     Keys naming a video (``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``) belong to the
     videos, the others to the images. Patch rows (``pixel_values`` / ``pixel_values_videos`` next to their
-    ``*_grid_thw``) are split by the grid; a tensor with one row per image (video) by image (video); one with
-    one row per sample, by sample.
+    ``*_grid_thw``) are split by the grid; keys in ``vision_rows`` follow their declared unit (see
+    ``vlm_pack.models.RowUnit``); any other tensor with one row per image (video) is split by image (video), one
+    with one row per sample, by sample.
     """
     split = {}
     for key, value in vision.items():
@@ -383,18 +409,38 @@ def _split_vision(
         grid = vision.get("video_grid_thw" if is_video else "image_grid_thw")
         owner = np.repeat(np.arange(len(per_sample)), per_sample)  # sample index of every image / video
         rows = value.shape[0] if value.dim() else -1
+        unit = vision_rows.get(key)
         if key in ("pixel_values", "pixel_values_videos") and grid is not None:
             weights = grid.prod(-1).numpy()
             counts = np.bincount(owner, weights=weights, minlength=len(per_sample)).astype(int).tolist()
-        elif rows == len(owner):
-            counts = per_sample
-        elif rows == len(per_sample):
+        elif unit == "sample_with_images":
+            counts = [int(n > 0) for n in per_sample]
+        elif unit == "image_token":
+            counts = _proportional(key, rows, image_tokens)
+        elif unit == "sample" or (unit is None and rows != len(owner) and rows == len(per_sample)):
             counts = [1] * len(per_sample)
-        else:
+        else:  # one row per image (video), declared or inferred
+            counts = per_sample
+        if sum(counts) != rows:
+            kind = "videos" if is_video else "images"
+            expected = f"one row per {unit}" if unit else f"the {len(owner)} {kind} or {len(per_sample)} samples"
             raise ValueError(
-                f"processor output {key!r} has shape {tuple(value.shape)}, which matches neither the batch's "
-                f"{len(owner)} {'videos' if is_video else 'images'} nor its {len(per_sample)} samples; the "
-                "collator cannot split it per sample"
+                f"processor output {key!r} has shape {tuple(value.shape)}, which does not match {expected}; the "
+                "collator cannot split it per sample (declare its rows in the family's FamilySpec.vision_rows)"
             )
         split[key] = [chunk if count else None for chunk, count in zip(torch.split(value, counts), counts)]
     return split
+
+
+def _proportional(key: str, rows: int, image_tokens: list[int]) -> list[int]:
+    """Rows per sample when ``rows`` are in a fixed ratio to the samples' image tokens (e.g. tiles per image)."""
+    total = sum(image_tokens)
+    if rows == 0 or total % rows:
+        raise ValueError(
+            f"processor output {key!r} has {rows} rows for {total} image tokens: not a whole number of tokens per "
+            "row, so the collator cannot split it per sample"
+        )
+    per_row = total // rows
+    if any(n % per_row for n in image_tokens):
+        raise ValueError(f"processor output {key!r}: a sample's image tokens are not a multiple of {per_row} per row")
+    return [n // per_row for n in image_tokens]

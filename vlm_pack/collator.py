@@ -212,7 +212,9 @@ class VLMPackingCollator:
                         "family (vlm_pack.models); drop video samples or use a family with videos=True"
                     )
         samples, dropped = [], []
-        for index, features in enumerate(encode_conversations(self.processor, conversations, self.chat_template)):
+        vision_rows = None if self.family is None else self.family.vision_rows
+        encoded = encode_conversations(self.processor, conversations, self.chat_template, vision_rows)
+        for index, features in enumerate(encoded):
             length = features["input_ids"].shape[1]
             if length > self.max_length:
                 if self.on_overlong == "error":

@@ -19,7 +19,7 @@ lets such a model through with a warning (the user then owns the proof).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -33,10 +33,16 @@ __all__ = [
     "get_family",
     "register_family",
     "registered_families",
+    "text_backbone",
 ]
 
 PositionRule = Literal["arange", "mrope"]
 AttentionRule = Literal["causal", "causal_image_blocks"]
+# What one row (dim 0) of a per-sample processor tensor belongs to, so the collator can give each sample its rows:
+# "image" one row per image; "sample" one per sample; "sample_with_images" one per sample holding >= 1 image
+# (e.g. LLaVA-OneVision's batch_num_images); "image_token" rows in fixed proportion to the sample's image
+# placeholder tokens (e.g. InternVL's tiles, whose per-image count the processor does not return).
+RowUnit = Literal["image", "sample", "sample_with_images", "image_token"]
 
 # RoPE variants whose angles depend on the position id alone. Dynamic / long-rope scaling depends on the
 # sequence length, which differs between a packed row and a sample run alone: not exact, so not accepted.
@@ -98,6 +104,8 @@ class FamilySpec:
     of the Qwen-VL classes even though they declare ``accepts_loss_kwargs = False``); ``enable_packing`` then sets
     ``accepts_loss_kwargs = True`` on the model, so Trainer's loss is the exact token mean over a gradient
     accumulation window. When False, Trainer users must pass ``compute_loss_func=vlm_pack.compute_loss_func``.
+    ``vision_rows``: ``{processor key: RowUnit}`` for per-sample tensors whose rows the collator cannot infer from
+    their count alone (undeclared keys: rows per image if they match the image count, else per sample).
     """
 
     name: str
@@ -115,6 +123,7 @@ class FamilySpec:
     image_blocks: Callable[[Any], ImageBlockRule | None] | None = None
     extra_checks: tuple[Callable[[Any], str | None], ...] = field(default=())
     context_parallel_refusal: str | None = None
+    vision_rows: Mapping[str, RowUnit] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.positions == "mrope") != (self.rope_index_model is not None):
@@ -174,6 +183,22 @@ def check_config(spec: FamilySpec, config: Any) -> list[str]:
     return problems
 
 
+def text_backbone(*model_types: str) -> Callable[[Any], str | None]:
+    """An ``extra_checks`` entry for composite VLMs: the language model must be one of ``model_types`` (each a
+    registered, proven text family) and pass that family's own checks (e.g. sliding windows, rope scaling)."""
+
+    def check(config: Any) -> str | None:
+        text = config.get_text_config()
+        kind = _model_type(text)
+        if kind not in model_types:
+            return f"language model {kind!r} (proven language models for this family: {', '.join(model_types)})"
+        _load_builtin()
+        problems = check_config(_REGISTRY[kind], text)
+        return f"language model {kind!r} with {'; '.join(problems)}" if problems else None
+
+    return check
+
+
 def get_family(config: Any, *, allow_unproven: bool = False) -> FamilySpec:
     """The spec for ``config`` (``model.config``), or :class:`UnsupportedModelError` naming what is missing.
 
@@ -216,4 +241,6 @@ def _load_builtin() -> None:
     if _loaded:
         return
     _loaded = True
-    from . import gemma3, gemma4, llama, qwen3_5, qwen_vl  # noqa: F401
+    from . import (  # noqa: F401
+        gemma3, gemma4, glm4v, idefics3, internvl, llama, llava_onevision, mistral, qwen3_5, qwen_vl,
+    )

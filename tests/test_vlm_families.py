@@ -1,0 +1,321 @@
+"""More VLM families exact under packing: a packed micro-batch through ``enable_packing`` + ``VLMPackingCollator``
+equals each sample run ALONE through the stock model (``attn_implementation="sdpa"``, fp32 CPU).
+
+Per family: max |dlogit| < 1e-4 and |dloss| < 1e-5 per sample (plain shifted cross entropy on that sample
+alone), parameter gradients of the summed per-sample losses within rtol 1e-4; one corruption per family rule
+must break the comparison; unsupported variants are refused.
+
+Substituted (no hub here): each processor is assembled from the real Qwen tokenizer files plus the family's
+image tokens, the family's own image-processor class built with tiny crop sizes, and a ChatML template (see
+``vlm_pack/tiny_families.py`` for the per-family list). Models are tiny random ones built from config objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import GPT2Config
+
+from vlm_pack.batch import packing_metadata
+from vlm_pack.collator import VLMPackingCollator, model_inputs
+from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
+from vlm_pack.hf import enable_packing
+from vlm_pack.models import UnsupportedModelError, get_family
+from vlm_pack.tiny_families import tiny_vlm, tiny_vlm_processor
+from vlm_pack.tiny_models import qwen_tokenizer, tiny_config
+
+LOGIT_ATOL = 1e-4
+LOSS_ATOL = 1e-5
+GRAD_RTOL = 1e-4
+MEASURED: dict[str, dict[str, float]] = {}  # family -> measured max errors (printed with -s; recorded in the notes)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@dataclasses.dataclass
+class Setup:
+    family: str
+    processor: object
+    stock: torch.nn.Module  # the reference: stock transformers, sdpa, each sample alone
+    packed: torch.nn.Module  # same weights, after enable_packing
+    collator: VLMPackingCollator
+
+
+_SETUPS: dict[str, Setup] = {}
+
+
+def setup_for(family: str) -> Setup:
+    if family not in _SETUPS:
+        processor = tiny_vlm_processor(family)
+        stock = tiny_vlm(family, processor, attn_implementation="sdpa")
+        packed = enable_packing(tiny_vlm(family, processor, attn_implementation="sdpa"))
+        collator = VLMPackingCollator(processor, max_length=2048, model_config=packed.config)
+        _SETUPS[family] = Setup(family, processor, stock, packed, collator)
+    return _SETUPS[family]
+
+
+def mixed_examples(n: int, seed: int) -> list[dict]:
+    """Photos (1-3 per sample, longest side 56 px, other side varying: different token counts), an easy-vqa image and a text-only chat."""
+    examples = photo_examples(max(1, n - 2), seed=seed, max_side=56) + easy_vqa_examples(1, seed=seed)
+    if n >= 3:
+        examples.insert(1, text_chat_examples(1, seed=seed, max_turns=2)[0])
+    return examples[:n]
+
+
+def alone(setup: Setup, example: dict) -> tuple[dict, torch.Tensor]:
+    """The sample as the processor encodes it ALONE (an unpacked batch of one, no padding) and its labels."""
+    single = VLMPackingCollator(
+        setup.processor, max_length=2048, pack_sequences_in_batch=False, model_config=setup.stock.config
+    )([example])
+    inputs = {k: v for k, v in model_inputs(single).items() if k != "attention_mask"}
+    return inputs, single["labels"][0]
+
+
+def shifted_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Plain HF causal-LM loss of ONE sample: mean cross entropy of logits[:-1] against labels[1:]."""
+    return F.cross_entropy(logits[:-1], labels[1:], ignore_index=-100)
+
+
+def segments_of(logits: torch.Tensor, batch: dict) -> list[torch.Tensor]:
+    """Each sample's real slots of packed logits ``[1, T, V]``."""
+    meta = packing_metadata(batch)
+    starts = meta["cu_seqlens_padded"][:-1].tolist()
+    return [logits[0, s : s + n] for s, n in zip(starts, meta["seq_lengths"].tolist())]
+
+
+def packed_segments(model, batch: dict, **overrides) -> list[torch.Tensor]:
+    """Logits of each sample's real slots in the packed row (``overrides`` replace forward arguments)."""
+    return segments_of(model(**{**model_inputs(batch), **overrides}, use_cache=False).logits, batch)
+
+
+def references(setup: Setup, examples: list[dict]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """Each sample ALONE through the stock sdpa model: logits, plain shifted cross entropy (graph kept) and its
+    number of targets."""
+    logits, losses, targets = [], [], []
+    for example in examples:
+        inputs, labels = alone(setup, example)
+        logits.append(setup.stock(**inputs, use_cache=False).logits[0])
+        losses.append(shifted_ce(logits[-1], labels))
+        targets.append(int((labels[1:] != -100).sum()))
+    return logits, losses, targets
+
+
+def errors(batch: dict, segments: list[torch.Tensor], refs) -> dict[str, float]:
+    """Max |dlogit| and max |dloss| of the packed segments against the per-sample references."""
+    labels = batch["labels"][0]
+    starts = packing_metadata(batch)["cu_seqlens_padded"][:-1].tolist()
+    losses = [shifted_ce(seg, labels[s : s + seg.shape[0]]) for seg, s in zip(segments, starts)]
+    return {
+        "logit": max((seg - ref).abs().max().item() for seg, ref in zip(segments, refs[0])),
+        "loss": max((loss - ref).abs().item() for loss, ref in zip(losses, refs[1])),
+        "_losses": losses,
+    }
+
+
+def compare(setup: Setup, examples: list[dict]) -> dict[str, float]:
+    """Packed vs alone: max |dlogit|, max |dloss| per sample, |dloss| of the model's OWN loss on the batch vs
+    the per-sample token mean, and per parameter max |dgrad| / max |grad| of the summed per-sample losses."""
+    batch = setup.collator(examples)
+    assert "attention_mask" not in batch
+    for model in (setup.stock, setup.packed):
+        model.zero_grad()
+    refs = references(setup, examples)
+    output = setup.packed(**batch, use_cache=False)  # as Trainer calls it: labels and the metadata entry included
+    result = errors(batch, segments_of(output.logits, batch), refs)
+    token_mean = sum(loss * n for loss, n in zip(refs[1], refs[2])) / sum(refs[2])
+    result["own_loss"] = (output.loss - token_mean).abs().item()
+    sum(refs[1]).backward()
+    sum(result.pop("_losses")).backward()
+    reference = dict(setup.stock.named_parameters())
+    worst = 0.0
+    for name, param in setup.packed.named_parameters():
+        ref_grad = reference[name].grad
+        if ref_grad is None:
+            assert param.grad is None or not param.grad.any(), name
+            continue
+        scale = ref_grad.abs().max().clamp_min(1e-12)
+        worst = max(worst, ((param.grad - ref_grad).abs().max() / scale).item())
+    result["grad_rel"] = worst
+    return result
+
+
+def assert_exact(result: dict[str, float]) -> None:
+    assert result["logit"] < LOGIT_ATOL, result
+    assert result["loss"] < LOSS_ATOL, result
+    assert result.get("own_loss", 0.0) < LOSS_ATOL, result
+    assert result.get("grad_rel", 0.0) < GRAD_RTOL, result
+
+
+# ------------------------------------------------------------------ exactness, every family
+
+
+# Together the families cover micro-batches 2..6 (with gradients); batches of 3+ mix image sizes, multi-image and
+# text-only samples, and test_corruptions_are_caught checks such a 4-sample batch exact for every family.
+EXACT_CASES = [("llava_onevision", 4, 3), ("mistral3", 2, 1), ("internvl", 6, 2), ("idefics3", 3, 4), ("smolvlm", 5, 5), ("glm4v", 4, 6)]
+FAMILIES = [family for family, _, _ in EXACT_CASES]
+
+
+@pytest.mark.parametrize(("family", "micro_batch", "seed"), EXACT_CASES)
+def test_packed_family_equals_each_sample_alone(family, micro_batch, seed):
+    setup = setup_for(family)
+    examples = mixed_examples(micro_batch, seed)
+    result = compare(setup, examples)
+    MEASURED.setdefault(family, {}).update({f"mb{micro_batch}_{k}": v for k, v in result.items()})
+    print(family, micro_batch, result)
+    assert_exact(result)
+
+
+# ------------------------------------------------------------------ corruptions: each rule matters
+
+
+BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def swap_examples(seed: int = 0) -> list[dict]:
+    """Two single-image samples whose images have the SAME size (well-formed when swapped), a text-only one and
+    a multi-image one."""
+    from vlm_pack.data import sample_photos
+
+    pictures = sample_photos(84)
+    first, second = (
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": pictures[name].resize((56, 42))},
+                                                     {"type": "text", "text": "What is this?"}]},
+                      {"role": "assistant", "content": f"This is {name}."}]}
+        for name in ("astronaut", "chelsea")
+    )
+    return [first, text_chat_examples(1, seed=seed, max_turns=1)[0], second, photo_examples(1, seed=seed, max_side=56)[0]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_corruptions_are_caught(family):
+    """On one batch (two single-image samples whose images have the same size, a text-only and a multi-image
+    sample), each rule dropped breaks the comparison that the clean batch passes:
+    * vision rows given to the wrong sample (the two same-size images swapped: a well-formed batch);
+    * positions not restarted per sample (stock sdpa, boundaries read from position ids as HF does when no
+      cu_seq_lens are passed: exact with per-sample positions, wrong with whole-row positions)."""
+    setup = setup_for(family)
+    examples = swap_examples()
+    refs = references(setup, examples)
+    batch = setup.collator(examples)
+    assert_exact(errors(batch, packed_segments(setup.packed, batch), refs))
+
+    no_kwargs = dict.fromkeys(BOUNDARY_KWARGS)
+    assert_exact(errors(batch, packed_segments(setup.stock, batch, **no_kwargs), refs))
+    whole_row = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["position_ids"])
+    positions = errors(batch, packed_segments(setup.stock, batch, **no_kwargs, position_ids=whole_row), refs)
+    assert positions["logit"] > 100 * LOGIT_ATOL
+
+    # Give sample 0's vision rows to sample 2 and back (same-size images: the batch stays well-formed).
+    samples, _ = setup.collator._encode_all(examples)
+    swapped = dict(batch)
+    for key in (k for k in samples[0] if k not in setup.collator.token_keys):
+        chunks = [sample.get(key) for sample in samples]
+        chunks[0], chunks[2] = chunks[2], chunks[0]
+        swapped[key] = torch.cat([chunk for chunk in chunks if chunk is not None])
+        assert swapped[key].shape == batch[key].shape
+    assert errors(batch, packed_segments(setup.packed, swapped), refs)["logit"] > 100 * LOGIT_ATOL
+
+
+@torch.no_grad()
+def test_corruption_llava_onevision_one_image_count_for_the_whole_row():
+    """batch_num_images must stay per sample (anyres crops for single-image samples only): one count for the
+    packed row (what processing the concatenated text would give) makes the model refuse the batch."""
+    setup = setup_for("llava_onevision")
+    batch = setup.collator(swap_examples())
+    assert len(batch["batch_num_images"]) == 3  # one count per sample holding images
+    packed_segments(setup.packed, batch)  # the clean batch runs
+    with pytest.raises(ValueError, match="Image features and image tokens do not match"):
+        packed_segments(setup.packed, batch, batch_num_images=batch["batch_num_images"].sum().reshape(1))
+
+
+@torch.no_grad()
+def test_corruption_glm4v_one_dimensional_positions():
+    """GLM-4V's positions rule is "mrope": rows 1-3 from GLM's own get_rope_index, per sample. Treating it as a
+    1-D family (every row the per-sample text arange: restarted per sample, but no 3-D image grid) is caught."""
+    setup = setup_for("glm4v")
+    examples = swap_examples()
+    refs = references(setup, examples)
+    batch = setup.collator(examples)
+    assert batch["position_ids"].shape[0] == 4
+    flat = batch["position_ids"][:1].expand_as(batch["position_ids"])
+    assert not torch.equal(flat, batch["position_ids"])
+    assert errors(batch, packed_segments(setup.packed, batch, position_ids=flat), refs)["logit"] > 100 * LOGIT_ATOL
+
+
+def test_internvl_tiles_split_by_image_tokens_or_refused(monkeypatch):
+    """InternVL's pixel_values rows are tiles (per-image counts are not returned): without the family's
+    "image_token" row rule the collator cannot attribute them and refuses, naming the key."""
+    setup = setup_for("internvl")
+    examples = mixed_examples(3, seed=2)
+    monkeypatch.setattr(setup.collator, "family", dataclasses.replace(setup.collator.family, vision_rows={}))
+    with pytest.raises(ValueError, match="processor output 'pixel_values' has shape"):
+        setup.collator(examples)
+
+
+# ------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "glm4v"])  # GLM-4V's language model is its own
+def test_unproven_language_model_is_refused(family):
+    """The composite rule is proven with the family's proven text models only; any other language model, or a
+    proven one with an unhandled feature (sliding layers), is refused by name."""
+    config = setup_for(family).packed.config
+    config = config.__class__.from_dict(config.to_dict())
+    config.text_config = GPT2Config()
+    with pytest.raises(UnsupportedModelError, match=rf"{family} model with language model 'gpt2' \(proven"):
+        get_family(config)
+    if family != "mistral3":
+        config.text_config = tiny_config("qwen2")
+        config.text_config.layer_types = ["sliding_attention", "full_attention"]
+        with pytest.raises(UnsupportedModelError, match=r"language model 'qwen2' with layer types"):
+            get_family(config)
+
+
+def test_mistral3_with_an_unproven_language_model_is_refused():
+    config = setup_for("mistral3").packed.config
+    config = config.__class__.from_dict(config.to_dict())
+    config.text_config = tiny_config("qwen2")  # a proven text family, but not proven as Mistral3's language model
+    with pytest.raises(UnsupportedModelError, match=r"language model 'qwen2' \(proven language models for this family: mistral\)"):
+        get_family(config)
+
+
+# ------------------------------------------------------------------ Mistral text: sliding window inside each sample
+
+
+def _mistral(window: int | None, vocab_size: int):
+    from transformers import MistralForCausalLM
+
+    from vlm_pack.tiny_families import mistral_text_config
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = mistral_text_config(vocab_size, sliding_window=window)
+        return MistralForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+def test_mistral_sliding_window_packed_equals_each_sample_alone():
+    """Mistral text with a window (4) shorter than every sample: the packed path applies it inside each sample
+    like HF does (logits, losses, the model's own loss, gradients); without the window it would not match."""
+    tokenizer = qwen_tokenizer()
+    packed = enable_packing(_mistral(4, len(tokenizer)))
+    collator = VLMPackingCollator(tokenizer, max_length=1024, model_config=packed.config)
+    setup = Setup("mistral", tokenizer, _mistral(4, len(tokenizer)), packed, collator)
+    examples = text_chat_examples(3, seed=1, max_turns=2)
+    result = compare(setup, examples)
+    MEASURED["mistral"] = result
+    print("mistral", 3, result)
+    assert_exact(result)
+    with torch.no_grad():  # corruption: the same weights without the window
+        batch = collator(examples)
+        unwindowed = packed_segments(enable_packing(_mistral(None, len(tokenizer))), batch)
+        assert errors(batch, unwindowed, references(setup, examples))["logit"] > 100 * LOGIT_ATOL

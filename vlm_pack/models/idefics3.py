@@ -1,0 +1,21 @@
+"""Idefics3 and SmolVLM (same layout and forward): image tiles per sample, features placed by image-token id,
+1-D positions per sample.
+
+Rules (proven in tests/test_vlm_families.py): ``pixel_values`` ``[B, max_tiles, C, H, W]`` and
+``pixel_attention_mask`` ``[B, max_tiles, H, W]`` have one row PER SAMPLE (text-only samples included), padded
+with all-zero tiles that the model drops; the vision tower runs per tile (its own bidirectional mask from
+``patch_attention_mask``, never the text kwargs), the connector per tile, and ``masked_scatter`` fills the
+``<image>`` tokens in sample order. The language model is a proven text family.
+"""
+
+from . import FamilySpec, register_family, text_backbone
+
+_ROWS = {"pixel_values": "sample", "pixel_attention_mask": "sample"}
+_TEXT = (text_backbone("llama", "qwen2", "qwen3"),)
+
+IDEFICS3 = register_family(FamilySpec(
+    name="idefics3", model_types=("idefics3",), proof="tests/test_vlm_families.py", vision_rows=_ROWS, extra_checks=_TEXT,
+))
+SMOLVLM = register_family(FamilySpec(
+    name="smolvlm", model_types=("smolvlm",), proof="tests/test_vlm_families.py", vision_rows=_ROWS, extra_checks=_TEXT,
+))

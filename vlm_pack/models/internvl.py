@@ -1,0 +1,16 @@
+"""InternVL: dynamic tiles per image, features placed by image-token id, 1-D positions per sample.
+
+Rules (proven in tests/test_vlm_families.py): the vision tower runs each tile on its own (a batch of tiles, no
+cross-tile attention, no text kwargs: ``get_image_features`` is called without them), pixel shuffle and projector
+are per tile, ``masked_scatter`` fills ``<IMG_CONTEXT>`` tokens in order. ``pixel_values`` has one row per TILE
+and the processor drops the per-image tile counts, so the collator splits its rows in proportion to each
+sample's ``<IMG_CONTEXT>`` tokens (``image_seq_length`` per tile). The language model is a proven text family.
+"""
+
+from . import FamilySpec, register_family, text_backbone
+
+INTERNVL = register_family(FamilySpec(
+    name="internvl", model_types=("internvl",), proof="tests/test_vlm_families.py",
+    vision_rows={"pixel_values": "image_token"},
+    extra_checks=(text_backbone("qwen2", "llama", "qwen3"),),
+))

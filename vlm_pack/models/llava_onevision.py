@@ -1,0 +1,17 @@
+"""LLaVA-OneVision: anyres crops per image, features placed by image-token id, 1-D positions per sample.
+
+Rules (proven in tests/test_vlm_families.py): the vision tower (SigLIP) and projector run per crop, never see
+the text kwargs (``get_image_features`` is called without them) and each image's features land on its own
+``<image>`` tokens (``masked_scatter`` in sample order). The text model is a proven text family (Qwen2), causal
+over the packed row split at ``cu_seq_lens_q``, positions restarting per sample. ``batch_num_images`` is per
+sample: a sample with ONE image is cropped anyres, a sample with several is not, so the collator must keep
+one count per sample holding images (never one count for the whole packed row).
+"""
+
+from . import FamilySpec, register_family, text_backbone
+
+LLAVA_ONEVISION = register_family(FamilySpec(
+    name="llava_onevision", model_types=("llava_onevision",), proof="tests/test_vlm_families.py",
+    vision_rows={"pixel_values": "image", "image_sizes": "image", "batch_num_images": "sample_with_images"},
+    extra_checks=(text_backbone("qwen2", "llama", "qwen3"),),
+))

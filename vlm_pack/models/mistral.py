@@ -1,0 +1,20 @@
+"""Mistral (text) and Mistral3 (Pixtral vision + Mistral text): causal, 1-D positions per sample.
+
+Mistral text layers may use a sliding window (``config.sliding_window``); the packed path applies the same
+window inside each sample (proven with a window shorter than the samples). Mistral3: the Pixtral vision tower
+runs all images of the batch as ONE sequence with its own block-diagonal mask (per image, built from
+``image_sizes``; it never receives the text kwargs), the patch merger and ``masked_scatter`` place each image's
+features on its ``[IMG]`` tokens in sample order. ``pixel_values`` (padded to the batch's largest image) and
+``image_sizes`` have one row per image. Proofs: tests/test_vlm_families.py.
+"""
+
+from . import FamilySpec, register_family, text_backbone
+
+_PROOF = "tests/test_vlm_families.py"
+
+MISTRAL = register_family(FamilySpec(name="mistral", model_types=("mistral",), proof=_PROOF))
+MISTRAL3 = register_family(FamilySpec(
+    name="mistral3", model_types=("mistral3",), proof=_PROOF,
+    vision_rows={"pixel_values": "image", "image_sizes": "image"},
+    extra_checks=(text_backbone("mistral"),),
+))
