@@ -43,7 +43,7 @@ class DataSpec:
     prompt_field: str = "prompt"
     response_field: str = "response"
     prepared_root: str = "runs/prepared"
-    algorithm: str = "first_fit_decreasing"
+    algorithm: str = "best_fit_decreasing"
 
     def __post_init__(self) -> None:
         check_field_types(self, "data.")

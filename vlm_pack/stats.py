@@ -60,7 +60,7 @@ def load_lengths(data: str | Path, tokenizer: str | None = None, fmt: SampleForm
 
 
 def analyse_lengths(lengths: np.ndarray, pack_sizes: list[int], *, global_batch_size: int,
-                    algorithm: str = "first_fit_decreasing", seed: int = 0) -> list[PackSizeReport]:
+                    algorithm: str = "best_fit_decreasing", seed: int = 0) -> list[PackSizeReport]:
     """Pack ``lengths`` at every pack size that can hold the longest sample."""
     lengths = np.asarray(lengths, dtype=np.int64)
     bad = [s for s in pack_sizes if s < 1]
@@ -162,7 +162,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-seq-length", type=int, default=None, help="truncate like `vlm-pack prepare` would")
     p.add_argument("--pack-sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--global-batch-size", type=int, default=128)
-    p.add_argument("--algorithm", choices=ALGORITHMS, default="first_fit_decreasing")
+    p.add_argument("--algorithm", choices=ALGORITHMS, default="best_fit_decreasing",
+                   help="bin-packing algorithm (default: best_fit_decreasing, as `prepare`)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default="vlm_pack_stats.png", help="output PNG path")
     p.set_defaults(func=run)

@@ -232,7 +232,7 @@ class PackedDataset(torch.utils.data.Dataset):
     segment of its own, labels -100).
     """
 
-    def __init__(self, dataset, tokenizer, pack_len: int, *, algorithm: str = "first_fit_decreasing", seed: int = 0,
+    def __init__(self, dataset, tokenizer, pack_len: int, *, algorithm: str = "best_fit_decreasing", seed: int = 0,
                  pad_to_multiple_of: int = 1):
         if pad_to_multiple_of < 1:
             raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
