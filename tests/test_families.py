@@ -135,3 +135,13 @@ def test_enable_packing_switches_the_forward_cache_off():
     assert model.config.text_config.use_cache
     enable_packing(model)
     assert model.config.use_cache is False and model.config.get_text_config().use_cache is False
+
+
+def test_processor_of_another_family_is_refused(processor):
+    """Qwen2-VL's processor emits per-token mm_token_type_ids, which Gemma 3 does not take: a clear error."""
+    from vlm_pack.collator import VLMPackingCollator
+    from vlm_pack.data import photo_examples
+
+    collator = VLMPackingCollator(processor, max_length=512, model_config=tiny_config("gemma3"))
+    with pytest.raises(ValueError, match="'mm_token_type_ids' with one value per token, which the gemma3 family"):
+        collator(photo_examples(2, seed=1, max_side=56))

@@ -258,6 +258,13 @@ class VLMPackingCollator:
 
     def _per_sample_keys(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         keys = dict.fromkeys(k for s in samples for k in s if k not in self.token_keys)
+        for key in keys:  # a per-token output the family does not declare: processor and model do not match
+            if all(key not in s or s[key].shape == s["input_ids"].shape for s in samples) and len(samples) > 1:
+                family = "a text model" if self.family is None else f"the {self.family.name} family"
+                raise ValueError(
+                    f"the processor returns {key!r} with one value per token, which {family} does not take "
+                    f"(per-token keys: {list(self.token_keys)}): use the processor of the model you train"
+                )
         return {key: torch.cat([s[key] for s in samples if key in s]) for key in keys}
 
     def _positions(self, padded: dict[str, torch.Tensor], vision: dict[str, torch.Tensor]) -> torch.Tensor | None:
