@@ -64,7 +64,7 @@ def setup_for(family: str) -> Setup:
 
 
 def mixed_examples(n: int, seed: int) -> list[dict]:
-    """Photos (1-3 per sample, longest side 56 px, other side varying: different token counts), an easy-vqa image and a text-only chat."""
+    """Photos (1-3 per sample, 56-84 px: different token counts), an easy-vqa image and a text-only chat."""
     examples = photo_examples(max(1, n - 2), seed=seed, max_side=56) + easy_vqa_examples(1, seed=seed)
     if n >= 3:
         examples.insert(1, text_chat_examples(1, seed=seed, max_turns=2)[0])
@@ -85,38 +85,46 @@ def shifted_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:-1], labels[1:], ignore_index=-100)
 
 
-def segments_of(logits: torch.Tensor, batch: dict) -> list[torch.Tensor]:
-    """Each sample's real slots of packed logits ``[1, T, V]``."""
-    meta = packing_metadata(batch)
-    starts = meta["cu_seqlens_padded"][:-1].tolist()
-    return [logits[0, s : s + n] for s, n in zip(starts, meta["seq_lengths"].tolist())]
-
-
-def packed_segments(model, batch: dict, **overrides) -> list[torch.Tensor]:
-    """Logits of each sample's real slots in the packed row (``overrides`` replace forward arguments)."""
-    return segments_of(model(**{**model_inputs(batch), **overrides}, use_cache=False).logits, batch)
+def packed_logits(model, batch: dict, **overrides) -> torch.Tensor:
+    """Logits ``[T, V]`` of the packed row (``overrides`` replace forward arguments)."""
+    return model(**{**model_inputs(batch), **overrides}, use_cache=False).logits.squeeze(0)
 
 
 def references(setup: Setup, examples: list[dict]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
-    """Each sample ALONE through the stock sdpa model: logits, plain shifted cross entropy (graph kept) and its
-    number of targets."""
+    """Each sample ALONE through the stock sdpa model: logits (detached), plain shifted cross entropy (graph
+    kept) and its number of targets."""
     logits, losses, targets = [], [], []
     for example in examples:
         inputs, labels = alone(setup, example)
-        logits.append(setup.stock(**inputs, use_cache=False).logits[0])
-        losses.append(shifted_ce(logits[-1], labels))
+        sample_logits = setup.stock(**inputs, use_cache=False).logits.squeeze(0)
+        logits.append(sample_logits.detach())
+        losses.append(shifted_ce(sample_logits, labels))
         targets.append(int((labels[1:] != -100).sum()))
     return logits, losses, targets
 
 
-def errors(batch: dict, segments: list[torch.Tensor], refs) -> dict[str, float]:
-    """Max |dlogit| and max |dloss| of the packed segments against the per-sample references."""
+def logit_error(batch: dict, logits: torch.Tensor, refs) -> float:
+    """Max |dlogit| of the packed row's samples against the per-sample reference logits."""
+    meta = packing_metadata(batch)
+    spans = zip(meta["cu_seqlens_padded"][:-1].tolist(), meta["seq_lengths"].tolist())
+    return max((logits[s : s + n].detach() - ref).abs_().max().item() for (s, n), ref in zip(spans, refs[0]))
+
+
+def errors(batch: dict, logits: torch.Tensor, refs) -> dict:
+    """Max |dlogit| and max |dloss| of the packed row's samples against the per-sample references. The packed
+    per-sample losses are the same plain shifted cross entropy, each sample's targets shifted inside it (one
+    cross entropy over the row: slicing the logits per sample would make autograd fill T x V zeros per sample)."""
+    meta = packing_metadata(batch)
+    spans = list(zip(meta["cu_seqlens_padded"][:-1].tolist(), meta["seq_lengths"].tolist()))
     labels = batch["labels"][0]
-    starts = packing_metadata(batch)["cu_seqlens_padded"][:-1].tolist()
-    losses = [shifted_ce(seg, labels[s : s + seg.shape[0]]) for seg, s in zip(segments, starts)]
+    targets = torch.full_like(labels, -100)
+    for start, length in spans:
+        targets[start : start + length - 1] = labels[start + 1 : start + length]
+    token_losses = F.cross_entropy(logits, targets, ignore_index=-100, reduction="none")
+    losses = [token_losses[s : s + n].sum() / (targets[s : s + n] != -100).sum() for s, n in spans]
     return {
-        "logit": max((seg - ref).abs().max().item() for seg, ref in zip(segments, refs[0])),
-        "loss": max((loss - ref).abs().item() for loss, ref in zip(losses, refs[1])),
+        "logit": logit_error(batch, logits, refs),
+        "loss": max((loss.detach() - ref.detach()).abs().item() for loss, ref in zip(losses, refs[1])),
         "_losses": losses,
     }
 
@@ -130,20 +138,21 @@ def compare(setup: Setup, examples: list[dict]) -> dict[str, float]:
         model.zero_grad()
     refs = references(setup, examples)
     output = setup.packed(**batch, use_cache=False)  # as Trainer calls it: labels and the metadata entry included
-    result = errors(batch, segments_of(output.logits, batch), refs)
-    token_mean = sum(loss * n for loss, n in zip(refs[1], refs[2])) / sum(refs[2])
-    result["own_loss"] = (output.loss - token_mean).abs().item()
+    result = errors(batch, output.logits.squeeze(0), refs)
+    token_mean = sum(loss.detach() * n for loss, n in zip(refs[1], refs[2])) / sum(refs[2])
+    result["own_loss"] = (output.loss.detach() - token_mean).abs().item()
     sum(refs[1]).backward()
     sum(result.pop("_losses")).backward()
     reference = dict(setup.stock.named_parameters())
     worst = 0.0
-    for name, param in setup.packed.named_parameters():
-        ref_grad = reference[name].grad
-        if ref_grad is None:
-            assert param.grad is None or not param.grad.any(), name
-            continue
-        scale = ref_grad.abs().max().clamp_min(1e-12)
-        worst = max(worst, ((param.grad - ref_grad).abs().max() / scale).item())
+    with torch.no_grad():
+        for name, param in setup.packed.named_parameters():
+            ref_grad = reference[name].grad
+            if ref_grad is None:
+                assert param.grad is None or not param.grad.any(), name
+                continue
+            scale = ref_grad.abs().max().clamp_min(1e-12)
+            worst = max(worst, ((param.grad - ref_grad).abs().max() / scale).item())
     result["grad_rel"] = worst
     return result
 
@@ -160,7 +169,10 @@ def assert_exact(result: dict[str, float]) -> None:
 
 # Together the families cover micro-batches 2..6 (with gradients); batches of 3+ mix image sizes, multi-image and
 # text-only samples, and test_corruptions_are_caught checks such a 4-sample batch exact for every family.
-EXACT_CASES = [("llava_onevision", 4, 3), ("mistral3", 2, 1), ("internvl", 6, 2), ("idefics3", 3, 4), ("smolvlm", 5, 5), ("glm4v", 4, 6)]
+EXACT_CASES = [
+    ("llava_onevision", 4, 3), ("mistral3", 2, 1), ("internvl", 6, 2),
+    ("idefics3", 3, 4), ("smolvlm", 5, 5), ("glm4v", 4, 6),
+]
 FAMILIES = [family for family, _, _ in EXACT_CASES]
 
 
@@ -192,7 +204,8 @@ def swap_examples(seed: int = 0) -> list[dict]:
                       {"role": "assistant", "content": f"This is {name}."}]}
         for name in ("astronaut", "chelsea")
     )
-    return [first, text_chat_examples(1, seed=seed, max_turns=1)[0], second, photo_examples(1, seed=seed, max_side=56)[0]]
+    text_only = text_chat_examples(1, seed=seed, max_turns=1)[0]
+    return [first, text_only, second, photo_examples(1, seed=seed, max_side=56)[0]]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -207,13 +220,13 @@ def test_corruptions_are_caught(family):
     examples = swap_examples()
     refs = references(setup, examples)
     batch = setup.collator(examples)
-    assert_exact(errors(batch, packed_segments(setup.packed, batch), refs))
+    assert_exact(errors(batch, packed_logits(setup.packed, batch), refs))
 
     no_kwargs = dict.fromkeys(BOUNDARY_KWARGS)
-    assert_exact(errors(batch, packed_segments(setup.stock, batch, **no_kwargs), refs))
+    assert logit_error(batch, packed_logits(setup.stock, batch, **no_kwargs), refs) < LOGIT_ATOL
     whole_row = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["position_ids"])
-    positions = errors(batch, packed_segments(setup.stock, batch, **no_kwargs, position_ids=whole_row), refs)
-    assert positions["logit"] > 100 * LOGIT_ATOL
+    not_restarted = packed_logits(setup.stock, batch, **no_kwargs, position_ids=whole_row)
+    assert logit_error(batch, not_restarted, refs) > 100 * LOGIT_ATOL
 
     # Give sample 0's vision rows to sample 2 and back (same-size images: the batch stays well-formed).
     samples, _ = setup.collator._encode_all(examples)
@@ -223,7 +236,7 @@ def test_corruptions_are_caught(family):
         chunks[0], chunks[2] = chunks[2], chunks[0]
         swapped[key] = torch.cat([chunk for chunk in chunks if chunk is not None])
         assert swapped[key].shape == batch[key].shape
-    assert errors(batch, packed_segments(setup.packed, swapped), refs)["logit"] > 100 * LOGIT_ATOL
+    assert logit_error(batch, packed_logits(setup.packed, swapped), refs) > 100 * LOGIT_ATOL
 
 
 @torch.no_grad()
@@ -233,9 +246,9 @@ def test_corruption_llava_onevision_one_image_count_for_the_whole_row():
     setup = setup_for("llava_onevision")
     batch = setup.collator(swap_examples())
     assert len(batch["batch_num_images"]) == 3  # one count per sample holding images
-    packed_segments(setup.packed, batch)  # the clean batch runs
+    packed_logits(setup.packed, batch)  # the clean batch runs
     with pytest.raises(ValueError, match="Image features and image tokens do not match"):
-        packed_segments(setup.packed, batch, batch_num_images=batch["batch_num_images"].sum().reshape(1))
+        packed_logits(setup.packed, batch, batch_num_images=batch["batch_num_images"].sum().reshape(1))
 
 
 @torch.no_grad()
@@ -249,7 +262,7 @@ def test_corruption_glm4v_one_dimensional_positions():
     assert batch["position_ids"].shape[0] == 4
     flat = batch["position_ids"][:1].expand_as(batch["position_ids"])
     assert not torch.equal(flat, batch["position_ids"])
-    assert errors(batch, packed_segments(setup.packed, batch, position_ids=flat), refs)["logit"] > 100 * LOGIT_ATOL
+    assert logit_error(batch, packed_logits(setup.packed, batch, position_ids=flat), refs) > 100 * LOGIT_ATOL
 
 
 def test_internvl_tiles_split_by_image_tokens_or_refused(monkeypatch):
@@ -285,7 +298,8 @@ def test_mistral3_with_an_unproven_language_model_is_refused():
     config = setup_for("mistral3").packed.config
     config = config.__class__.from_dict(config.to_dict())
     config.text_config = tiny_config("qwen2")  # a proven text family, but not proven as Mistral3's language model
-    with pytest.raises(UnsupportedModelError, match=r"language model 'qwen2' \(proven language models for this family: mistral\)"):
+    message = r"language model 'qwen2' \(proven language models for this family: mistral\)"
+    with pytest.raises(UnsupportedModelError, match=message):
         get_family(config)
 
 
@@ -317,5 +331,5 @@ def test_mistral_sliding_window_packed_equals_each_sample_alone():
     assert_exact(result)
     with torch.no_grad():  # corruption: the same weights without the window
         batch = collator(examples)
-        unwindowed = packed_segments(enable_packing(_mistral(None, len(tokenizer))), batch)
-        assert errors(batch, unwindowed, references(setup, examples))["logit"] > 100 * LOGIT_ATOL
+        unwindowed = packed_logits(enable_packing(_mistral(None, len(tokenizer))), batch)
+        assert logit_error(batch, unwindowed, references(setup, examples)) > 100 * LOGIT_ATOL

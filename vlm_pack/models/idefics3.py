@@ -13,9 +13,11 @@ from . import FamilySpec, register_family, text_backbone
 _ROWS = {"pixel_values": "sample", "pixel_attention_mask": "sample"}
 _TEXT = (text_backbone("llama", "qwen2", "qwen3"),)
 
+_PROOF = "tests/test_vlm_families.py"
+
 IDEFICS3 = register_family(FamilySpec(
-    name="idefics3", model_types=("idefics3",), proof="tests/test_vlm_families.py", vision_rows=_ROWS, extra_checks=_TEXT,
+    name="idefics3", model_types=("idefics3",), proof=_PROOF, vision_rows=_ROWS, extra_checks=_TEXT,
 ))
 SMOLVLM = register_family(FamilySpec(
-    name="smolvlm", model_types=("smolvlm",), proof="tests/test_vlm_families.py", vision_rows=_ROWS, extra_checks=_TEXT,
+    name="smolvlm", model_types=("smolvlm",), proof=_PROOF, vision_rows=_ROWS, extra_checks=_TEXT,
 ))
