@@ -92,3 +92,19 @@ def test_trl_section_trains(processor, tmp_path, monkeypatch):
     exec(block("SFTTrainer("), namespace)
     for model, old in zip((namespace["model"], namespace["llm"]), before):
         assert any(not torch.equal(a, b) for a, b in zip(old, model.parameters()))
+
+
+def test_supported_families_table_lists_every_registered_family_with_its_proof():
+    from vlm_pack.models import registered_families
+
+    section = README.split("### Supported model families", 1)[1].split("\n### ", 1)[0]
+    rows = [line for line in section.splitlines()
+            if line.startswith("| ") and "(`" in line.split("|")[1] and "`model_type`" not in line]
+    listed = set(re.findall(r"`([a-z0-9_]+)`", " ".join(row.split("|")[1] for row in rows)))
+    registered = registered_families()
+    assert {t for spec in registered.values() for t in spec.model_types} >= listed
+    assert set(registered) <= listed, f"families missing from the README table: {set(registered) - listed}"
+    root = Path(__file__).resolve().parents[1]
+    for spec in registered.values():
+        assert (root / spec.proof).is_file(), spec.proof
+        assert any(spec.proof in row for row in rows if f"`{spec.name}`" in row), f"{spec.name}: proof not linked"
