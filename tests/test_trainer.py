@@ -26,12 +26,18 @@ from vlm_pack.batch import model_inputs
 from vlm_pack.collator import VLMPackingCollator
 from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
 from vlm_pack.hf import enable_packing
+from vlm_pack.models import get_family
 from vlm_pack.offline.dataset import PackedDataset, PackedSFTDataset
 from vlm_pack.offline.storage import PackedArrays, build_index, write_packed
 from vlm_pack.tiny_models import TINY_FAMILIES, qwen_tokenizer, tiny_config, tiny_model
 
 VLM_FAMILIES = tuple(f for f in TINY_FAMILIES if hasattr(tiny_config(f), "vision_config"))
 TOLERANCE = 1e-4
+
+
+def layers_for(family: str) -> int:
+    """One layer; two for hybrid families, whose first layer is linear attention (a full-attention one too)."""
+    return 2 if "linear_attention" in get_family(tiny_config(family)).layer_kinds else 1
 
 
 class GradCapture(TrainerCallback):
@@ -64,7 +70,7 @@ def trainer_grads(model, dataset, collator, args, trainer_cls=Trainer, **trainer
 
 def reference_grads(family: str, processor, examples: list, reduction: str = "token") -> dict[str, torch.Tensor]:
     """Each sample ALONE through a stock sdpa model; plain shifted CE; token mean (or per-sample mean) of all."""
-    stock = tiny_model(family, layers=1)
+    stock = tiny_model(family, layers=layers_for(family))
     alone = VLMPackingCollator(processor, max_length=512, model_config=stock.config, pack_sequences_in_batch=False)
     sums, counts = [], []
     for example in examples:
@@ -117,7 +123,7 @@ def references(processor, tokenizer):
 def run_recipe(family, processor, tokenizer, tmp_path, **trainer_kwargs):
     """The README recipe: enable_packing + the collator, nothing else."""
     proc, examples = family_setup(family, processor, tokenizer)
-    model = enable_packing(tiny_model(family, layers=1))
+    model = enable_packing(tiny_model(family, layers=layers_for(family)))
     collator = VLMPackingCollator(proc, max_length=512, model_config=model.config)
     return trainer_grads(model, examples, collator, training_args(tmp_path), **trainer_kwargs)
 
