@@ -130,4 +130,5 @@ def test_offline_producers_first_labels_and_inert_metadata(tmp_path, tokenizer):
             full = model(**batch)
             bare = model(**model_inputs(batch, keep_labels=True))
         assert torch.equal(full.logits, bare.logits) and torch.equal(full.loss, bare.loss)
-        torch.testing.assert_close(full.loss, packed_cross_entropy(full.logits, batch["labels"], batch["cu_seq_lens_q"]))
+        expected = packed_cross_entropy(full.logits, batch["labels"], batch["cu_seq_lens_q"])
+        torch.testing.assert_close(full.loss, expected)

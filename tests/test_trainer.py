@@ -139,7 +139,8 @@ def test_trainer_gradient_accumulation_equals_unpacked(family, processor, tokeni
 def test_corruption_without_accepts_loss_kwargs(processor, tokenizer, references, tmp_path, monkeypatch):
     """Qwen2.5-VL declares accepts_loss_kwargs=False: without our fix Trainer averages micro-batch means."""
     registry = vlm_pack.models._REGISTRY
-    monkeypatch.setitem(registry, "qwen2_5_vl", dataclasses.replace(registry["qwen2_5_vl"], loss_honours_num_items=False))
+    unfixed = dataclasses.replace(registry["qwen2_5_vl"], loss_honours_num_items=False)
+    monkeypatch.setitem(registry, "qwen2_5_vl", unfixed)
     grads = run_recipe("qwen2_5_vl", processor, tokenizer, tmp_path)
     assert relative_error(grads, references("qwen2_5_vl")) > 1e-3
 
