@@ -45,7 +45,7 @@ from vlm_pack.loss import (
 
 VOCAB, DIM, HEADS, MAX_POS = 40, 16, 2, 64
 RTOL, ATOL = 1e-4, 1e-6
-SPAWN_TIMEOUT_S = 90
+SPAWN_TIMEOUT_S = 300  # generous: 4 processes import torch and train on a loaded 2-core CI machine
 
 
 def segment_ids(cu_seqlens: torch.Tensor, slots: torch.Tensor | int) -> torch.Tensor:
