@@ -9,6 +9,8 @@ Corruptions (the ``accepts_loss_kwargs`` fix undone, the -100 first labels dropp
 
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 
 import pytest
@@ -28,9 +30,14 @@ from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
 from vlm_pack.hf import enable_packing
 from vlm_pack.offline.dataset import PackedDataset, PackedSFTDataset
 from vlm_pack.offline.storage import PackedArrays, build_index, write_packed
-from vlm_pack.tiny_models import TINY_FAMILIES, qwen_tokenizer, tiny_config, tiny_model
+from vlm_pack.tiny_models import (
+    TINY_FAMILIES, offline_gemma3_processor, qwen_tokenizer, tiny_config, tiny_model,
+)
 
-VLM_FAMILIES = tuple(f for f in TINY_FAMILIES if hasattr(tiny_config(f), "vision_config"))
+# Gemma 4 has no offline processor: its images are proven in tests/test_gemma4.py, here it runs text-only chats.
+VLM_FAMILIES = tuple(f for f in TINY_FAMILIES if hasattr(tiny_config(f), "vision_config") and f != "gemma4")
+# Gemma 3 brings its own processor (Qwen tokenizer + Gemma 3 tokens, transformers' Gemma3ImageProcessor).
+_gemma3_processor = functools.lru_cache(maxsize=1)(offline_gemma3_processor)
 TOLERANCE = 1e-4
 
 
@@ -97,7 +104,7 @@ def family_setup(family: str, processor, tokenizer):
     """(processor for the family, 8 chat examples): images of several sizes + text-only, or text only."""
     if family in VLM_FAMILIES:
         examples = photo_examples(4, seed=5, max_side=84) + easy_vqa_examples(2, seed=5) + text_chat_examples(2, seed=5)
-        return processor, examples
+        return _gemma3_processor() if family == "gemma3" else processor, examples
     return tokenizer, text_chat_examples(8, seed=5)
 
 
