@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -22,9 +24,14 @@ from vlm_pack.models import registered_families
 from vlm_pack.offline.dataset import PackedDataset, PackedSFTDataset
 from vlm_pack.offline.storage import PackedArrays, build_index, write_packed
 from vlm_pack.tiny_families import TINY_VLM_FAMILIES
-from vlm_pack.tiny_models import TINY_FAMILIES, qwen_tokenizer, tiny_config, tiny_model
+from vlm_pack.tiny_models import (
+    TINY_FAMILIES, offline_gemma3_processor, qwen_tokenizer, tiny_config, tiny_model,
+)
 
-VLM_FAMILIES = tuple(f for f in TINY_FAMILIES if hasattr(tiny_config(f), "vision_config"))
+# Gemma 4 has no offline processor: its images are proven in tests/test_gemma4.py, here it runs text-only chats.
+VLM_FAMILIES = tuple(f for f in TINY_FAMILIES if hasattr(tiny_config(f), "vision_config") and f != "gemma4")
+# Gemma 3 brings its own processor (Qwen tokenizer + Gemma 3 tokens, transformers' Gemma3ImageProcessor).
+_gemma3_processor = functools.lru_cache(maxsize=1)(offline_gemma3_processor)
 
 
 def mixed_examples() -> list[dict]:
@@ -39,6 +46,7 @@ def tokenizer():
 
 def family_batch(family: str, processor, tokenizer, **kwargs) -> dict:
     if family in VLM_FAMILIES:
+        processor = _gemma3_processor() if family == "gemma3" else processor
         collator = VLMPackingCollator(processor, max_length=512, model_config=tiny_config(family), **kwargs)
         return collator(mixed_examples())
     collator = VLMPackingCollator(tokenizer, max_length=512, model_config=tiny_config(family), **kwargs)
