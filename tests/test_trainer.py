@@ -29,6 +29,7 @@ from vlm_pack.hf import enable_packing
 from vlm_pack.models import get_family
 from vlm_pack.offline.dataset import PackedDataset, PackedSFTDataset
 from vlm_pack.offline.storage import PackedArrays, build_index, write_packed
+from vlm_pack.tiny_families import TINY_VLM_FAMILIES, tiny_vlm, tiny_vlm_processor
 from vlm_pack.tiny_models import TINY_FAMILIES, offline_gemma3_processor, qwen_tokenizer, tiny_config, tiny_model
 
 VLM_FAMILIES = tuple(f for f in TINY_FAMILIES if hasattr(tiny_config(f), "vision_config"))
@@ -68,9 +69,10 @@ def trainer_grads(model, dataset, collator, args, trainer_cls=Trainer, **trainer
     return capture.grads
 
 
-def reference_grads(family: str, processor, examples: list, reduction: str = "token") -> dict[str, torch.Tensor]:
+def reference_grads(family: str, processor, examples: list, reduction: str = "token",
+                    stock=None) -> dict[str, torch.Tensor]:
     """Each sample ALONE through a stock sdpa model; plain shifted CE; token mean (or per-sample mean) of all."""
-    stock = tiny_model(family, layers=layers_for(family))
+    stock = tiny_model(family, layers=layers_for(family)) if stock is None else stock
     alone = VLMPackingCollator(processor, max_length=512, model_config=stock.config, pack_sequences_in_batch=False)
     sums, counts = [], []
     for example in examples:
@@ -133,6 +135,20 @@ def run_recipe(family, processor, tokenizer, tmp_path, **trainer_kwargs):
     model = enable_packing(tiny_model(family, layers=layers_for(family)))
     collator = VLMPackingCollator(proc, max_length=512, model_config=model.config)
     return trainer_grads(model, examples, collator, training_args(tmp_path), **trainer_kwargs)
+
+
+@pytest.mark.parametrize("family", TINY_VLM_FAMILIES)
+def test_trainer_gradient_accumulation_equals_unpacked_other_vlms(family, tmp_path):
+    """LLaVA-OneVision, Mistral3, InternVL, Idefics3, SmolVLM, GLM-4V: their own offline processors and models
+    (vlm_pack.tiny_families), the same recipe and reference as below."""
+    processor = tiny_vlm_processor(family)
+    examples = photo_examples(4, seed=5, max_side=84) + easy_vqa_examples(2, seed=5) + text_chat_examples(2, seed=5)
+    reference = reference_grads(family, processor, examples, stock=tiny_vlm(family, processor, layers=1))
+    model = enable_packing(tiny_vlm(family, processor, layers=1))
+    collator = VLMPackingCollator(processor, max_length=512, model_config=model.config)
+    error = relative_error(trainer_grads(model, examples, collator, training_args(tmp_path)), reference)
+    print(f"{family}: relative L2 {error:.2e}")
+    assert error < TOLERANCE
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
