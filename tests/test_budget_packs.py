@@ -208,3 +208,46 @@ def test_planned_length_covers_videos(collator):
     batch = collator([video])
     assert planned.tokens[0] == batch["input_ids"].shape[1]
     assert planned.image_tokens[0] == int((batch["mm_token_type_ids"] == 2).sum()) > 0
+
+
+def test_token_budget_packs_train_exactly_in_the_hf_trainer(processor, mix, tmp_path):
+    """Trainer at micro-batch 1 with gradient accumulation 2 over two packs: step-1 gradients equal the token
+    mean of every sample run ALONE through the stock sdpa model (plain shifted cross entropy)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from vlm_pack.hf import enable_packing
+    from vlm_pack.tiny_models import tiny_model
+
+    chosen = [mix[0], mix[12], mix[25], mix[1], mix[13], mix[26]]
+    packed_model = enable_packing(tiny_model("qwen2_vl", layers=1))
+    collator = VLMPackingCollator(processor, max_length=256, model_config=packed_model.config)
+    plan = plan_token_budget_packs(measure_lengths(chosen, collator, progress=False), 256)
+    assert plan.num_packs == 2
+    packs = TokenBudgetPackDataset(chosen, plan, collator)
+
+    stock = tiny_model("qwen2_vl", layers=1)
+    alone = VLMPackingCollator(processor, max_length=256, model_config=stock.config, pack_sequences_in_batch=False)
+    sums, count = [], 0
+    for example in chosen:
+        single = alone([example])
+        logits = stock(**model_inputs(single), use_cache=False).logits[0]
+        labels = single["labels"][0]
+        sums.append(F.cross_entropy(logits[:-1], labels[1:], ignore_index=-100, reduction="sum"))
+        count += int((labels[1:] != -100).sum())
+    (torch.stack(sums).sum() / count).backward()
+
+    class Capture(TrainerCallback):
+        grads = None
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.grads = self.grads or {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    capture = Capture()
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1, gradient_accumulation_steps=2,
+                             max_steps=1, optim="sgd", learning_rate=0.1, max_grad_norm=0.0, use_cpu=True,
+                             report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True)
+    Trainer(model=packed_model, args=args, train_dataset=packs, data_collator=packs.collate_fn,
+            callbacks=[capture]).train()
+    reference = {n: p.grad for n, p in stock.named_parameters() if p.grad is not None}
+    diff = torch.cat([(capture.grads[n] - reference[n]).flatten() for n in reference]).norm()
+    assert diff / torch.cat([g.flatten() for g in reference.values()]).norm() < 1e-4
