@@ -119,33 +119,20 @@ class PackedArrays:
     def check_ends(self, source: str) -> "PackedArrays":
         """O(1) consistency: array lengths and end points agree (a truncated or mixed-up file fails here)."""
         n_tok, n_samp, n_packs = len(self.tokens), self.num_samples, self.num_packs
-        problems = []
-        if len(self.loss_mask) != n_tok:
-            problems.append(f"loss_mask has {len(self.loss_mask)} entries but tokens {n_tok}")
-        if len(self.source_index) != n_samp:
-            problems.append(f"source_index has {len(self.source_index)} entries but there are {n_samp} samples")
-        if n_samp < 0 or self.seq_offsets[0] != 0 or self.seq_offsets[-1] != n_tok:
-            problems.append(f"seq_offsets must run from 0 to the token count {n_tok}")
-        elif n_packs and (self.index[0]["sample_start"] != 0 or self.index[-1]["sample_end"] != n_samp
-                          or self.index[0]["token_start"] != 0 or self.index[-1]["token_end"] != n_tok):
-            problems.append("pack index must start at sample 0 / token 0 and end at the last sample / token")
-        elif not n_packs and n_samp:
+        problems, offsets_ok = self._size_problems()
+        if offsets_ok and n_packs:
+            if (self.index[0]["sample_start"] != 0 or self.index[-1]["sample_end"] != n_samp
+                    or self.index[0]["token_start"] != 0 or self.index[-1]["token_end"] != n_tok):
+                problems.append("pack index must start at sample 0 / token 0 and end at the last sample / token")
+        elif offsets_ok and n_samp:
             problems.append(f"no pack holds the {n_samp} samples")
-        if problems:
-            raise ValueError(f"{source}: inconsistent packed data ({'; '.join(problems)}); re-run `vlm-pack prepare`")
-        return self
+        return self._raise_if(problems, source)
 
     def validate(self, source: str) -> "PackedArrays":
         """Full consistency check, O(data): every offset and index record (``verify`` and writers use it)."""
         n_tok, n_samp = len(self.tokens), self.num_samples
-        problems = []
-        if len(self.loss_mask) != n_tok:
-            problems.append(f"loss_mask has {len(self.loss_mask)} entries but tokens {n_tok}")
-        if len(self.source_index) != n_samp:
-            problems.append(f"source_index has {len(self.source_index)} entries but there are {n_samp} samples")
-        if n_samp < 0 or self.seq_offsets[0] != 0 or self.seq_offsets[-1] != n_tok:
-            problems.append(f"seq_offsets must run from 0 to the token count {n_tok}")
-        elif np.any(np.diff(np.asarray(self.seq_offsets)) <= 0):
+        problems, offsets_ok = self._size_problems()
+        if offsets_ok and np.any(np.diff(np.asarray(self.seq_offsets)) <= 0):
             problems.append("seq_offsets must increase strictly (every sample non-empty)")
         if self.num_packs:
             idx = self.index
@@ -158,6 +145,22 @@ class PackedArrays:
                 offsets[idx["sample_end"]] != idx["token_end"]
             ):
                 problems.append("pack index token ranges disagree with seq_offsets")
+        return self._raise_if(problems, source)
+
+    def _size_problems(self) -> tuple[list[str], bool]:
+        """Companion lengths vs the token and sample counts, and whether seq_offsets' end points are right."""
+        n_tok, n_samp = len(self.tokens), self.num_samples
+        problems = []
+        if len(self.loss_mask) != n_tok:
+            problems.append(f"loss_mask has {len(self.loss_mask)} entries but tokens {n_tok}")
+        if len(self.source_index) != n_samp:
+            problems.append(f"source_index has {len(self.source_index)} entries but there are {n_samp} samples")
+        offsets_ok = not (n_samp < 0 or self.seq_offsets[0] != 0 or self.seq_offsets[-1] != n_tok)
+        if not offsets_ok:
+            problems.append(f"seq_offsets must run from 0 to the token count {n_tok}")
+        return problems, offsets_ok
+
+    def _raise_if(self, problems: list[str], source: str) -> "PackedArrays":
         if problems:
             raise ValueError(f"{source}: inconsistent packed data ({'; '.join(problems)}); re-run `vlm-pack prepare`")
         return self
