@@ -130,7 +130,7 @@ class PackedArrays:
 
     def validate(self, source: str) -> "PackedArrays":
         """Full consistency check, O(data): every offset and index record (``verify`` and writers use it)."""
-        n_tok, n_samp = len(self.tokens), self.num_samples
+        n_samp = self.num_samples
         problems, offsets_ok = self._size_problems()
         if offsets_ok and np.any(np.diff(np.asarray(self.seq_offsets)) <= 0):
             problems.append("seq_offsets must increase strictly (every sample non-empty)")
