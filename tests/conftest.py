@@ -58,3 +58,30 @@ def aligned_packs(tmp_path_factory):
         validation_fraction=0.25, max_seq_length=128, progress=False, log=lambda line: None)
     paths = {split.split: split.path for split in written}
     return {**paths, "metadata": paths["training"].parent / "128_metadata.jsonl"}
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for the module (exactness tests compare float sums; 2 threads only add contention)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def boundaries_dropped(monkeypatch):
+    """Corruption: the packed attention sees the whole row as ONE segment (sample boundaries ignored)."""
+    import torch
+
+    import vlm_pack.hf as hf
+
+    original = hf.varlen_attention
+
+    def one_segment(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        whole = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+        return original(q, k, v, whole, whole, q.shape[0], q.shape[0], **kwargs)
+
+    monkeypatch.setattr(hf, "varlen_attention", one_segment)

@@ -53,17 +53,8 @@ def test_text_family_packed_equals_each_sample_alone(family):
         assert abs(F.cross_entropy(logits[:-1], sample[1:]) - reference_loss) < 1e-5
 
 
-def test_text_family_corruption_boundaries_dropped(monkeypatch):
+def test_text_family_corruption_boundaries_dropped(boundaries_dropped):
     """Drop the boundaries (one segment over the whole row): the same comparison must fail."""
-    import vlm_pack.hf as hf
-
-    original = hf.varlen_attention
-
-    def one_segment(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
-        whole = torch.tensor([0, q.shape[0]], dtype=torch.int32)
-        return original(q, k, v, whole, whole, q.shape[0], q.shape[0], **kwargs)
-
-    monkeypatch.setattr(hf, "varlen_attention", one_segment)
     stock = tiny_model("llama", attn_implementation="sdpa")
     packed_model = enable_packing(tiny_model("llama", attn_implementation="sdpa"))
     samples = _samples(1)

@@ -207,14 +207,7 @@ def test_corruption_sliding_window_dropped_fails(setup, reference, monkeypatch):
     assert min(_max_errors(setup, reference)) > 1e-2
 
 
-def test_corruption_boundaries_dropped_fails(setup, reference, monkeypatch):
-    original = hf.varlen_attention
-
-    def one_segment(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
-        whole = torch.tensor([0, q.shape[0]], dtype=torch.int32)
-        return original(q, k, v, whole, whole, q.shape[0], q.shape[0], **kwargs)
-
-    monkeypatch.setattr(hf, "varlen_attention", one_segment)
+def test_corruption_boundaries_dropped_fails(setup, reference, boundaries_dropped):
     errors = _max_errors(setup, reference)
     assert errors[0] < LOGIT_TOL  # the first sample sees nothing before it
     assert min(errors[1:]) > 1e-2

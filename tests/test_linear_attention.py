@@ -33,12 +33,7 @@ GRAD_ATOL_SCALE = 2e-5
 DELTANET = ["Qwen3_5GatedDeltaNet"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------ text model (Qwen3_5ForCausalLM)

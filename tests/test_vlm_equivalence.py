@@ -37,12 +37,7 @@ def tokenizer():
     return qwen_tokenizer()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def vlm_examples(n: int, seed: int) -> list[dict]:

@@ -33,12 +33,7 @@ GRAD_RTOL = 1e-4
 MEASURED: dict[str, dict[str, float]] = {}  # family -> measured max errors (printed with -s; recorded in the notes)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @dataclasses.dataclass
