@@ -34,6 +34,7 @@ __all__ = [
     "register_family",
     "registered_families",
     "text_backbone",
+    "text_config",
 ]
 
 PositionRule = Literal["arange", "mrope"]
@@ -156,9 +157,14 @@ def _model_type(config: Any) -> str:
     return str(getattr(config, "model_type", None))
 
 
+def text_config(config: Any) -> Any:
+    """The language model's config of a composite VLM config (the config itself for a text model)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def check_config(spec: FamilySpec, config: Any) -> list[str]:
     """What ``config`` turns on that ``spec`` does not handle (empty when the model is covered)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     problems = []
     layer_types = getattr(text, "layer_types", None) or ()
     unknown = sorted(set(layer_types) - spec.layer_kinds)

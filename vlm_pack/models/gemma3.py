@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL, FamilySpec, ImageBlockRule, register_family
+from . import IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL, FamilySpec, ImageBlockRule, register_family, text_config
 
 _PROOF = "tests/test_gemma3.py"
 _LAYER_KINDS = frozenset({"full_attention", "sliding_attention"})
@@ -38,8 +38,7 @@ def _image_blocks(config: Any) -> ImageBlockRule | None:
 
 
 def _causal_only(config: Any) -> str | None:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "use_bidirectional_attention", False):
+    if getattr(text_config(config), "use_bidirectional_attention", False):
         return ("use_bidirectional_attention=True (bidirectional text and a halved sliding window; only the causal "
                 "Gemma 3 with bidirectional image blocks is proven)")
     return None

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL, STATIC_ROPE_TYPES, FamilySpec, ImageBlockRule, register_family
+from . import (
+    IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL, STATIC_ROPE_TYPES, FamilySpec, ImageBlockRule, register_family, text_config,
+)
 
 _PROOF = "tests/test_gemma4.py"
 
@@ -26,17 +28,13 @@ IMAGE_BLOCKS = ImageBlockRule(
 )
 
 
-def _text(config: Any) -> Any:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def _image_blocks(config: Any) -> ImageBlockRule | None:
     vision = getattr(config, "vision_config", None) is not None
-    return IMAGE_BLOCKS if vision and _text(config).use_bidirectional_attention == "vision" else None
+    return IMAGE_BLOCKS if vision and text_config(config).use_bidirectional_attention == "vision" else None
 
 
 def _proven_features(config: Any) -> str | None:
-    text = _text(config)
+    text = text_config(config)
     if text.use_bidirectional_attention == "all":
         return "use_bidirectional_attention='all' (bidirectional text and a halved sliding window)"
     if getattr(text, "enable_moe_block", False):

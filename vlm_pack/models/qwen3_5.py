@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..linear_attention import CONTEXT_PARALLEL_REFUSAL, install_linear_attention_packing
-from . import FamilySpec, register_family
+from . import FamilySpec, register_family, text_config
 
 _PROOF = "tests/test_linear_attention.py"
 _HYBRID = frozenset({"full_attention", "linear_attention"})
@@ -32,8 +32,7 @@ def _deltanet(class_name: str):
 
 
 def _no_router_loss(config: Any) -> str | None:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "output_router_logits", False):
+    if getattr(text_config(config), "output_router_logits", False):
         return ("output_router_logits=True (the router load-balancing loss is a whole-batch statistic, which "
                 "packing changes; set output_router_logits=False)")
     return None
