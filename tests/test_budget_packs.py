@@ -194,7 +194,7 @@ def test_plan_vlm_cli_writes_a_plan_that_trains(tmp_path, processor, qwen2_confi
     dataset = TokenBudgetPackDataset(read_chat_jsonl(tmp_path / "data.jsonl"), plan, collator)
     assert sum(len(np.diff(dataset[k]["cu_seq_lens_q"])) for k in range(len(dataset))) == 8
     (tmp_path / "bad.jsonl").write_text(json.dumps(examples[1]) + "\n{oops\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+    with pytest.raises(ValueError, match=r"bad.jsonl, line 2: malformed JSON"):
         read_chat_jsonl(tmp_path / "bad.jsonl")
 
 

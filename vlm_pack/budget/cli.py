@@ -3,36 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 from ..offline.algorithms import ALGORITHMS
+from ..offline.records import read_jsonl
 
 __all__ = ["add_parser", "read_chat_jsonl", "run"]
 
 
 def read_chat_jsonl(path: str | Path) -> list[dict]:
-    """Chat examples from a JSONL file; relative image paths are resolved against the file's folder.
-
-    Errors name the line (1-based) and the fix.
-    """
-    path = Path(path)
-    examples = []
-    with path.open(encoding="utf-8-sig") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                example = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{line_number}: not valid JSON ({exc.msg}); one example per line") from exc
-            if not isinstance(example, dict):
-                raise ValueError(f"{path}:{line_number}: expected an object with 'messages'; got {type(example).__name__}")
-            examples.append(_resolve_paths(example, path.parent))
-    if not examples:
-        raise ValueError(f"{path}: no examples (empty file)")
-    return examples
+    """Chat examples from a JSONL file (read by the offline reader: errors name the file line and the fix);
+    relative image paths are resolved against the file's folder."""
+    records = read_jsonl(path)
+    for i, row in enumerate(records.rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"{records.where(i)}: expected an object with 'messages'; got {type(row).__name__}")
+    root = Path(path).parent
+    return [_resolve_paths(row, root) for row in records.rows]
 
 
 def _resolve_paths(value: Any, root: Path) -> Any:
