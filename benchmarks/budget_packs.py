@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
 from vlm_pack.budget import measure_lengths, plan_token_budget_packs
 from vlm_pack.collator import VLMPackingCollator

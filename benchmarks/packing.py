@@ -301,8 +301,8 @@ def peer_section(lengths_all: np.ndarray, pack_size: int, sizes: list[int], roun
              "|---|---|---|---|---|---|---|---|"]
     pairs = []
     if mb is not None:
-        pairs += [("first_fit_decreasing", f"Megatron-Bridge `first_fit_decreasing` vs our FFD", "mb"),
-                  ("first_fit_shuffle", f"Megatron-Bridge `first_fit_shuffle` vs our FFS", "mb")]
+        pairs += [("first_fit_decreasing", "Megatron-Bridge `first_fit_decreasing` vs our FFD", "mb"),
+                  ("first_fit_shuffle", "Megatron-Bridge `first_fit_shuffle` vs our FFS", "mb")]
     if trl is not None:
         pairs.append(("best_fit_decreasing", "TRL `pack_dataset(strategy=\"bfd\")` vs our BFD", "trl"))
     for algorithm, label, peer in pairs:
