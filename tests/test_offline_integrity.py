@@ -299,3 +299,30 @@ def test_verify_passes_on_fresh_output(written, capsys):
     out_dir, _ = written
     assert main(["verify", str(out_dir)]) == 0
     assert capsys.readouterr().out.count("checksums match") == 2
+
+
+def test_dataset_open_skips_the_full_scan_when_metadata_proves_the_fit(written, monkeypatch):
+    out_dir, index = written
+    scans = []
+    monkeypatch.setattr(storage.PackedArrays, "pack_loads", lambda self, m=1: scans.append(m) or np.zeros(0))
+    ds = PackedSFTDataset(index, 1024)  # prepare's metadata: packed for 1024 -> no O(samples) scan
+    assert not scans and ds.max_samples_per_bin == read_metadata(metadata_path(out_dir, 1024))[0]["max_samples_per_bin"]
+    PackedSFTDataset(index, 1024, pad_seq_to_mult=4)  # aligned to 4 was never checked at write time: scanned
+    assert scans == [4]
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"pack \d+ holds \d+ tokens, more than pack_size=64"):
+        PackedSFTDataset(index, 64)  # smaller than written: scanned, refused at open as before
+    # altered index, counts unchanged: pack k swallows the first sample of pack k + 1 -> refused when read
+    data = open_packed(index)
+    table = np.load(index)
+    offsets = np.asarray(data.seq_offsets)
+    lengths, sizes = np.diff(offsets), table["token_end"] - table["token_start"]
+    k = next(k for k in range(len(table) - 1) if table[k + 1]["sample_end"] - table[k + 1]["sample_start"] >= 2
+             and sizes[k] + lengths[table[k + 1]["sample_start"]] > 1024)
+    moved = table[k + 1]["sample_start"] + 1
+    table[k]["sample_end"] = table[k + 1]["sample_start"] = moved
+    table[k]["token_end"] = table[k + 1]["token_start"] = offsets[moved]
+    np.save(index, table)
+    ds = PackedSFTDataset(index, 1024)  # O(1) open cannot see it ...
+    with pytest.raises(ValueError, match=rf"pack {k} holds more than pack_size=1024 tokens"):
+        ds[k]  # ... reading the pack does

@@ -29,7 +29,7 @@ import torch
 from ..batch import METADATA_KEY, mask_first_labels
 from ..packing import IGNORE_INDEX, pack_batch_sequences
 from .algorithms import group_by_pack, pack_lengths, packing_stats
-from .storage import gather_segments, open_packed, read_metadata
+from .storage import gather_segments, metadata_entry_for, open_packed, read_metadata
 
 
 class PackedSFTDataset(torch.utils.data.Dataset):
@@ -78,12 +78,25 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         self.pad_token_id = int(pad_token_id)
         self._open_args = {"allow_pickle": allow_pickle, "reference_loss_mask_shifted": reference_loss_mask_shifted}
         self.data = open_packed(path, **self._open_args)
-        self._check_pack_lengths()
-        per_pack = self.data.samples_per_pack()
-        self.max_samples_per_bin = int(per_pack.max()) if len(per_pack) else 0
+        written = metadata_entry_for(self.path)  # prepare's own record, already checked against the files
+        if self._fits_as_written(written):  # O(1) open: prepare checked every pack at write time
+            self.max_samples_per_bin = int(written["max_samples_per_bin"])
+        else:
+            self._check_pack_lengths()
+            per_pack = self.data.samples_per_pack()
+            self.max_samples_per_bin = int(per_pack.max()) if len(per_pack) else 0
         if metadata is not None:
             self.max_samples_per_bin = self._metadata_max_samples(metadata)
         self.cu_seqlens_entries = self.max_samples_per_bin + 2  # N+1 boundaries + a fill segment, at most
+
+    def _fits_as_written(self, entry: Mapping | None) -> bool:
+        """Whether prepare's metadata already proves every pack fits: packed for at most this pack size, with
+        samples aligned to a multiple of ``pad_seq_to_mult`` (aligning to a divisor never needs more room)."""
+        if entry is None or not isinstance(entry.get("max_samples_per_bin"), int):
+            return False
+        written_size, written_mult = entry.get("pack_size"), entry.get("pad_seq_to_mult", 1)
+        return (isinstance(written_size, int) and isinstance(written_mult, int) and written_size <= self.pack_size
+                and written_mult % self.pad_seq_to_mult == 0)
 
     def _check_pack_lengths(self) -> None:
         """Every pack, with each sample aligned to ``pad_seq_to_mult``, must fit the pack size."""
@@ -139,6 +152,13 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         if not -len(self) <= i < len(self):
             raise IndexError(f"pack {i} out of range for {len(self)} packs")
         tokens, loss_mask, seq_lengths = self.data.pack(i % len(self))
+        m = self.pad_seq_to_mult
+        if int((-(-seq_lengths // m) * m).sum()) > self.pack_size:  # cheap per pack: open skipped the full scan
+            raise ValueError(
+                f"{self.path}: pack {i % len(self)} holds more than pack_size={self.pack_size} tokens after aligning "
+                f"samples to multiples of {m}; the files disagree with their metadata: run `vlm-pack verify` and "
+                "re-run `vlm-pack prepare`"
+            )
         tokens = tokens.astype(np.int64)
         starts = np.cumsum(seq_lengths) - seq_lengths
         # A sample's first token is never a target (nothing before it in its sample predicts it): masking it also
