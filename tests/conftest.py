@@ -7,6 +7,7 @@ for loading transformers.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 from hypothesis import settings
@@ -17,6 +18,13 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True, deadline=None, database=None, max_examples=50)
 settings.register_profile("explore", deadline=None, max_examples=500)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# `pytest -n 2` runs one worker per core: each keeps ONE intra-op thread, because two workers with torch's default
+# thread count oversubscribe the cores (tests/test_trainer.py: 145 s -> 80 s wall). Subprocesses inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:  # imported before this file (a plugin): the variable came too late for it
+        sys.modules["torch"].set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
