@@ -233,10 +233,10 @@ def trl_pack_fn():
 
 def ours_section(sets: dict[str, np.ndarray], pack_size: int, rounds: int, before=None) -> list[str]:
     """Our four algorithms, interleaved; with ``before`` (an older algorithms module, see ``--before``) its
-    decreasing variants run in the same rounds, so the paired ratio tells the speed-up under the same load."""
+    four run in the same rounds, so the paired ratio tells the speed-up under the same load."""
     entries = [(a, pack_lengths) for a in ALGORITHMS]
     if before is not None:
-        entries += [(a, before.pack_lengths, "before") for a in ("first_fit_decreasing", "best_fit_decreasing")]
+        entries += [(a, before.pack_lengths, "before") for a in ALGORITHMS]
     lines = ["", f"## Our algorithms at {len(next(iter(sets.values()))):,} lengths, pack size {pack_size}", "",
              f"{rounds} interleaved rounds (every entry once per round, in a rotating order). Wall: median "
              "[min-max]; CPU: median process time. Extra memory, output included: the tracemalloc peak of one "

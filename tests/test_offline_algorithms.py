@@ -1,5 +1,8 @@
 """Bin packing on length arrays: invariants (hypothesis), exactness against the quadratic oracles, known cases."""
 
+import itertools
+import math
+import random
 import time
 
 import numpy as np
@@ -27,10 +30,46 @@ def lengths_and_size(draw):
     return np.asarray(lengths, dtype=np.int64), pack_size
 
 
+_M64 = 2**64 - 1
+
+
+def _mix(z: int) -> int:
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def reference_shuffle_order(n: int, seed: int, bucket: int) -> np.ndarray:
+    """The documented shuffle written plainly in Python integers: splitmix64 seeded with mix(seed); every sample
+    draws a bucket from the top bits; each bucket's members (dataset order) are Fisher-Yates shuffled with
+    Lemire's unbiased bounded draws; buckets concatenated in order."""
+    key_bits = min(16, max(0, math.ceil(math.log2(max(n / bucket, 1)))))
+    state = _mix(seed)
+
+    def draw() -> int:
+        nonlocal state
+        state = (state + 0x9E3779B97F4A7C15) & _M64
+        return _mix(state)
+
+    keys = [draw() >> (64 - key_bits) if key_bits else 0 for _ in range(n)]
+    order = []
+    for b in range(1 << key_bits):
+        members = [i for i in range(n) if keys[i] == b]
+        for j in range(len(members) - 1, 0, -1):
+            product = (draw() >> 32) * (j + 1)
+            if product & 0xFFFFFFFF < j + 1:
+                while product & 0xFFFFFFFF < (2**32 - (j + 1)) % (j + 1):
+                    product = (draw() >> 32) * (j + 1)
+            k = product >> 32
+            members[j], members[k] = members[k], members[j]
+        order += members
+    return np.asarray(order, dtype=np.int64)
+
+
 def _processing_order(algorithm: str, lengths: np.ndarray, seed: int) -> np.ndarray:
     """The order the algorithm visits samples in (what the oracle must replay)."""
     if algorithm.endswith("_shuffle"):
-        return np.random.default_rng(seed).permutation(len(lengths))
+        return reference_shuffle_order(len(lengths), seed, algorithms._SHUFFLE_BUCKET)
     return np.argsort(-lengths, kind="stable")
 
 
@@ -103,6 +142,53 @@ def test_first_fit_and_best_fit_differ_where_they_should():
     # room under first fit but to the FULLEST pack under best fit
     assert first_fit_decreasing([5, 3, 3, 1], 7).tolist() == [0, 1, 1, 0]
     assert best_fit_decreasing([5, 3, 3, 1], 7).tolist() == [0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("algorithm", ["first_fit_shuffle", "best_fit_shuffle"])
+@pytest.mark.parametrize("bucket", [1, 7, 64])
+def test_bucketed_shuffle_equals_the_reference(algorithm, bucket, monkeypatch):
+    """Many buckets (small bucket targets stand in for 10M samples): the packs of the reference order."""
+    monkeypatch.setattr(algorithms, "_SHUFFLE_BUCKET", bucket)
+    lengths = np.random.default_rng(4).integers(1, 50, size=700)
+    for seed in (0, 5, 2**64 - 1):
+        bin_ids = pack_lengths(lengths, 64, algorithm, seed)
+        _check_valid(lengths, bin_ids, 64)
+        assert np.array_equal(bin_ids, _oracle(algorithm, lengths, 64, seed))
+
+
+@pytest.mark.parametrize(("n", "bucket"), [(4, 1), (4, 4096), (5, 2)])
+def test_shuffle_is_uniform(n, bucket, monkeypatch):
+    """Every one of the n! orders equally likely over 200 * n! seeds (chi-square, p < 1e-6 fails), one bucket or
+    several (Rao-Sandelius); the classic naive shuffle must fail the same check."""
+    monkeypatch.setattr(algorithms, "_SHUFFLE_BUCKET", bucket)
+    cells = math.factorial(n)
+
+    def statistic() -> float:
+        seen = {}
+        for seed in range(200 * cells):
+            order = tuple(algorithms._shuffle(np.arange(n), seed)[0])
+            seen[order] = seen.get(order, 0) + 1
+        counts = np.array([seen.get(p, 0) for p in itertools.permutations(range(n))])
+        return float(((counts - 200) ** 2 / 200).sum())
+
+    critical = {23: 62.5, 119: 200.0}[cells - 1]  # chi-square quantile at 1 - 1e-6 for n! - 1 degrees of freedom
+    assert statistic() < critical
+
+    def naive_shuffle(values, seed):  # the classic bug: every position swaps with ANY position (n^n paths)
+        rng, out = random.Random(seed), list(values)
+        for j in range(n):
+            k = rng.randrange(n)
+            out[j], out[k] = out[k], out[j]
+        return (np.asarray(out),)
+
+    monkeypatch.setattr(algorithms, "_shuffle", naive_shuffle)
+    assert statistic() > critical
+
+
+def test_shuffle_seed_must_be_a_64_bit_unsigned_integer():
+    for seed in (-1, 2**64, 1.5, True):
+        with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
+            pack_lengths([1, 2], 4, "first_fit_shuffle", seed)
 
 
 def test_shuffle_variants_depend_on_seed_only():
