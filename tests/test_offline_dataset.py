@@ -12,6 +12,7 @@ from vlm_pack import get_packed_seq_params
 from vlm_pack.batch import model_inputs
 from vlm_pack.hf import ATTN_IMPLEMENTATION, enable_packing
 from vlm_pack.loss import loss_sum_and_count, shift_packed_labels
+from vlm_pack.offline import storage
 from vlm_pack.offline.algorithms import packing_stats
 from vlm_pack.offline.dataset import PackedDataset, PackedSFTDataset
 from vlm_pack.offline.storage import PackedArrays, build_index, sibling_paths, write_packed
@@ -325,3 +326,22 @@ def test_packed_dataset_hf_loss_equals_unpacked():
     samples = [(np.asarray(r["input_ids"]), np.ones(len(r["input_ids"]), dtype=bool)) for r in data]
     ref_total, ref_count = _reference_loss(reference, samples)
     torch.testing.assert_close(loss, ref_total / ref_count, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("compiled_from", [0, 1 << 40])  # the compiled loop / the vectorised index
+@pytest.mark.parametrize("dtype", [np.int32, np.uint8, np.int64])
+def test_gather_segments_equals_plain_concatenation(compiled_from, dtype, tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "GATHER_COMPILED_FROM", compiled_from)
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 9, size=40)
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    flat = rng.integers(0, 120, size=offsets[-1]).astype(dtype)
+    np.save(tmp_path / "flat.npy", flat)
+    rows = rng.permutation(40)[:30]
+    want = np.concatenate([flat[offsets[r]:offsets[r + 1]] for r in rows])
+    for source in (flat, np.load(tmp_path / "flat.npy", mmap_mode="r")):  # the cache hands out read-only maps
+        got, new_offsets = storage.gather_segments(source, offsets, rows)
+        assert got.dtype == dtype and np.array_equal(got, want)
+        assert np.array_equal(np.diff(new_offsets), lengths[rows])
+    with pytest.raises(IndexError, match=r"segment rows must be in \[0, 40\)"):
+        storage.gather_segments(flat, offsets, np.array([3, -1]))

@@ -189,6 +189,7 @@ def test_sigkill_at_random_points_never_leaves_accepted_partial_output(tmp_path,
             (out_dir / name).write_bytes(content)
 
     _fork_prepare(tokenizer, train, val, tmp_path)  # NEW settings once: their packs are cached from now on
+    restore_old()  # (an up-to-date output would be kept as is: no writes to count or interrupt)
     status, n_ops = _fork_prepare(tokenizer, train, val, tmp_path, count_ops=True)  # uninterrupted NEW run
     assert status == 0 and n_ops > 10
     new = _snapshot(out_dir)

@@ -192,12 +192,29 @@ def test_sample_longer_than_pack_names_sample_and_fix(tmp_path, tokenizer):
         _prepare(tokenizer, SAMPLE, tmp_path, sizes=[256], tokenizer_name="t")
 
 
-def test_existing_output_needs_overwrite(tmp_path, tokenizer):
+def test_existing_output_needs_overwrite_unless_it_is_up_to_date(tmp_path, tokenizer):
+    """A re-run with the same content and settings keeps the output (nothing rewritten, checksums checked); other
+    settings, or files edited since, need ``overwrite``."""
     path = _write_jsonl(tmp_path / "d.jsonl", RECORDS[:10])
-    _prepare(tokenizer, path, tmp_path, tokenizer_name="t")
-    with pytest.raises(FileExistsError, match=r"training_4096.*already exists.*--overwrite"):
-        _prepare(tokenizer, path, tmp_path, tokenizer_name="t")
-    _prepare(tokenizer, path, tmp_path, tokenizer_name="t", overwrite=True)
+    first = _prepare(tokenizer, path, tmp_path, tokenizer_name="t", validation_fraction=0.3)
+    files = sorted((tmp_path / "packed" / "t").glob("*.npy"))
+    stamps = [f.stat().st_mtime_ns for f in files]
+    lines = []
+    again = _prepare(tokenizer, path, tmp_path, tokenizer_name="t", validation_fraction=0.3, log=lines.append)
+    assert [(s.split, s.path, s.metadata) for s in again] == [(s.split, s.path, s.metadata) for s in first]
+    assert any("is up to date" in line and "nothing written" in line for line in lines)
+    assert [f.stat().st_mtime_ns for f in files] == stamps
+    for changed in ({"seed": 1}, {"algorithm": "first_fit_shuffle"}, {"validation_fraction": 0.0}):
+        with pytest.raises(FileExistsError, match=r"_4096.*already exists.*--overwrite"):
+            _prepare(tokenizer, path, tmp_path, tokenizer_name="t", **{"validation_fraction": 0.3, **changed})
+    tokens = tmp_path / "packed" / "t" / "training_4096.tokens.npy"
+    data = bytearray(tokens.read_bytes())
+    data[-1] ^= 1  # same size, one bit flipped
+    tokens.write_bytes(bytes(data))
+    with pytest.raises(FileExistsError, match=r"already exists"):
+        _prepare(tokenizer, path, tmp_path, tokenizer_name="t", validation_fraction=0.3)
+    _prepare(tokenizer, path, tmp_path, tokenizer_name="t", validation_fraction=0.3, overwrite=True)
+    assert tokens.read_bytes() != bytes(data)
 
 
 def _reference_file(path):
@@ -236,5 +253,7 @@ def test_cli(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "pack size 1024 (training): 20 samples" in out and "GBS / n" in out and "efficiency" in out
     assert (tmp_path / "packed" / "tokenizer_files" / "training_2048.npy").exists()
-    assert main(args) == 2  # output exists
+    assert main(args) == 0  # the same content and settings: kept, nothing written
+    assert "is up to date" in capsys.readouterr().out
+    assert main([*args, "--seed", "1"]) == 2  # other settings: the output exists
     assert "already exists" in capsys.readouterr().err

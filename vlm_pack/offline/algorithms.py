@@ -30,11 +30,11 @@ test oracle (tests/test_offline_algorithms.py).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import numpy as np
+
+from .compiled import compiled
 
 ALGORITHMS = ("first_fit_decreasing", "first_fit_shuffle", "best_fit_decreasing", "best_fit_shuffle")
 
@@ -111,7 +111,7 @@ def _in_decreasing_order(lengths: np.ndarray, pack_size: int, place) -> np.ndarr
     placed = place(np.repeat(values, counts[::-1]), pack_size, _max_bins(lengths, pack_size))
     run_start = np.cumsum(counts[::-1])[::-1] - counts  # samples longer than each length
     bin_ids = np.empty(len(lengths), dtype=np.int64)
-    _kernels().unsort(lengths, run_start, placed, bin_ids)
+    compiled(_unsort_loop)(lengths, run_start, placed, bin_ids)
     return bin_ids
 
 
@@ -130,7 +130,7 @@ def _in_shuffled_order(lengths: np.ndarray, pack_size: int, seed: int, place) ->
     needs, keys, ends, local = _shuffle(lengths.astype(_room_dtype(pack_size)), seed)
     placed = place(needs, pack_size, _max_bins(lengths, pack_size))
     bin_ids = np.empty(len(lengths), dtype=np.int64)
-    _kernels().unshuffle(placed, keys, ends, local, bin_ids)
+    compiled(_unshuffle_loop)(placed, keys, ends, local, bin_ids)
     return bin_ids
 
 
@@ -152,7 +152,7 @@ def _shuffle(values: np.ndarray, seed: int) -> tuple[np.ndarray, ...]:
     ends = np.zeros(1 << key_bits, dtype=np.int64)
     needs = np.empty_like(values)
     local = np.empty(n, dtype=np.int32 if n < 2**31 else np.int64)
-    _kernels().shuffle(values, np.uint64(seed), key_bits, keys, ends, needs, local)
+    compiled(_shuffle_loop)(values, np.uint64(seed), key_bits, keys, ends, needs, local)
     return needs, keys, ends, local
 
 
@@ -244,7 +244,7 @@ def _first_fit(needs: np.ndarray, pack_size: int, limit: int) -> np.ndarray:
         below = tree[starts[k + 1]:starts[k + 2]].reshape(-1, _FANOUT).max(axis=1)
         tree[starts[k]:starts[k] + len(below)] = below
     placed = np.empty(len(needs), dtype=np.int32 if limit < 2**31 else np.int64)
-    _check_bound(_kernels().first_fit(needs, tree, starts, placed), limit)
+    _check_bound(compiled(_first_fit_loop)(needs, tree, starts, placed), limit)
     return placed
 
 
@@ -291,7 +291,7 @@ def _best_fit(needs: np.ndarray, pack_size: int, limit: int) -> np.ndarray:
     top = np.full(pack_size + 1, -1, dtype=index)  # per room value: the pack that got it last, -1 if none
     below = np.empty(limit, dtype=index)  # per pack: the next pack down its room's stack
     placed = np.empty(len(needs), dtype=index)
-    _check_bound(_kernels().best_fit(needs, pack_size, words, top, below, placed), limit)
+    _check_bound(compiled(_best_fit_loop)(needs, pack_size, words, top, below, placed), limit)
     return placed
 
 
@@ -338,18 +338,6 @@ def _best_fit_loop(needs, pack_size, words, top, below, placed):
 def _check_bound(opened: int, limit: int) -> None:
     if opened < 0:
         raise RuntimeError(f"packing opened more than the proven bound of {limit} packs; please report this bug")
-
-
-@functools.cache
-def _kernels():
-    """The compiled loops (numba; compiled on first use, cached on disk across processes)."""
-    try:
-        import numba
-    except ImportError as exc:  # a dependency of vlm_pack; only a broken install gets here
-        raise ImportError("vlm_pack's packing algorithms need numba: pip install numba") from exc
-    jit = numba.njit(cache=True, nogil=True)
-    return SimpleNamespace(first_fit=jit(_first_fit_loop), best_fit=jit(_best_fit_loop), unsort=jit(_unsort_loop),
-                           shuffle=jit(_shuffle_loop), unshuffle=jit(_unshuffle_loop))
 
 
 def first_fit_decreasing(lengths, pack_size: int) -> np.ndarray:

@@ -100,7 +100,8 @@ class TokenCache:
         entry = self.root / key
         try:
             info = json.loads((entry / "info.json").read_text(encoding="utf-8"))
-            arrays = {name: np.load(entry / f"{name}.npy", allow_pickle=False) for name in _ARRAYS}
+            # memory-mapped, read-only: a warm re-run copies each token once, straight into the packs
+            arrays = {name: np.load(entry / f"{name}.npy", allow_pickle=False, mmap_mode="r") for name in _ARRAYS}
         except (OSError, ValueError):
             return None
         if any(arrays[name].dtype != dtype or arrays[name].ndim != 1 for name, dtype in _ARRAYS.items()):

@@ -58,7 +58,8 @@ def add_prepare_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                    help="tokenisation cache, keyed on the input's content and settings (default: $VLM_PACK_CACHE or "
                         "~/.cache/vlm_pack); a re-run with the same content skips tokenising")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace existing output (the old output stays readable until the new one is complete)")
+                   help="replace existing output (the old output stays readable until the new one is complete); "
+                        "output already made from the same input, tokenizer and settings is kept without this flag")
     p.add_argument("--allow-pickle", action="store_true",
                    help="allow reading a reference .npy (pickle: trusted files only)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")

@@ -6,6 +6,7 @@ Protocol (what the reader relies on):
    OS when the process dies, even under SIGKILL; a second run fails naming the lock), refuse existing output
    without ``overwrite``, and create the run's temporary folder ``.prepare-*`` there (which proves the folder
    is writable). Temporary folders of dead runs are removed then.
+   Output already made of the same content (the caller's ``current`` check) is kept as it is instead.
 2. The run writes every file into its temporary folder; old output stays untouched and readable meanwhile.
 3. Commit, once everything is written and flushed: remove the old pack indexes and metadata of the pack sizes
    being replaced, move the new companion files in, then each new pack index (``training_S.npy``: what the
@@ -21,6 +22,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any, Callable
 
 from .storage import SPLITS, metadata_path, sibling_paths, split_path
 
@@ -35,10 +37,15 @@ class OutputLockedError(OSError):
 class RunOutput:
     """Context manager: lock the output folder, hand out a temporary folder, commit its files on request."""
 
-    def __init__(self, out_dir: str | Path, sizes: list[int], *, overwrite: bool):
+    def __init__(self, out_dir: str | Path, sizes: list[int], *, overwrite: bool,
+                 current: Callable[[], Any] | None = None):
+        """``current``: called under the lock; a non-None result means the existing output is already what this
+        run would write: it is kept, ``self.current`` holds the result and nothing is staged."""
         self.out_dir = Path(out_dir)
         self.sizes = list(sizes)
         self.overwrite = overwrite
+        self._current = current
+        self.current = None
         self._lock = None
         self.tmp: Path | None = None
 
@@ -46,6 +53,9 @@ class RunOutput:
         self._make_dir()
         self._take_lock()
         try:
+            self.current = self._current() if self._current is not None else None
+            if self.current is not None:
+                return self
             self._check_existing()
             for stale in self.out_dir.glob(TMP_PREFIX + "*"):  # dead runs' leftovers (we hold the lock)
                 shutil.rmtree(stale, ignore_errors=True)

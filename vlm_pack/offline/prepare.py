@@ -30,6 +30,7 @@ sha256 of every file), ...).
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -38,7 +39,7 @@ import numpy as np
 
 from ..chat_template import CHATML_TEMPLATE
 from .algorithms import ALGORITHMS, PackingStats, group_by_pack, pack_lengths, packing_stats
-from .cache import TokenCache, cache_key, packs_key, tokenizer_fingerprint
+from .cache import TokenCache, cache_key, hash_path, packs_key, tokenizer_fingerprint
 from .encoding import (
     ALPACA_PROMPT,
     TEMPLATES,
@@ -57,6 +58,7 @@ from .storage import (
     file_checksums,
     metadata_path,
     open_packed,
+    read_metadata,
     split_path,
     write_metadata,
     write_packed,
@@ -124,20 +126,14 @@ _LOADED: dict[str, Any] = {}  # content fingerprint -> tokenizer loaded from a f
 def tokenized_splits(
     train_path: str | Path, tokenizer: TokenizerSource, fmt: SampleFormat, *, validation_path: str | Path | None = None,
     max_seq_length: int | None = None, chat_template: str | None = None, cache_dir: str | Path | None = None,
-    num_proc: int = 1, progress: bool = False, log: Callable[[str], None] = print,
+    num_proc: int = 1, progress: bool = False, log: Callable[[str], None] = print, keys: dict[str, str] | None = None,
 ) -> tuple[dict[str, TokenizedSplit], str]:
     """``{"training": ..., ["validation": ...]}`` tokenised (from the cache when the content was seen) and the
-    resolved template name."""
+    resolved template name. ``keys``: the splits' :func:`token_keys`, when the caller computed them already."""
     cache = TokenCache(cache_dir)
-    settings = {"template": fmt.template, "prompt_field": fmt.prompt_field, "response_field": fmt.response_field,
-                "messages_field": fmt.messages_field, "max_seq_length": max_seq_length,
-                "chat_template": chat_template, "fallback_chat_template": CHATML_TEMPLATE}
-    parts = [("training", Path(train_path), "train")]
-    if validation_path is not None:
-        parts.append(("validation", Path(validation_path), "train"))
-    elif Path(train_path).is_dir():
-        parts.append(("validation", Path(train_path), "validation"))  # a DatasetDict's own split, if it has one
-    keys = {split: cache_key(path, tokenizer.fingerprint, {**settings, "part": part}) for split, path, part in parts}
+    parts = _parts(train_path, validation_path)
+    keys = keys or token_keys(train_path, tokenizer, fmt, validation_path=validation_path,
+                              max_seq_length=max_seq_length, chat_template=chat_template)
     splits, template = {}, fmt.template
     for split, path, part in parts:
         if split in splits:  # filled while tokenising the other split of the same folder
@@ -161,6 +157,57 @@ def tokenized_splits(
             if result is not None:
                 splits[other] = result
     return {s: splits[s] for s in ("training", "validation") if s in splits}, template
+
+
+def _parts(train_path: str | Path, validation_path: str | Path | None) -> list[tuple[str, Path, str]]:
+    """(split, input path, part of that input) for every split the input can hold."""
+    parts = [("training", Path(train_path), "train")]
+    if validation_path is not None:
+        parts.append(("validation", Path(validation_path), "train"))
+    elif Path(train_path).is_dir():
+        parts.append(("validation", Path(train_path), "validation"))  # a DatasetDict's own split, if it has one
+    return parts
+
+
+def token_keys(train_path: str | Path, tokenizer: TokenizerSource, fmt: SampleFormat, *,
+               validation_path: str | Path | None = None, max_seq_length: int | None = None,
+               chat_template: str | None = None) -> dict[str, str]:
+    """Cache key of every split's tokens: the input's bytes, the tokenizer's files, every token-changing setting."""
+    settings = {"template": fmt.template, "prompt_field": fmt.prompt_field, "response_field": fmt.response_field,
+                "messages_field": fmt.messages_field, "max_seq_length": max_seq_length,
+                "chat_template": chat_template, "fallback_chat_template": CHATML_TEMPLATE}
+    return {split: cache_key(path, tokenizer.fingerprint, {**settings, "part": part})
+            for split, path, part in _parts(train_path, validation_path)}
+
+
+def output_key(keys: dict[str, str], pack_size: int, **settings) -> str:
+    """What one pack size's output is made of: the splits' token keys, the packing settings, the packing code and
+    the file format. Written to the metadata; equal keys mean a re-run would write the very same files."""
+    from . import algorithms
+
+    h = hash_path(Path(algorithms.__file__))
+    h.update(json.dumps({"format": FORMAT, "tokens": keys, "pack_size": pack_size, **settings},
+                        sort_keys=True).encode())
+    return h.hexdigest()[:40]
+
+
+def current_output(out_dir: Path, keys_by_size: dict[int, str]) -> list[PreparedSplit] | None:
+    """The existing output when every pack size's metadata carries the expected :func:`output_key` and every
+    file still has the size and sha256 recorded there; None otherwise (absent, older, other settings, edited)."""
+    found = []
+    try:
+        for size, key in keys_by_size.items():
+            entries = read_metadata(metadata_path(out_dir, size))
+            if not entries or any(entry.get("output_key") != key for entry in entries):
+                return None
+            for entry in entries:
+                final = split_path(out_dir, entry["split"], size)
+                if file_checksums(final) != entry.get("files"):
+                    return None
+                found.append(PreparedSplit(entry["split"], size, final, entry))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return found
 
 
 _EMPTY = TokenizedSplit(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64), np.zeros(0, np.int64))
@@ -284,10 +331,23 @@ def prepare_packed_sequence_data(
     source = TokenizerSource(tokenizer)
     out_dir = Path(output_root) / "packed" / (tokenizer_name or source.name)
 
-    with RunOutput(out_dir, sizes, overwrite=overwrite) as run:  # locked and writable before any tokenising
+    keys = token_keys(train_path, source, fmt, validation_path=validation_path, max_seq_length=max_seq_length,
+                      chat_template=chat_template)
+    output_keys = {size: output_key(keys, size, algorithm=algorithm, seed=seed, pad_seq_to_mult=pad_seq_to_mult,
+                                    validation_fraction=validation_fraction, tokenizer_name=out_dir.name)
+                   for size in sizes}
+    # locked and writable before any tokenising; output already made of the same content is kept as it is
+    with RunOutput(out_dir, sizes, overwrite=overwrite, current=lambda: current_output(out_dir, output_keys)) as run:
+        if run.current is not None:
+            for split in run.current:
+                log(summary_line(split.metadata, global_batch_size))
+            log(f"{out_dir} is up to date (same input content, tokenizer, settings and packing code; checksums "
+                "match): nothing written")
+            return run.current
         splits, template = tokenized_splits(
             train_path, source, fmt, validation_path=validation_path, max_seq_length=max_seq_length,
-            chat_template=chat_template, cache_dir=cache_dir, num_proc=num_proc, progress=progress, log=log)
+            chat_template=chat_template, cache_dir=cache_dir, num_proc=num_proc, progress=progress, log=log,
+            keys=keys)
         if "validation" not in splits and validation_fraction:
             splits["training"], splits["validation"] = _split_off(splits["training"], validation_fraction, seed)
         written = []
@@ -303,6 +363,7 @@ def prepare_packed_sequence_data(
                 entry = _metadata_entry(
                     stats, arrays, split, algorithm=algorithm, seed=seed, pad_seq_to_mult=pad_seq_to_mult,
                     max_seq_length=max_seq_length, template=template, tokenizer=out_dir.name,
+                    output_key=output_keys[size],
                     num_truncated=samples.num_truncated, num_dropped=samples.num_dropped,
                     files=file_checksums(staged),
                 )
