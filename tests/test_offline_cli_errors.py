@@ -78,6 +78,12 @@ def test_output_dir_that_is_a_file(tmp_path, capsys):
     assert "is a file, not a folder; choose another --output-dir" in _error(capsys)
 
 
+def test_seed_out_of_range_fails_before_tokenising(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("vlm_pack.offline.prepare._tokenize", lambda *a: pytest.fail("tokenised before the check"))
+    assert _prepare(tmp_path, SAMPLE, "--algorithm", "first_fit_shuffle", "--seed", "-3") == 2
+    assert "seed (--seed) must be an integer in [0, 2**64), got -3" in _error(capsys)
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through permission bits")
 def test_output_dir_not_writable(tmp_path, capsys):
     locked = tmp_path / "ro"

@@ -165,6 +165,7 @@ class SampleEncoder:
         return self.tokenizer.apply_chat_template(
             conversations, chat_template=self.chat_template, tokenize=True, return_dict=True,
             return_assistant_tokens_mask=True,
+            tokenizer_kwargs={"verbose": False},  # no "longer than the model's maximum" warning: we truncate
         )
 
 

@@ -315,6 +315,8 @@ def prepare_packed_sequence_data(
     if max_seq_length is not None:
         _positive_int(max_seq_length, "max_seq_length (--max-seq-length)")
     _positive_int(pad_seq_to_mult, "pad_seq_to_mult (--pad-seq-to-mult)")
+    if not _is_int(seed) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed (--seed) must be an integer in [0, 2**64), got {seed!r}")
     _positive_int(num_proc, "num_proc (--num-proc)")
     if not 0.0 <= validation_fraction < 1.0:
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
