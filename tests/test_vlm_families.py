@@ -328,3 +328,18 @@ def test_mistral_sliding_window_packed_equals_each_sample_alone():
         batch = collator(examples)
         unwindowed = packed_logits(enable_packing(_mistral(None, len(tokenizer))), batch)
         assert logit_error(batch, unwindowed, references(setup, examples)) > 100 * LOGIT_ATOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_collator_stats_count_every_familys_images(family):
+    """Images counted from the conversations, image tokens by the processor's placeholder id: not only for the
+    Qwen families (whose image_grid_thw the count used to come from)."""
+    setup = setup_for(family)
+    examples = photo_examples(3, seed=2, max_side=84) + text_chat_examples(1, seed=2)
+    stats = setup.collator(examples)["vlm_pack"]["stats"]
+    assert stats.images == sum(isinstance(m["content"], list) and sum(p["type"] == "image" for p in m["content"])
+                               for e in examples for m in e["messages"]) > 3  # one photo example holds two
+    image_id = setup.processor.image_token_id
+    want = sum(int((setup.collator([e])["input_ids"] == image_id).sum()) for e in examples[:3])  # each alone
+    assert stats.image_tokens == want > 0
+    assert setup.collator(text_chat_examples(2, seed=2))["vlm_pack"]["stats"].image_tokens == 0

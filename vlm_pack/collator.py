@@ -170,7 +170,7 @@ class VLMPackingCollator:
                 "empty batch: the collator got no examples. Check the dataset/sampler (drop_last, filtering)."
             )
         clock = [time.perf_counter()]
-        samples, dropped = self._encode_all(examples)
+        samples, dropped, images = self._encode_all(examples)
         clock.append(time.perf_counter())
         # Without mRoPE there are no positions to compute on a padded batch: pack straight from the samples.
         direct = self.pack_sequences_in_batch and self.rope_index is None
@@ -192,14 +192,15 @@ class VLMPackingCollator:
             batch["labels"][:, 0] = IGNORE_INDEX  # as in packed mode: a row's first token is never a target
         clock.append(time.perf_counter())
         timings = dict(zip(("encode_s", "batch_s", "positions_s", "pack_s"), np.diff(clock).tolist()))
-        stats = self._stats(batch, samples, dropped, timings)
+        stats = self._stats(batch, samples, dropped, images, timings)
         batch[METADATA_KEY]["stats"] = stats
         self.last_stats = stats
         return batch
 
     # ---------------------------------------------------------------- encoding
 
-    def _encode_all(self, examples: Sequence[Any]) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
+    def _encode_all(self, examples: Sequence[Any]) -> tuple[list[dict[str, torch.Tensor]], list[int], int]:
+        """(encoded samples that fit, indices of the dropped ones, images in the samples that fit)."""
         conversations = [
             normalize_example(example, index, reserved_tokens=self.reserved_tokens, allow_images=self.has_images)
             for index, example in enumerate(examples)
@@ -237,7 +238,9 @@ class VLMPackingCollator:
                 f"all {len(examples)} samples of the batch exceed max_length={self.max_length}; nothing left to "
                 "train on. Raise max_length or filter the dataset."
             )
-        return samples, dropped
+        images = sum(part["type"] == "image" for index, turns in enumerate(conversations) if index not in dropped
+                     for turn in turns for part in turn["content"])
+        return samples, dropped, images
 
     # ---------------------------------------------------------------- batching
 
@@ -339,19 +342,23 @@ class VLMPackingCollator:
         return batch
 
     def _stats(
-        self, batch: dict[str, Any], samples: list[dict], dropped: list[int], timings: dict[str, float]
+        self, batch: dict[str, Any], samples: list[dict], dropped: list[int], images: int, timings: dict[str, float]
     ) -> CollatorStats:
         real = sum(s["input_ids"].shape[1] for s in samples)
-        grids = batch.get("image_grid_thw")
-        token_types = batch.get("mm_token_type_ids")
+        image_token = getattr(self.processor, "image_token_id", None)
+        if isinstance(image_token, int):  # every family's processor names its image placeholder token
+            image_tokens = int((batch["input_ids"] == image_token).sum())
+        else:
+            token_types = batch.get("mm_token_type_ids")
+            image_tokens = 0 if token_types is None else int((token_types == 1).sum())
         return CollatorStats(
             samples=len(samples),
             samples_dropped=len(dropped),
             real_tokens=real,
             label_tokens=int((batch["labels"] != IGNORE_INDEX).sum()),
             padded_slots=batch["input_ids"].numel() - real,
-            images=0 if grids is None else grids.shape[0],
-            image_tokens=0 if token_types is None else int((token_types == 1).sum()),
+            images=images,
+            image_tokens=image_tokens,
             **timings,
         )
 
