@@ -26,7 +26,7 @@ def test_text_batches_skip_the_padded_batch_and_match_the_padded_route(tokenizer
     batch = collator(examples)
     assert calls == []  # the per-sample route was taken
 
-    samples, _ = collator._encode_all(examples)
+    samples = collator._encode_all(examples)[0]
     longest = max(s["input_ids"].shape[1] for s in samples)
     padded = collator._padded(samples, -(-longest // collator.pad_to_multiple_of) * collator.pad_to_multiple_of)
     reference = collator._pack(padded, collator._per_sample_keys(samples), None)

@@ -224,7 +224,7 @@ def test_corruptions_are_caught(family):
     assert logit_error(batch, not_restarted, refs) > 100 * LOGIT_ATOL
 
     # Give sample 0's vision rows to sample 2 and back (same-size images: the batch stays well-formed).
-    samples, _ = setup.collator._encode_all(examples)
+    samples = setup.collator._encode_all(examples)[0]
     swapped = dict(batch)
     for key in (k for k in samples[0] if k not in setup.collator.token_keys):
         chunks = [sample.get(key) for sample in samples]
