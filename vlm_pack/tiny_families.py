@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedModel, ProcessorMixin
 
 from .chat import CHATML_TEMPLATE
-from .tiny_models import qwen_tokenizer
+from .tiny_models import TINY_VISION_TOWER, qwen_tokenizer
 
 __all__ = ["TINY_VLM_FAMILIES", "chatml_template", "tiny_vlm", "tiny_vlm_processor"]
 
@@ -96,10 +96,7 @@ def _llava_onevision_model(processor, initializer_range: float, layers: int, att
     config = LlavaOnevisionConfig(
         vision_config={
             "model_type": "siglip_vision_model",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
+            **TINY_VISION_TOWER,
             "image_size": _OV_CROP,
             "patch_size": 7,
         },
@@ -152,10 +149,7 @@ def _mistral3_model(processor, initializer_range: float, layers: int, attn: str)
     config = Mistral3Config(
         vision_config={
             "model_type": "pixtral",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
+            **TINY_VISION_TOWER,
             "head_dim": 16,
             "image_size": 56,
             "patch_size": _PIXTRAL_PATCH,
@@ -200,10 +194,7 @@ def _internvl_model(processor, initializer_range: float, layers: int, attn: str)
     tokenizer = processor.tokenizer
     config = InternVLConfig(
         vision_config={
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
+            **TINY_VISION_TOWER,
             "image_size": [_INTERNVL_TILE, _INTERNVL_TILE],
             "patch_size": [7, 7],
             "initializer_range": initializer_range,
@@ -248,10 +239,7 @@ def _idefics3_parts(processor, initializer_range: float, layers: int) -> dict:
     text = _qwen2_text(len(processor.tokenizer), initializer_range, layers)
     return {
         "vision_config": {
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
+            **TINY_VISION_TOWER,
             "image_size": _IDEFICS3_TILE,
             "patch_size": 7,
             "initializer_range": initializer_range,

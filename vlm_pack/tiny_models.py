@@ -73,6 +73,8 @@ TINY_FAMILIES = (
 # Vocabulary of the Qwen tokenizer files (151643 BPE ids + 26 added special tokens); ids must fit.
 _QWEN_VOCAB = 151669
 _HIDDEN = 64
+# The vision tower every tiny VLM uses (ViT-style configs; family-specific fields added beside it).
+TINY_VISION_TOWER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
 _HEADS = 4
 _HEAD_DIM = _HIDDEN // _HEADS
 # mRoPE splits head_dim / 2 rotary frequencies into (temporal, height, width) sections.
@@ -175,10 +177,7 @@ def _gemma3_config(initializer_range: float, layers: int) -> Gemma3Config:
         "attention_dropout": 0.0,
     }
     vision = {
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
+        **TINY_VISION_TOWER,
         "image_size": _GEMMA_IMAGE,
         "patch_size": _PATCH,
     }
@@ -224,10 +223,7 @@ def _gemma4_config(initializer_range: float, layers: int) -> Gemma4Config:
         "attention_dropout": 0.0,
     }
     vision = {
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
+        **TINY_VISION_TOWER,
         "num_key_value_heads": 2,
         "head_dim": 16,
         "patch_size": _PATCH,
