@@ -62,6 +62,13 @@ def check_pack_size(pack_size) -> int:
     return int(pack_size)
 
 
+def check_seed(seed, name: str = "seed") -> int:
+    """Validate a shuffle seed (an integer in [0, 2**64), not a bool) and return it as an int."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
+        raise ValueError(f"{name} must be an integer in [0, 2**64), got {seed!r}")
+    return int(seed)
+
+
 def check_lengths(lengths, pack_size: int) -> np.ndarray:
     """Validate a length array (1-D, integer, 1 <= length <= pack_size) and return it as int64."""
     pack_size = check_pack_size(pack_size)
@@ -144,8 +151,7 @@ def _shuffle(values: np.ndarray, seed: int) -> tuple[np.ndarray, ...]:
     The same order on every machine and numpy version (own generator, see :func:`_shuffle_loop`), about 7x
     faster than ``Generator.shuffle`` at 10M samples, whose random accesses miss the cache on every swap.
     """
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    check_seed(seed)
     n = len(values)
     key_bits = min(16, max(0, int(np.ceil(np.log2(max(n / _SHUFFLE_BUCKET, 1))))))
     keys = np.empty(n, dtype=np.uint16)

@@ -79,13 +79,27 @@ def cache_key(input_path: str | Path, tokenizer_id: str, settings: dict) -> str:
     return h.hexdigest()[:40]
 
 
-def packs_key(lengths: np.ndarray, pack_size: int, algorithm: str, seed: int, pad_seq_to_mult: int) -> str:
-    """Key of one pack assignment: the lengths' bytes, the settings and the packing code itself."""
+def _packing_code_hash() -> "hashlib._Hash":
+    """sha256 over the source of the packing algorithms (their packs change when it does), to extend."""
     from . import algorithms
 
-    h = hash_path(Path(algorithms.__file__))
+    return hash_path(Path(algorithms.__file__))
+
+
+def packs_key(lengths: np.ndarray, pack_size: int, algorithm: str, seed: int, pad_seq_to_mult: int) -> str:
+    """Key of one pack assignment: the lengths' bytes, the settings and the packing code itself."""
+    h = _packing_code_hash()
     h.update(np.ascontiguousarray(lengths, dtype=np.int64).tobytes())
     h.update(json.dumps([CACHE_VERSION, int(pack_size), algorithm, int(seed), int(pad_seq_to_mult)]).encode())
+    return h.hexdigest()[:40]
+
+
+def output_key(keys: dict[str, str], pack_size: int, **settings) -> str:
+    """What one pack size's output is made of: the splits' token keys, the packing settings, the packing code and
+    the file format. Written to the metadata; equal keys mean a re-run would write the very same files."""
+    h = _packing_code_hash()
+    h.update(json.dumps({"format": FORMAT, "tokens": keys, "pack_size": pack_size, **settings},
+                        sort_keys=True).encode())
     return h.hexdigest()[:40]
 
 

@@ -30,7 +30,6 @@ sha256 of every file), ...).
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -38,8 +37,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ..chat_template import CHATML_TEMPLATE
-from .algorithms import ALGORITHMS, PackingStats, group_by_pack, pack_lengths, packing_stats
-from .cache import TokenCache, cache_key, hash_path, packs_key, tokenizer_fingerprint
+from .algorithms import ALGORITHMS, PackingStats, check_seed, group_by_pack, pack_lengths, packing_stats
+from .cache import TokenCache, cache_key, output_key, packs_key, tokenizer_fingerprint
 from .encoding import (
     ALPACA_PROMPT,
     TEMPLATES,
@@ -180,17 +179,6 @@ def token_keys(train_path: str | Path, tokenizer: TokenizerSource, fmt: SampleFo
             for split, path, part in _parts(train_path, validation_path)}
 
 
-def output_key(keys: dict[str, str], pack_size: int, **settings) -> str:
-    """What one pack size's output is made of: the splits' token keys, the packing settings, the packing code and
-    the file format. Written to the metadata; equal keys mean a re-run would write the very same files."""
-    from . import algorithms
-
-    h = hash_path(Path(algorithms.__file__))
-    h.update(json.dumps({"format": FORMAT, "tokens": keys, "pack_size": pack_size, **settings},
-                        sort_keys=True).encode())
-    return h.hexdigest()[:40]
-
-
 def current_output(out_dir: Path, keys_by_size: dict[int, str]) -> list[PreparedSplit] | None:
     """The existing output when every pack size's metadata carries the expected :func:`output_key` and every
     file still has the size and sha256 recorded there; None otherwise (absent, older, other settings, edited)."""
@@ -315,8 +303,7 @@ def prepare_packed_sequence_data(
     if max_seq_length is not None:
         _positive_int(max_seq_length, "max_seq_length (--max-seq-length)")
     _positive_int(pad_seq_to_mult, "pad_seq_to_mult (--pad-seq-to-mult)")
-    if not _is_int(seed) or not 0 <= seed < 2**64:
-        raise ValueError(f"seed (--seed) must be an integer in [0, 2**64), got {seed!r}")
+    check_seed(seed, "seed (--seed)")
     _positive_int(num_proc, "num_proc (--num-proc)")
     if not 0.0 <= validation_fraction < 1.0:
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
