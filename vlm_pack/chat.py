@@ -309,6 +309,11 @@ def _split_placeholders(text: str) -> list[dict]:
     return parts
 
 
+def media_parts(turns: list[dict], kind: str) -> int:
+    """How many content parts of ``kind`` (``"image"`` or ``"video"``) a normalised conversation holds."""
+    return sum(part["type"] == kind for turn in turns for part in turn["content"])
+
+
 def encode_conversations(
     processor: Any,
     conversations: list[list[dict]],
@@ -333,8 +338,7 @@ def encode_conversations(
             except Exception as exc:
                 raise ValueError(f"sample {index}: the processor rejected it: {exc}") from exc
         raise batch_error
-    images, videos = ([sum(part["type"] == kind for turn in c for part in turn["content"]) for c in conversations]
-                      for kind in ("image", "video"))
+    images, videos = ([media_parts(c, kind) for c in conversations] for kind in ("image", "video"))
     samples: list[dict[str, torch.Tensor]] = [{} for _ in conversations]
     # Per-image tensors some processors return as a list (Gemma 3's pixel_values): one row per image.
     out = {key: torch.stack(value) if _is_tensor_list(value) else value for key, value in out.items()}

@@ -30,7 +30,7 @@ import torch
 from transformers.configuration_utils import PreTrainedConfig
 
 from .batch import METADATA_KEY, mask_first_labels, model_inputs
-from .chat import encode_conversations, normalize_example, resolve_chat_template
+from .chat import encode_conversations, media_parts, normalize_example, resolve_chat_template
 from .config import PackingConfig
 from .packing import IGNORE_INDEX, PackedBatch, pack_batch_sequences, pack_sequences, pad_multiple
 from .models import FamilySpec, get_family
@@ -207,12 +207,12 @@ class VLMPackingCollator:
         ]
         if self.family is not None and not self.family.videos:
             for index, turns in enumerate(conversations):
-                if any(part["type"] == "video" for turn in turns for part in turn["content"]):
+                if media_parts(turns, "video"):
                     raise ValueError(
                         f"sample {index}: has a video, but video packing is not proven for the {self.family.name} "
                         "family (vlm_pack.models); drop video samples or use a family with videos=True"
                     )
-        samples, dropped = [], []
+        samples, dropped, images = [], [], 0
         vision_rows = None if self.family is None else self.family.vision_rows
         encoded = encode_conversations(self.processor, conversations, self.chat_template, vision_rows)
         for index, features in enumerate(encoded):
@@ -227,6 +227,7 @@ class VLMPackingCollator:
                 dropped.append(index)
                 continue
             samples.append(features)
+            images += media_parts(conversations[index], "image")
         if dropped:
             warnings.warn(
                 f"dropped {len(dropped)} of {len(examples)} samples longer than max_length={self.max_length} "
@@ -238,8 +239,6 @@ class VLMPackingCollator:
                 f"all {len(examples)} samples of the batch exceed max_length={self.max_length}; nothing left to "
                 "train on. Raise max_length or filter the dataset."
             )
-        images = sum(part["type"] == "image" for index, turns in enumerate(conversations) if index not in dropped
-                     for turn in turns for part in turn["content"])
         return samples, dropped, images
 
     # ---------------------------------------------------------------- batching
