@@ -265,21 +265,23 @@ def in_memory_packs(tokenizer):
     return packs, text_reference(samples)
 
 
-def test_trainer_packed_sft_dataset_default_arguments(sft_packs, tmp_path):
-    """Default TrainingArguments (remove_unused_columns=True) apart from micro-batch 1, which packing requires."""
-    packs, reference = sft_packs
+def packs_trainer_grads(packs, collate, batch_size: int, tmp_path) -> dict[str, torch.Tensor]:
+    """The offline recipe: a packed tiny Llama in Trainer with default TrainingArguments (remove_unused_columns
+    =True) apart from the micro-batch."""
     model = enable_packing(tiny_model("llama", layers=1, vocab_size=VOCAB))
-    args = training_args(tmp_path, per_device_train_batch_size=1, remove_unused_columns=True)
-    grads = trainer_grads(model, packs, packs.collate_fn, args)
-    assert relative_error(grads, reference) < TOLERANCE
+    args = training_args(tmp_path, per_device_train_batch_size=batch_size, remove_unused_columns=True)
+    return trainer_grads(model, packs, collate, args)
+
+
+def test_trainer_packed_sft_dataset_default_arguments(sft_packs, tmp_path):
+    """Micro-batch 1, which packs on disk require."""
+    packs, reference = sft_packs
+    assert relative_error(packs_trainer_grads(packs, packs.collate_fn, 1, tmp_path), reference) < TOLERANCE
 
 
 def test_trainer_packed_dataset_default_arguments(in_memory_packs, tmp_path):
     packs, reference = in_memory_packs
-    model = enable_packing(tiny_model("llama", layers=1, vocab_size=VOCAB))
-    args = training_args(tmp_path, per_device_train_batch_size=2, remove_unused_columns=True)
-    grads = trainer_grads(model, packs, packs.collate, args)
-    assert relative_error(grads, reference) < TOLERANCE
+    assert relative_error(packs_trainer_grads(packs, packs.collate, 2, tmp_path), reference) < TOLERANCE
 
 
 def test_corruption_without_first_label_masking(in_memory_packs, tmp_path, monkeypatch):
@@ -289,9 +291,7 @@ def test_corruption_without_first_label_masking(in_memory_packs, tmp_path, monke
     packs.labels[packs.seq_offsets[:-1]] = packs.tokens[packs.seq_offsets[:-1]]
     monkeypatch.setattr(vlm_pack.offline.dataset, "mask_first_labels", lambda labels, starts: labels)
     try:
-        model = enable_packing(tiny_model("llama", layers=1, vocab_size=VOCAB))
-        args = training_args(tmp_path, per_device_train_batch_size=2, remove_unused_columns=True)
-        grads = trainer_grads(model, packs, packs.collate, args)
+        grads = packs_trainer_grads(packs, packs.collate, 2, tmp_path)
     finally:
         packs.labels[:] = original
     assert relative_error(grads, reference) > 1e-3
