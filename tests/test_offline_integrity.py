@@ -6,13 +6,13 @@ import pathlib
 import random
 import shutil
 import signal
-import time
 
 import numpy as np
 import pytest
 
 from vlm_pack.cli import main
 from vlm_pack.offline import output, prepare, storage
+from vlm_pack.offline.cache import TokenCache
 from vlm_pack.offline.dataset import PackedSFTDataset
 from vlm_pack.offline.output import LOCK_NAME, OutputLockedError, RunOutput
 from vlm_pack.offline.prepare import prepare_packed_sequence_data
@@ -127,9 +127,11 @@ class _Killed(Exception):
     pass
 
 
-def _fork_prepare(tokenizer, train, val, root, *, kill_at=None, delay=None, cache=None, count_ops=False):
-    """Run prepare (--overwrite) in a forked child; SIGKILL it at its ``kill_at``-th file operation, or after
-    ``delay`` seconds. Returns (exit status, number of file operations when ``count_ops``)."""
+def _fork_prepare(tokenizer, train, val, root, *, kill_at=None, kill_in=None, cache=None, count_ops=False):
+    """Run prepare (--overwrite) in a forked child; SIGKILL it at its ``kill_at``-th file operation, or when it
+    first calls ``kill_in`` (``(owner, attribute name)``: a stage before any file operation, e.g. tokenising).
+    Returns (exit status, number of file operations when ``count_ops``). Every kill point is chosen, never a
+    wall-clock time, so the test does the same on a quiet and on a loaded machine."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: never returns into pytest
@@ -146,6 +148,9 @@ def _fork_prepare(tokenizer, train, val, root, *, kill_at=None, delay=None, cach
                     return fn(*a, **k)
                 return wrapped
 
+            if kill_in is not None:
+                owner, attribute = kill_in
+                setattr(owner, attribute, lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))
             np.save = step(np.save)
             output.os.replace = step(os.replace)
             pathlib.Path.unlink = step(pathlib.Path.unlink)
@@ -160,12 +165,6 @@ def _fork_prepare(tokenizer, train, val, root, *, kill_at=None, delay=None, cach
         finally:
             os._exit(status)
     os.close(write_end)
-    if delay is not None:
-        time.sleep(delay)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     _, status = os.waitpid(pid, 0)
     ops = os.read(read_end, 64).decode()
     os.close(read_end)
@@ -196,14 +195,16 @@ def test_sigkill_at_random_points_never_leaves_accepted_partial_output(tmp_path,
     assert len(new) == 4 and not all(_same(old[k], new[k]) for k in old)  # shuffled first fit packs differently
     rng = random.Random(0)
     kill_points = sorted(rng.sample(range(1, n_ops - 1), 10)) + [n_ops - 1, n_ops]  # + the end of the commit
+    # Cold cache: killed while tokenising, and after tokenising before the token cache is written.
+    stages = [(prepare, "_tokenize"), (TokenCache, "store")]
     outcomes = set()
-    for point in [("op", k) for k in kill_points] + [("time", rng.uniform(0.0, 0.4)) for _ in range(3)]:
+    for point in [("stage", stage) for stage in stages] + [("op", k) for k in kill_points]:
         restore_old()
         if point[0] == "op":
             status, _ = _fork_prepare(tokenizer, train, val, tmp_path, kill_at=point[1])
-            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-        else:  # cold cache: the kill may land in tokenising too
-            _fork_prepare(tokenizer, train, val, tmp_path, delay=point[1], cache=f"cold{point[1]}")
+        else:
+            status, _ = _fork_prepare(tokenizer, train, val, tmp_path, kill_in=point[1], cache=f"cold{point[1][1]}")
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, point
         accepted = _snapshot(out_dir)
         for name, arrays in accepted.items():
             is_old, is_new = _same(arrays, old[name]), _same(arrays, new[name])
@@ -214,6 +215,11 @@ def test_sigkill_at_random_points_never_leaves_accepted_partial_output(tmp_path,
                 assert entry["num_packs"] == len(arrays["index"])
         assert not any(storage.parse_split_path(p) for p in out_dir.glob("*.npy") if p.name not in accepted)
     assert outcomes == {"old", "new"}  # kills landed before and after the commit
+    # A run killed at its first write leaves the old output beside its temporary folder. The next run with the old
+    # settings finds that output up to date and keeps it, and still removes the dead run's temporary folder.
+    restore_old()
+    _fork_prepare(tokenizer, train, val, tmp_path, kill_at=1)
+    assert list(out_dir.glob(".prepare-*")) and all(_same(_snapshot(out_dir)[k], old[k]) for k in old)
     _run(tokenizer, train, tmp_path, validation_path=val, overwrite=True)  # no stale lock or temporary folder blocks
     assert not list(out_dir.glob(".prepare-*"))
 

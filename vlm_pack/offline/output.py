@@ -5,7 +5,7 @@ Protocol (what the reader relies on):
 1. Before tokenising: create the folder, take an exclusive lock on ``.vlm_pack.lock`` inside it (released by the
    OS when the process dies, even under SIGKILL; a second run fails naming the lock), refuse existing output
    without ``overwrite``, and create the run's temporary folder ``.prepare-*`` there (which proves the folder
-   is writable). Temporary folders of dead runs are removed then.
+   is writable). Temporary folders of dead runs are removed first, whatever the run goes on to do.
    Output already made of the same content (the caller's ``current`` check) is kept as it is instead.
 2. The run writes every file into its temporary folder; old output stays untouched and readable meanwhile.
 3. Commit, once everything is written and flushed: remove the old pack indexes and metadata of the pack sizes
@@ -53,12 +53,12 @@ class RunOutput:
         self._make_dir()
         self._take_lock()
         try:
+            for stale in self.out_dir.glob(TMP_PREFIX + "*"):  # dead runs' leftovers (we hold the lock)
+                shutil.rmtree(stale, ignore_errors=True)
             self.current = self._current() if self._current is not None else None
             if self.current is not None:
                 return self
             self._check_existing()
-            for stale in self.out_dir.glob(TMP_PREFIX + "*"):  # dead runs' leftovers (we hold the lock)
-                shutil.rmtree(stale, ignore_errors=True)
             self.tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=self.out_dir))
         except BaseException:
             self._release()
