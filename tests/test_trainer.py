@@ -32,8 +32,9 @@ from vlm_pack.offline.storage import PackedArrays, build_index, write_packed
 from vlm_pack.tiny_families import TINY_VLM_FAMILIES, tiny_vlm, tiny_vlm_processor
 from vlm_pack.tiny_models import TINY_FAMILIES, offline_gemma3_processor, qwen_tokenizer, tiny_config, tiny_model
 
+from tolerance import GRAD_REL_L2
+
 VLM_FAMILIES = tuple(f for f in TINY_FAMILIES if hasattr(tiny_config(f), "vision_config"))
-TOLERANCE = 1e-4
 
 
 def layers_for(family: str) -> int:
@@ -148,7 +149,7 @@ def test_trainer_gradient_accumulation_equals_unpacked_other_vlms(family, tmp_pa
     collator = VLMPackingCollator(processor, max_length=512, model_config=model.config)
     error = relative_error(trainer_grads(model, examples, collator, training_args(tmp_path)), reference)
     print(f"{family}: relative L2 {error:.2e}")
-    assert error < TOLERANCE
+    assert error < GRAD_REL_L2
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -156,7 +157,7 @@ def test_trainer_gradient_accumulation_equals_unpacked(family, processor, tokeni
     grads = run_recipe(family, processor, tokenizer, tmp_path)
     error = relative_error(grads, references(family))
     print(f"{family}: relative L2 {error:.2e}")
-    assert error < TOLERANCE
+    assert error < GRAD_REL_L2
 
 
 def test_corruption_without_accepts_loss_kwargs(processor, tokenizer, references, tmp_path, monkeypatch):
@@ -176,7 +177,7 @@ def test_compute_loss_func_is_exact_for_a_model_whose_loss_ignores_num_items(pro
     collator = VLMPackingCollator(proc, max_length=512, model_config=model.config)
     grads = trainer_grads(model, examples, collator, training_args(tmp_path),
                           compute_loss_func=vlm_pack.compute_loss_func)
-    assert relative_error(grads, references("qwen3_vl")) < TOLERANCE
+    assert relative_error(grads, references("qwen3_vl")) < GRAD_REL_L2
 
 
 def test_sample_mean_loss_is_exact_and_refuses_short_windows(processor, tokenizer, references, tmp_path):
@@ -186,7 +187,7 @@ def test_sample_mean_loss_is_exact_and_refuses_short_windows(processor, tokenize
     loss = vlm_pack.SampleMeanLoss(model)
     grads = trainer_grads(model, examples, collator, training_args(tmp_path), compute_loss_func=loss,
                           callbacks=[loss])
-    assert relative_error(grads, references("qwen2_vl", "sample")) < TOLERANCE
+    assert relative_error(grads, references("qwen2_vl", "sample")) < GRAD_REL_L2
     assert relative_error(grads, references("qwen2_vl")) > 1e-3  # a different reduction indeed
     with pytest.raises(ValueError, match="not a multiple of gradient_accumulation_steps=2"):
         trainer_grads(model, examples[:4], collator, training_args(tmp_path), compute_loss_func=loss,
@@ -213,7 +214,7 @@ def test_trl_vlm_collator_equals_unpacked(processor, tokenizer, references, tmp_
     assert dataset.column_names == ["messages", "images"]
     grads = trainer_grads(model, dataset, collator, sft_config(tmp_path), trainer_cls=SFTTrainer,
                           processing_class=proc)
-    assert relative_error(grads, references("qwen2_5_vl")) < TOLERANCE
+    assert relative_error(grads, references("qwen2_5_vl")) < GRAD_REL_L2
 
 
 # ---- offline packs: PackedSFTDataset and PackedDataset, in Trainer and in TRL -----------------------------------
@@ -276,12 +277,12 @@ def packs_trainer_grads(packs, collate, batch_size: int, tmp_path) -> dict[str, 
 def test_trainer_packed_sft_dataset_default_arguments(sft_packs, tmp_path):
     """Micro-batch 1, which packs on disk require."""
     packs, reference = sft_packs
-    assert relative_error(packs_trainer_grads(packs, packs.collate_fn, 1, tmp_path), reference) < TOLERANCE
+    assert relative_error(packs_trainer_grads(packs, packs.collate_fn, 1, tmp_path), reference) < GRAD_REL_L2
 
 
 def test_trainer_packed_dataset_default_arguments(in_memory_packs, tmp_path):
     packs, reference = in_memory_packs
-    assert relative_error(packs_trainer_grads(packs, packs.collate, 2, tmp_path), reference) < TOLERANCE
+    assert relative_error(packs_trainer_grads(packs, packs.collate, 2, tmp_path), reference) < GRAD_REL_L2
 
 
 def test_corruption_without_first_label_masking(in_memory_packs, tmp_path, monkeypatch):
@@ -306,4 +307,4 @@ def test_trl_packs_equal_unpacked(sft_packs, in_memory_packs, tmp_path):
         args = sft_config(tmp_path, per_device_train_batch_size=batch_size,
                           dataset_kwargs={"skip_prepare_dataset": True})
         grads = trainer_grads(model, dataset, collate, args, trainer_cls=SFTTrainer, processing_class=qwen_tokenizer())
-        assert relative_error(grads, reference) < TOLERANCE
+        assert relative_error(grads, reference) < GRAD_REL_L2
