@@ -6,7 +6,7 @@ Each case trains (Trainer + DDP / DeepSpeed, or torch FSDP2 directly) and rank 0
 the relative L2 error of the step-1 gradient (or weight update / learning rate, under ZeRO) against each sample
 of the global batch run ALONE through the stock sdpa model with the token mean over both ranks and the whole
 accumulation window (tests/test_trainer.py's references), the engine that actually ran, warnings logged, and
-the samples each rank consumed.
+the samples each rank consumed. References are built after training, split between the ranks.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from datasets import Dataset  # noqa: E402
-from transformers import Trainer, TrainerCallback  # noqa: E402
+from transformers import Trainer  # noqa: E402
 
 import test_trainer as ref  # noqa: E402  (the single-process references: each sample alone, stock sdpa)
 import vlm_pack.token_mean  # noqa: E402
@@ -37,7 +37,7 @@ from vlm_pack.offline.storage import PackedArrays, build_index, write_packed  # 
 from vlm_pack.tiny_models import offline_qwen2vl_processor, qwen_tokenizer, tiny_model  # noqa: E402
 
 WORLD = 2
-REFERENCES: dict[str, dict[str, torch.Tensor]] = {}
+COMPARE = "compare"  # a case's (reference key, its step-1 gradients, reference builder): scored later
 
 
 class LogCount(logging.Handler):
@@ -61,6 +61,24 @@ def fresh_check() -> LogCount:
     return counter
 
 
+def compare(results: dict, pending: dict) -> None:
+    """The deferred comparisons: each distinct reference is built by one rank (alternating, so the two heavy
+    VLM references run in parallel), which scores every case that uses it; the errors are then shared."""
+    owners = {key: i % WORLD for i, key in enumerate(dict.fromkeys(key for key, _, _ in pending.values()))}
+    references, errors = {}, {}
+    for name, (key, grads, build) in pending.items():
+        if owners[key] == dist.get_rank():
+            if key not in references:
+                references[key] = build()
+            errors[name] = ref.relative_error(grads, references[key])
+    gathered = [None] * WORLD
+    dist.all_gather_object(gathered, errors)
+    for part in gathered:
+        for name, error in part.items():
+            results[name]["error"] = error
+    pending.clear()
+
+
 def trainer_grads(model, dataset, collate, out: str, **overrides) -> tuple[dict[str, torch.Tensor], Trainer]:
     """Step-1 gradients (after DDP's all-reduce) of Trainer over the 2-process group: micro-batch x 2 ranks x
     accumulation 2 covers the whole dataset in one optimizer step."""
@@ -77,20 +95,15 @@ def engine(trainer: Trainer) -> str:
 
 # ---- DDP: the four dataset kinds ----------------------------------------------------------------------------
 
-def vlm_case(out: str, average_tokens: bool = True) -> dict:
+def vlm_case(out: str) -> dict:
     processor, tokenizer = offline_qwen2vl_processor(), qwen_tokenizer()
     proc, examples = ref.family_setup("qwen2_vl", processor, tokenizer)
     model = enable_packing(tiny_model("qwen2_vl", layers=1))
     collator = VLMPackingCollator(proc, max_length=512, model_config=model.config)
     counter = fresh_check()
-    grads, trainer = trainer_grads(model, examples, collator, out, per_device_train_batch_size=2,
-                                   average_tokens_across_devices=average_tokens)
-    result = {"engine": engine(trainer), "warnings": counter.messages}
-    if dist.get_rank() == 0:
-        if "vlm" not in REFERENCES:  # the same 8 samples for both VLM cases
-            REFERENCES["vlm"] = ref.reference_grads("qwen2_vl", proc, examples)
-        result["error"] = ref.relative_error(grads, REFERENCES["vlm"])
-    return result
+    grads, trainer = trainer_grads(model, examples, collator, out, per_device_train_batch_size=2)
+    return {"engine": engine(trainer), "warnings": counter.messages,
+            COMPARE: ("vlm", grads, lambda: ref.reference_grads("qwen2_vl", proc, examples))}
 
 
 def packed_dataset_case(out: str) -> dict:
@@ -100,10 +113,7 @@ def packed_dataset_case(out: str) -> dict:
     model = enable_packing(tiny_model("llama", layers=1, vocab_size=ref.VOCAB))
     grads, trainer = trainer_grads(model, packs, packs.collate, out, per_device_train_batch_size=1,
                                    remove_unused_columns=True)
-    result = {"engine": engine(trainer)}
-    if dist.get_rank() == 0:
-        result["error"] = ref.relative_error(grads, ref.text_reference(samples))
-    return result
+    return {"engine": engine(trainer), COMPARE: ("text", grads, lambda: ref.text_reference(samples))}
 
 
 def sft_packs(directory: str) -> tuple[PackedSFTDataset, list, list]:
@@ -114,19 +124,19 @@ def sft_packs(directory: str) -> tuple[PackedSFTDataset, list, list]:
     offsets = np.concatenate(([0], np.cumsum([len(s) for s in samples])))
     arrays = PackedArrays(index=build_index(np.array([3, 3, 3, 3]), offsets), tokens=np.concatenate(samples),
                           loss_mask=np.concatenate(masks), seq_offsets=offsets, source_index=np.arange(len(samples)))
-    path = write_packed(Path(directory) / f"training_{ref.PACK}.npy", arrays)
+    own = Path(directory) / f"rank{dist.get_rank()}"  # both ranks write: one directory each, no race
+    path = write_packed(own / f"training_{ref.PACK}.npy", arrays)
     return PackedSFTDataset(path, ref.PACK), samples, masks
 
 
-def packed_sft_case(out: str) -> dict:
+def packed_sft_case(out: str, average_tokens: bool = True) -> dict:
     packs, samples, masks = sft_packs(out)
     model = enable_packing(tiny_model("llama", layers=1, vocab_size=ref.VOCAB))
+    counter = fresh_check()
     grads, trainer = trainer_grads(model, packs, packs.collate_fn, out, per_device_train_batch_size=1,
-                                   remove_unused_columns=True)
-    result = {"engine": engine(trainer)}
-    if dist.get_rank() == 0:
-        result["error"] = ref.relative_error(grads, ref.text_reference(samples, masks))
-    return result
+                                   remove_unused_columns=True, average_tokens_across_devices=average_tokens)
+    return {"engine": engine(trainer), "warnings": counter.messages,
+            COMPARE: ("text_masked", grads, lambda: ref.text_reference(samples, masks))}
 
 
 def token_budget_case(out: str) -> dict:
@@ -141,10 +151,8 @@ def token_budget_case(out: str) -> dict:
     assert plan.num_packs == 4, plan.num_packs
     packs = TokenBudgetPackDataset(examples, plan, collator)
     grads, trainer = trainer_grads(model, packs, packs.collate_fn, out, per_device_train_batch_size=1)
-    result = {"engine": engine(trainer)}
-    if dist.get_rank() == 0:
-        result["error"] = ref.relative_error(grads, ref.reference_grads("qwen2_vl", processor, examples))
-    return result
+    return {"engine": engine(trainer),
+            COMPARE: ("token_budget", grads, lambda: ref.reference_grads("qwen2_vl", processor, examples))}
 
 
 # ---- torch FSDP2 (fully_shard) directly ----------------------------------------------------------------------
@@ -170,18 +178,16 @@ def fsdp2_case(out: str) -> dict:
         (loss * WORLD).backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
     sharded = all(isinstance(p, DTensor) for p in model.parameters())
-    result = {"engine": type(model).__name__, "sharded": sharded}
-    if dist.get_rank() == 0:
-        result["error"] = ref.relative_error(grads, ref.text_reference(samples))
-    return result
+    return {"engine": type(model).__name__, "sharded": sharded,
+            COMPARE: ("text", grads, lambda: ref.text_reference(samples))}
 
 
 # ---- DeepSpeed ZeRO through Trainer ---------------------------------------------------------------------------
 
 def zero_case(out: str, stage: int) -> dict:
     """ZeRO hides ``.grad``: compare the weight update of one SGD step (lr 1, no momentum, no clipping) with
-    -lr x the reference gradient. Runs last in a launch: ZeRO-3 changes how transformers builds later models. Trainer's own torch SGD runs inside DeepSpeed (zero_force_ds_cpu_optimizer
-    off: DeepSpeed's CPU Adam would be a C++ build)."""
+    -lr x the reference gradient, with Trainer's own torch SGD inside DeepSpeed. Runs last in a launch: ZeRO-3
+    changes how transformers builds later models."""
     import deepspeed.ops
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -189,8 +195,7 @@ def zero_case(out: str, stage: int) -> dict:
     # compile of minutes on a fresh machine, so DeepSpeed's gloo path is used (the probe honours this dict).
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-              "train_batch_size": "auto", "gradient_clipping": "auto", "zero_force_ds_cpu_optimizer": False,
-              "zero_optimization": {"stage": stage}}
+              "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": stage}}
     samples = ref.random_samples()
     packs = PackedDataset(Dataset.from_dict({"input_ids": [s.tolist() for s in samples]}), qwen_tokenizer(), 40)
     # Before Trainer: once ZeRO-3 is configured, transformers builds every new model partitioned (collectives).
@@ -260,7 +265,7 @@ def sampler_case(out: str) -> dict:
 
 CASES = {
     "ddp_vlm": vlm_case,
-    "ddp_vlm_per_rank_mean": lambda out: vlm_case(out, average_tokens=False),
+    "ddp_per_rank_mean": lambda out: packed_sft_case(out, average_tokens=False),
     "ddp_packed_dataset": packed_dataset_case,
     "ddp_packed_sft": packed_sft_case,
     "ddp_token_budget": token_budget_case,
@@ -275,17 +280,25 @@ def main() -> None:
     output, names = sys.argv[1], sys.argv[2:]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    results = {}
+    results, pending = {}, {}
     for name in names:
+        if name.startswith("zero"):  # references first: after ZeRO-3, new models are built partitioned
+            compare(results, pending)
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as scratch:
             shared = [scratch]
             dist.broadcast_object_list(shared)  # one directory for both ranks (checkpoints are written by rank 0)
             results[name] = CASES[name](shared[0])
             dist.barrier()
+        if COMPARE in results[name]:
+            pending[name] = results[name].pop(COMPARE)
         results[name]["seconds"] = round(time.perf_counter() - start, 1)
-        if dist.get_rank() == 0:
-            print(f"vlm_pack worker: {name}: {json.dumps(results[name])[:300]}", flush=True)
+    start = time.perf_counter()
+    compare(results, pending)
+    if dist.get_rank() == 0:
+        print(f"vlm_pack worker: references {time.perf_counter() - start:.1f} s", flush=True)
+        for name, result in results.items():
+            print(f"vlm_pack worker: {name}: {json.dumps(result)[:300]}", flush=True)
     if dist.get_rank() == 0:
         Path(output).write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()

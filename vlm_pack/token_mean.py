@@ -5,7 +5,7 @@ to ``compute_loss_func``. With ``average_tokens_across_devices=True`` (the defau
 all ranks, the same on every rank, and the gradients that DDP / FSDP / DeepSpeed average are those of the global
 token mean. With ``False`` each rank divides by its own count: the result is the mean of per-rank token means,
 which weighs a rank's tokens by the inverse of its count (1.6e-1 relative gradient error measured on a tiny
-Qwen2-VL at 2 ranks, tests/test_multiprocess.py). Nothing in the batch can show it, so the first training
+Qwen2-VL at 2 ranks). Nothing in the batch can show it, so the first training
 forward in a world of several processes compares the count across ranks (two scalar all-reduces, once per
 process) and warns when it is not the global one.
 """
@@ -49,8 +49,8 @@ def check_global_token_count(num_items_in_batch: torch.Tensor | int, labels: tor
     logger.warning(
         "vlm_pack: the loss denominator num_items_in_batch is per rank (%g to %g label tokens on %d ranks), not "
         "the global count: with TrainingArguments(average_tokens_across_devices=False) every rank takes its own "
-        "token mean and the ranks are then averaged, so gradients are not the global token mean (1.6e-1 relative "
-        "error measured at 2 ranks). Set average_tokens_across_devices=True (the default).",
+        "token mean and the ranks are then averaged, so gradients are not the global token mean. Set "
+        "average_tokens_across_devices=True (the default).",
         lowest, highest, _world_size(),
     )
     return True
