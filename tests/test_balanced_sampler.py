@@ -207,3 +207,27 @@ def test_input_errors(args, kwargs, message):
     options = {"micro_batch_size": 2, "num_replicas": 2, "rank": 0, **kwargs}
     with pytest.raises(ValueError, match=message):
         BalancedPackingSampler(*args, **options)
+
+
+def test_for_trainer_reads_trainer_arguments_and_selects_the_resumed_epoch(tmp_path):
+    """``BalancedBatchSampler.for_trainer``: micro-batch, seed and drop_last from TrainingArguments; one resume
+    callback however often Trainer rebuilds its dataloader; the epoch of a resumed run from the global step."""
+    from types import SimpleNamespace
+
+    from transformers import TrainingArguments
+    from transformers.trainer_callback import CallbackHandler
+
+    from vlm_pack.hf_sampler import BalancedBatchSampler
+
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=3, gradient_accumulation_steps=2, data_seed=5,
+                             dataloader_drop_last=True, use_cpu=True, report_to="none")
+    handler = CallbackHandler([], None, None, None, None)
+    trainer = SimpleNamespace(args=args, callback_handler=handler, add_callback=handler.add_callback)
+    BalancedBatchSampler.for_trainer(trainer, np.arange(1, 41))
+    sampler = BalancedBatchSampler.for_trainer(trainer, np.arange(1, 41))
+    assert (sampler.micro_batch_size, sampler.seed, sampler.drop_last, sampler.num_replicas) == (3, 5, True, 1)
+    resume = [c for c in handler.callbacks if type(c).__name__ == "_ResumeEpoch"]
+    assert len(resume) == 1 and resume[0].sampler is sampler
+    # 40 samples // 3 = 13 micro-batches = 7 optimizer steps per epoch: global step 9 resumes inside epoch 1.
+    resume[0].on_train_begin(args, SimpleNamespace(global_step=9), None)
+    assert sampler.epoch == 1

@@ -94,6 +94,30 @@ def test_trl_section_trains(processor, tmp_path, monkeypatch):
         assert any(not torch.equal(a, b) for a, b in zip(old, model.parameters()))
 
 
+def test_balanced_sampler_recipe_trains(processor, tmp_path, monkeypatch):
+    """Single process: the recipe plugs the sampler into Trainer as its batch sampler (the 2-rank behaviour is
+    tests/test_multiprocess.py's)."""
+    from transformers import TrainingArguments
+
+    from vlm_pack import BalancedBatchSampler, VLMPackingCollator
+
+    monkeypatch.chdir(tmp_path)
+    namespace = _trainer_namespace(processor)
+    model = namespace["model"]
+    namespace["collator"] = VLMPackingCollator(processor, max_length=512, model_config=model.config)
+    namespace["args"] = TrainingArguments(output_dir="out", per_device_train_batch_size=2, max_steps=1,
+                                          remove_unused_columns=False, report_to="none", use_cpu=True,
+                                          save_strategy="no")
+    before = _weights(model)
+    exec(block("BalancedBatchSampler.for_trainer"), namespace)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    trainer_cls = namespace["BalancedTrainer"]
+    trainer = trainer_cls(model=model, args=namespace["args"], train_dataset=namespace["examples"],
+                          data_collator=namespace["collator"])
+    batch_sampler = trainer.get_train_dataloader().batch_sampler
+    assert isinstance(getattr(batch_sampler, "batch_sampler", batch_sampler), BalancedBatchSampler)
+
+
 def test_supported_families_table_lists_every_registered_family_with_its_proof():
     from vlm_pack.models import registered_families
 

@@ -35,6 +35,7 @@ _LAZY = {
     "partition_for_context_parallel": "context_parallel",
     "gather_from_context_parallel": "context_parallel",
     "BalancedPackingSampler": "distributed",
+    "BalancedBatchSampler": "hf_sampler",
     "reduce_per_token_loss": "distributed",
     "reduce_per_sample_mean_loss": "distributed",
     "PackedSFTDataset": "offline",

@@ -33,6 +33,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import dense_attention, varlen_attention
 from .models import ImageBlockRule, get_family
+from .token_mean import install_token_mean_check
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -253,6 +254,7 @@ def enable_packing(model, name: str = ATTN_IMPLEMENTATION, *, allow_unproven: bo
         # Trainer reads this flag to pass num_items_in_batch (the window's label-token count) to the model's loss:
         # the exact token mean under gradient accumulation, as unpacked training over the same window.
         model.accepts_loss_kwargs = True
+        install_token_mean_check(model)  # warns when that count is per rank (average_tokens_across_devices=False)
     else:
         logger.warning(
             "vlm_pack: the %s family's own loss ignores Trainer's num_items_in_batch; under gradient accumulation "

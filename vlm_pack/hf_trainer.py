@@ -29,6 +29,7 @@ from transformers import TrainerCallback
 
 from .loss import per_sample_loss_sums
 from .packing import IGNORE_INDEX, segment_ids
+from .token_mean import check_global_token_count
 
 __all__ = ["SampleMeanLoss", "compute_loss_func"]
 
@@ -55,6 +56,8 @@ def compute_loss_func(outputs: Any, labels: torch.Tensor, num_items_in_batch: to
                             ignore_index=IGNORE_INDEX, reduction="sum")
     if num_items_in_batch is None:
         num_items_in_batch = (targets != IGNORE_INDEX).sum().clamp(min=1)
+    else:
+        check_global_token_count(num_items_in_batch, labels)  # once: warns when the count is per rank
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch
