@@ -1,14 +1,17 @@
-"""README.md runs as written: every fenced ``python`` and ``bash`` block, verbatim, in README order, in one scratch
-folder (symlinks to the repository's top-level files and folders, and ``.venv`` to the running venv).
+"""README.md runs as written: every fenced ``python`` and ``bash`` block, verbatim, in README order.
 
 The rules a README block follows (a new block that breaks them fails here):
 
-* python: self-contained (its first lines build what it uses: the shipped stand-ins of ``vlm_pack.tiny_models``,
-  ``vlm_pack.tiny_families`` and ``vlm_pack.data``, or files an earlier bash block wrote), or its first line is
-  ``# continues the block above``, and it runs in the namespace of the previous python block. Nothing is injected.
+* A block is self-contained: its first lines build what it uses (the shipped stand-ins of ``vlm_pack.tiny_models``,
+  ``vlm_pack.tiny_families``, ``vlm_pack.data``, ``vlm_pack.assets``), or its first line is
+  ``# continues the block above``: it then runs right after that block, in the same scratch folder (files the
+  block above wrote) and, for python, the same namespace. Nothing is injected.
+* A self-contained block and the blocks continuing it form one test case (parametrized, so ``pytest -n 2`` runs
+  them side by side) in its own scratch folder: symlinks to the repository's top-level files and folders, and
+  ``.venv`` to the running venv.
 * bash: ``bash -e`` in the scratch folder, the venv's ``bin/`` first on PATH (as after ``source .venv/bin/activate``)
   and ``VLM_PACK_CACHE`` inside the scratch folder.
-* skipped: only the set-up block (the one calling ``scripts/setup.sh``): it rebuilds ``.venv`` and runs this very
+* Skipped: only the set-up block (the one calling ``scripts/setup.sh``): it rebuilds ``.venv`` and runs this very
   suite. Its commands are checked instead (the test command is CI's, the demo command parses).
 """
 
@@ -19,6 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -40,7 +44,19 @@ BLOCKS = [Block(m["lang"], m["code"], README.count("\n", 0, m.start()) + 1)
           for m in re.finditer(r"^```(?P<lang>python|bash)\n(?P<code>.*?)^```", README, flags=re.S | re.M)]
 
 
-def test_every_readme_block_runs_as_written(tmp_path, monkeypatch):
+CHAINS: list[list[Block]] = []
+for _block in BLOCKS:
+    if SETUP in _block.code:
+        continue
+    if _block.code.startswith(CONTINUES):
+        assert CHAINS, f"{_block} continues a block, but none comes before it"
+        CHAINS[-1].append(_block)
+    else:
+        CHAINS.append([_block])
+
+
+@pytest.mark.parametrize("chain", CHAINS, ids=[f"line{chain[0].line}" for chain in CHAINS])
+def test_readme_block_runs_as_written(chain, tmp_path, monkeypatch):
     for entry in ROOT.iterdir():
         if not entry.name.startswith("."):
             (tmp_path / entry.name).symlink_to(entry)
@@ -48,22 +64,18 @@ def test_every_readme_block_runs_as_written(tmp_path, monkeypatch):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "VLM_PACK_CACHE": str(tmp_path / "cache")}
     monkeypatch.chdir(tmp_path)
-    namespace, ran = None, 0
-    for block in BLOCKS:
-        if SETUP in block.code:
-            continue
+    namespace = {"__name__": "__main__"}
+    for block in chain:
         if block.lang == "bash":
             run = subprocess.run(["bash", "-e", "-c", block.code], cwd=tmp_path, env=env, capture_output=True,
                                  text=True, timeout=600)
             assert run.returncode == 0, f"{block} exited {run.returncode}:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
         else:
-            if block.code.startswith(CONTINUES):
-                assert namespace is not None, f"{block} continues a block, but no python block comes before it"
-            else:
-                namespace = {"__name__": "__main__"}
             exec(compile(block.code, str(block), "exec"), namespace)
-        ran += 1
-    assert ran == len(BLOCKS) - 1 >= 10  # every block but the set-up one
+
+
+def test_every_block_but_the_set_up_one_is_run():
+    assert sum(map(len, CHAINS)) == len(BLOCKS) - 1 >= 10
 
 
 def test_the_only_skipped_block_is_the_set_up_one_and_its_commands_hold():

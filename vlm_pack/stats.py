@@ -51,7 +51,7 @@ def load_lengths(data: str | Path, tokenizer: str | None = None, fmt: SampleForm
             raise ValueError(f"{path}: expected a 1-D integer array of lengths, got {lengths.dtype} {lengths.shape}")
         return lengths.astype(np.int64)
     if tokenizer is None:
-        from .tiny_models import qwen_tokenizer_path
+        from .assets import qwen_tokenizer_path
 
         tokenizer = str(qwen_tokenizer_path())
     splits, _ = tokenized_splits(path, TokenizerSource(tokenizer), fmt or SampleFormat(),

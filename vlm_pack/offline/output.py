@@ -5,7 +5,9 @@ Protocol (what the reader relies on):
 1. Before tokenising: create the folder, take an exclusive lock on ``.vlm_pack.lock`` inside it (released by the
    OS when the process dies, even under SIGKILL; a second run fails naming the lock), refuse existing output
    without ``overwrite``, and create the run's temporary folder ``.prepare-*`` there (which proves the folder
-   is writable). Temporary folders of dead runs are removed then.
+   is writable). Temporary folders of dead runs are removed then. A run that fails or is interrupted (Ctrl-C)
+   removes its temporary folder, and the lock file and folders it created, before releasing the lock; a run that
+   took the lock on a file removed meanwhile takes it again on the new one.
    Output already made of the same content (the caller's ``current`` check) is kept as it is instead.
 2. The run writes every file into its temporary folder; old output stays untouched and readable meanwhile.
 3. Commit, once everything is written and flushed: remove the old pack indexes and metadata of the pack sizes
