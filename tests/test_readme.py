@@ -76,6 +76,8 @@ def test_readme_block_runs_as_written(chain, tmp_path, monkeypatch):
 
 def test_every_block_but_the_set_up_one_is_run():
     assert sum(map(len, CHAINS)) == len(BLOCKS) - 1 >= 10
+    fences = set(re.findall(r"^```(\S+)", README, flags=re.M))
+    assert fences <= {"python", "bash"}, f"code blocks this test would not run: {fences - {'python', 'bash'}}"
 
 
 def test_the_only_skipped_block_is_the_set_up_one_and_its_commands_hold():
