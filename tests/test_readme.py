@@ -1,97 +1,94 @@
-"""The README's Python quick starts run as written (on tiny models and the shipped data)."""
+"""README.md runs as written: every fenced ``python`` and ``bash`` block, verbatim, in README order.
 
+The rules a README block follows (a new block that breaks them fails here):
+
+* A block is self-contained: its first lines build what it uses (the shipped stand-ins of ``vlm_pack.tiny_models``,
+  ``vlm_pack.tiny_families``, ``vlm_pack.data``, ``vlm_pack.assets``), or its first line is
+  ``# continues the block above``: it then runs right after that block, in the same scratch folder (files the
+  block above wrote) and, for python, the same namespace. Nothing is injected.
+* A self-contained block and the blocks continuing it form one test case (parametrized, so ``pytest -n 2`` runs
+  them side by side) in its own scratch folder: symlinks to the repository's top-level files and folders, and
+  ``.venv`` to the running venv.
+* bash: ``bash -e`` in the scratch folder, the venv's ``bin/`` first on PATH (as after ``source .venv/bin/activate``)
+  and ``VLM_PACK_CACHE`` inside the scratch folder.
+* Skipped: only the set-up block (the one calling ``scripts/setup.sh``): it rebuilds ``.venv`` and runs this very
+  suite. Its commands are checked instead (the test command is CI's, the demo command parses).
+"""
+
+import os
 import re
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+import pytest
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-SNIPPETS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
-
-
-def block(containing: str) -> str:
-    """The one README python block containing ``containing``."""
-    matches = [s for s in SNIPPETS if containing in s]
-    assert len(matches) == 1, f"README has {len(matches)} python blocks containing {containing!r}"
-    return matches[0]
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+CONTINUES = "# continues the block above"
+SETUP = "scripts/setup.sh"
 
 
-def test_vlm_quick_start_trains(processor):
-    from vlm_pack.data import photo_examples
-    from vlm_pack.tiny_models import tiny_model
+@dataclass(frozen=True)
+class Block:
+    lang: str
+    code: str
+    line: int  # README line of the opening fence
 
-    model = tiny_model("qwen2_vl")
-    namespace = {"model": model, "processor": processor, "examples": photo_examples(4, seed=3)}
-    exec(block("packed_cross_entropy(logits, batch"), namespace)
-    assert torch.isfinite(namespace["loss"]) and namespace["loss"] > 0
-    assert "attention_mask" not in namespace["batch"]
-    assert any(p.grad is not None for p in model.parameters())
+    def __str__(self) -> str:
+        return f"README.md:{self.line} ({self.lang}: {self.code.splitlines()[0][:70]!r})"
 
 
-def test_core_quick_start_runs():
-    from vlm_pack.hf import enable_packing
-    from vlm_pack.tiny_models import qwen_tokenizer, tiny_model
-
-    tok = qwen_tokenizer()
-    enc = tok(["a short one", "a somewhat longer second sample here"], padding=True, return_tensors="pt")
-    model = enable_packing(tiny_model("llama"))
-    namespace = {"model": model, "tok": tok, "input_ids": enc["input_ids"], "labels": enc["input_ids"].clone(),
-                 "attention_mask": enc["attention_mask"]}
-    exec(block("pack_batch_sequences(input_ids"), namespace)
-    assert namespace["logits"].shape[1] == namespace["packed"].tokens.shape[1]
-    assert namespace["params"].cu_seqlens_q_padded is not None  # pad_multiple(cp=2) aligned the sequences
+BLOCKS = [Block(m["lang"], m["code"], README.count("\n", 0, m.start()) + 1)
+          for m in re.finditer(r"^```(?P<lang>python|bash)\n(?P<code>.*?)^```", README, flags=re.S | re.M)]
 
 
-def test_token_budget_quick_start_serves_fixed_width_packs(processor):
-    from vlm_pack import VLMPackingCollator
-    from vlm_pack.data import easy_vqa_examples, photo_examples
-    from vlm_pack.tiny_models import tiny_model
-
-    namespace = {"VLMPackingCollator": VLMPackingCollator, "processor": processor, "model": tiny_model("qwen2_vl"),
-                 "examples": photo_examples(3, seed=1) + easy_vqa_examples(3, seed=1)}
-    exec(block("TokenBudgetPackDataset(examples"), namespace)
-    rows = list(namespace["loader"])
-    assert len(rows) == namespace["plan"].num_packs >= 1
-    assert all(row["input_ids"].shape == (1, 4096) for row in rows)
+CHAINS: list[list[Block]] = []
+for _block in BLOCKS:
+    if SETUP in _block.code:
+        continue
+    if _block.code.startswith(CONTINUES):
+        assert CHAINS, f"{_block} continues a block, but none comes before it"
+        CHAINS[-1].append(_block)
+    else:
+        CHAINS.append([_block])
 
 
-def _trainer_namespace(processor) -> dict:
-    from datasets import Dataset
-
-    from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
-    from vlm_pack.tiny_models import qwen_tokenizer, tiny_model
-
-    tokenizer = qwen_tokenizer()
-    examples = photo_examples(4, seed=2, max_side=84) + easy_vqa_examples(2, seed=2) + text_chat_examples(2, seed=2)
-    ids = [tokenizer(e["messages"][-1]["content"])["input_ids"] for e in text_chat_examples(8, seed=2)]
-    return {"model": tiny_model("qwen2_5_vl", layers=1), "llm": tiny_model("llama", layers=1), "processor": processor,
-            "tokenizer": tokenizer, "examples": examples, "tokenized_dataset": Dataset.from_dict({"input_ids": ids})}
-
-
-def _weights(model) -> list:
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def test_trainer_section_trains(processor, tmp_path, monkeypatch):
+@pytest.mark.parametrize("chain", CHAINS, ids=[f"line{chain[0].line}" for chain in CHAINS])
+def test_readme_block_runs_as_written(chain, tmp_path, monkeypatch):
+    for entry in ROOT.iterdir():
+        if not entry.name.startswith("."):
+            (tmp_path / entry.name).symlink_to(entry)
+    (tmp_path / ".venv").symlink_to(sys.prefix)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "VLM_PACK_CACHE": str(tmp_path / "cache")}
     monkeypatch.chdir(tmp_path)
-    namespace = _trainer_namespace(processor)
-    before = _weights(namespace["model"]), _weights(namespace["llm"])
-    exec(block("Trainer(model=model, args=args"), namespace)
-    for model, old in zip((namespace["model"], namespace["llm"]), before):
-        assert any(not torch.equal(a, b) for a, b in zip(old, model.parameters()))  # both trained 2 steps
-    assert namespace["model"].accepts_loss_kwargs  # Qwen2.5-VL's class flag overridden by enable_packing
+    namespace = {"__name__": "__main__"}
+    for block in chain:
+        if block.lang == "bash":
+            run = subprocess.run(["bash", "-e", "-c", block.code], cwd=tmp_path, env=env, capture_output=True,
+                                 text=True, timeout=600)
+            assert run.returncode == 0, f"{block} exited {run.returncode}:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+        else:
+            exec(compile(block.code, str(block), "exec"), namespace)
 
 
-def test_trl_section_trains(processor, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    namespace = _trainer_namespace(processor)
-    setup = block("Trainer(model=model, args=args")  # defines collator and packed, as a reader following along
-    exec(setup.split("args = TrainingArguments")[0] + "packed = PackedDataset(tokenized_dataset, tokenizer, 4096)",
-         namespace)
-    before = _weights(namespace["model"]), _weights(namespace["llm"])
-    exec(block("SFTTrainer("), namespace)
-    for model, old in zip((namespace["model"], namespace["llm"]), before):
-        assert any(not torch.equal(a, b) for a, b in zip(old, model.parameters()))
+def test_every_block_but_the_set_up_one_is_run():
+    assert sum(map(len, CHAINS)) == len(BLOCKS) - 1 >= 10
+    fences = set(re.findall(r"^```(\S+)", README, flags=re.M))
+    assert fences <= {"python", "bash"}, f"code blocks this test would not run: {fences - {'python', 'bash'}}"
+
+
+def test_the_only_skipped_block_is_the_set_up_one_and_its_commands_hold():
+    setup = [block for block in BLOCKS if SETUP in block.code]
+    assert len(setup) == 1 and setup[0] == BLOCKS[0], "only the first block may call scripts/setup.sh"
+    commands = [line.split(" && ", 1)[1] for line in setup[0].code.splitlines() if line.startswith(f"bash {SETUP} && ")]
+    assert commands == [".venv/bin/vlm-pack demo", ".venv/bin/python -m pytest -q -n 2"]
+    assert f"bash {SETUP} && {commands[1]}" in (ROOT / ".ci" / "run").read_text()  # CI runs what the README says
+    demo = subprocess.run([str(Path(sys.executable).parent / "vlm-pack"), "demo", "--help"], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert demo.returncode == 0 and "usage: vlm-pack demo" in demo.stdout, demo.stderr
 
 
 def test_balanced_sampler_recipe_trains(processor, tmp_path, monkeypatch):

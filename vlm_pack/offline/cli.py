@@ -7,7 +7,6 @@ from pathlib import Path
 
 from .algorithms import ALGORITHMS
 from .encoding import TEMPLATES
-from .prepare import prepare_packed_sequence_data
 
 
 def add_prepare_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -32,9 +31,10 @@ def add_prepare_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                    help="hold out this seeded random fraction of the training rows instead of --validation")
     p.add_argument("--template", choices=TEMPLATES, default="auto",
                    help="auto (default): chat when the records have a messages list, else alpaca (prompt/response)")
-    p.add_argument("--prompt-field", default="prompt")
-    p.add_argument("--response-field", default="response")
-    p.add_argument("--messages-field", default="messages", help="chat messages field")
+    p.add_argument("--prompt-field", default="prompt", help="alpaca template: the prompt field (default prompt)")
+    p.add_argument("--response-field", default="response",
+                   help="alpaca template: the response field (default response)")
+    p.add_argument("--messages-field", default="messages", help="chat template: the messages list field (default messages)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="jinja chat template file whose assistant turns sit in {%% generation %%} blocks (default: the "
                         "tokenizer's if it has such blocks, else vlm_pack's ChatML for ChatML tokenizers)")
@@ -72,6 +72,8 @@ add_parser = add_prepare_parser  # the name the `vlm-pack` dispatcher (vlm_pack/
 
 def run_prepare(args: argparse.Namespace) -> int:
     """Run ``prepare`` from parsed arguments; returns the exit code."""
+    from .prepare import prepare_packed_sequence_data  # not at module level: `prepare --help` stays light
+
     chat_template = None
     if args.chat_template is not None:
         try:

@@ -5,7 +5,9 @@ Protocol (what the reader relies on):
 1. Before tokenising: create the folder, take an exclusive lock on ``.vlm_pack.lock`` inside it (released by the
    OS when the process dies, even under SIGKILL; a second run fails naming the lock), refuse existing output
    without ``overwrite``, and create the run's temporary folder ``.prepare-*`` there (which proves the folder
-   is writable). Temporary folders of dead runs are removed first, whatever the run goes on to do.
+   is writable). Temporary folders of dead runs are removed first, whatever the run goes on to do. A run that
+   fails or is interrupted (Ctrl-C) removes its temporary folder, and the lock file and folders it created, before
+   releasing the lock; a run that took the lock on a file removed meanwhile takes it again on the new one.
    Output already made of the same content (the caller's ``current`` check) is kept as it is instead.
 2. The run writes every file into its temporary folder; old output stays untouched and readable meanwhile.
 3. Commit, once everything is written and flushed: remove the old pack indexes and metadata of the pack sizes
@@ -48,6 +50,7 @@ class RunOutput:
         self.current = None
         self._lock = None
         self.tmp: Path | None = None
+        self._created: list[Path] = []  # folders this run made (deepest first) and its lock file, if it made it
 
     def __enter__(self) -> "RunOutput":
         self._make_dir()
@@ -61,13 +64,16 @@ class RunOutput:
             self._check_existing()
             self.tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=self.out_dir))
         except BaseException:
+            self._remove_created()
             self._release()
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
+        if exc_type is not None:  # failed or interrupted (Ctrl-C): leave no empty folder or lock file of ours
+            self._remove_created()
         self._release()
 
     def staged(self, final: Path) -> Path:
@@ -103,38 +109,58 @@ class RunOutput:
                         f"output folder {self.out_dir}: {parent} is a file, not a folder; choose another --output-dir"
                     )
                 break
+        missing = [p for p in (self.out_dir, *self.out_dir.parents) if not p.exists()]
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         except PermissionError:
             raise PermissionError(
                 f"cannot create the output folder {self.out_dir} (permission denied); choose a writable --output-dir"
             ) from None
+        self._created.extend(missing)  # deepest first
 
     def _take_lock(self) -> None:
         import fcntl
 
         path = self.out_dir / LOCK_NAME
-        try:
-            handle = open(path, "a+")
-        except PermissionError:
-            raise PermissionError(
-                f"cannot write to the output folder {self.out_dir} (permission denied); choose a writable --output-dir"
-            ) from None
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            handle.close()
-            raise OutputLockedError(
-                f"{self.out_dir} is being written by another `vlm-pack prepare` (lock {path} held by pid {holder}); "
-                "wait for it to finish, or write to another --output-dir"
-            ) from None
+        for _ in range(3):
+            made = not path.exists()
+            try:
+                handle = open(path, "a+")
+            except PermissionError:
+                raise PermissionError(f"cannot write to the output folder {self.out_dir} (permission denied); "
+                                      "choose a writable --output-dir") from None
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "unknown"
+                handle.close()
+                raise OutputLockedError(
+                    f"{self.out_dir} is being written by another `vlm-pack prepare` (lock {path} held by pid "
+                    f"{holder}); wait for it to finish, or write to another --output-dir"
+                ) from None
+            if _same_file(handle, path):
+                break
+            handle.close()  # a failed run removed the lock file it made between our open and our lock: again
+        else:
+            raise OutputLockedError(f"{path} keeps being replaced by other runs; retry, or use another --output-dir")
+        if made:
+            self._created.insert(0, path)
         handle.seek(0)
         handle.truncate()
         handle.write(str(os.getpid()))
         handle.flush()
         self._lock = handle
+
+    def _remove_created(self) -> None:
+        """Remove the lock file and the folders this run created, while still holding the lock, folders only if
+        empty (a run that waits on the lock file re-checks it after locking: see ``_take_lock``)."""
+        for path in self._created:
+            try:
+                path.rmdir() if path.is_dir() else path.unlink(missing_ok=True)
+            except OSError:  # not empty: another run's files (or ours the user must see); keep it and its parents
+                break
+        self._created = []
 
     def _release(self) -> None:
         if self._lock is not None:
@@ -152,6 +178,14 @@ class RunOutput:
                 f"{existing[0]} already exists ({len(existing)} output file(s) in {self.out_dir}); pass --overwrite "
                 "(overwrite=True) to replace them, or choose another output directory"
             )
+
+
+def _same_file(handle, path: Path) -> bool:
+    """Whether ``path`` still names the open file ``handle`` (not removed, not replaced)."""
+    try:
+        return os.path.samestat(os.fstat(handle.fileno()), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def _fsync(path: Path) -> None:

@@ -27,12 +27,32 @@ class SplitReport:
     summary: str = ""
 
 
-def verify_packed(directory: str | Path) -> list[SplitReport]:
-    """Check every split of a ``prepare`` output folder; a report per split (no problems: verified)."""
+def find_packed_dir(directory: str | Path) -> Path:
+    """``directory`` when it holds packed data, else the ONE packed folder below it (``directory`` is then the
+    ``--output-dir`` of ``prepare``, with ``packed/<tokenizer-name>/`` inside, or its ``packed/``). Several
+    packed folders below: a ValueError naming them; none: ``directory`` (reported as holding no packed data)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory} is not a folder; give the folder `vlm-pack prepare` wrote to "
                                 "(<output-dir>/packed/<tokenizer-name>)")
+    if _holds_packs(directory):
+        return directory
+    found = sorted({p for pattern in ("packed/*", "*") for p in directory.glob(pattern)
+                    if p.is_dir() and _holds_packs(p)})
+    if len(found) > 1:
+        raise ValueError(f"{directory} holds {len(found)} packed folders ({', '.join(map(str, found))}); "
+                         "give the one to verify")
+    return found[0] if found else directory
+
+
+def _holds_packs(directory: Path) -> bool:
+    return any(directory.glob("*_metadata.jsonl")) or any(parse_split_path(p) for p in directory.glob("*.npy"))
+
+
+def verify_packed(directory: str | Path) -> list[SplitReport]:
+    """Check every split of a ``prepare`` output folder (or of the one below ``directory``: see
+    :func:`find_packed_dir`); a report per split (no problems: verified)."""
+    directory = find_packed_dir(directory)
     reports, covered = [], set()
     for meta in sorted(directory.glob("*_metadata.jsonl")):
         try:
@@ -51,7 +71,9 @@ def verify_packed(directory: str | Path) -> list[SplitReport]:
         if parse_split_path(index) and index.name not in covered:
             reports.append(SplitReport(index.stem, [f"{index}: no metadata line for it; re-run `vlm-pack prepare`"]))
     if not reports:
-        reports.append(SplitReport(directory.name, [f"{directory}: no packed data (no *_metadata.jsonl)"]))
+        reports.append(SplitReport(directory.name, [
+            f"{directory}: no packed data (no *_metadata.jsonl here nor in {directory / 'packed'}/<tokenizer-name>/); "
+            "give the folder `vlm-pack prepare` wrote: <output-dir>/packed/<tokenizer-name>"]))
     return reports
 
 
@@ -97,13 +119,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Streamed full check of a `vlm-pack prepare` output folder (<output-dir>/packed/<tokenizer-name>). "
                     "Exit code 0: every split verified; 1: problems (listed).",
     )
-    p.add_argument("directory", help="the folder holding training_<size>.npy and <size>_metadata.jsonl")
+    p.add_argument("directory", help="the folder holding training_<size>.npy and <size>_metadata.jsonl, or the "
+                                     "--output-dir of `prepare` when it holds one such folder")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    directory = find_packed_dir(args.directory)
+    if directory != Path(args.directory):
+        print(f"verifying {directory}")
     failed = 0
-    for report in verify_packed(args.directory):
+    for report in verify_packed(directory):
         if report.problems:
             failed += 1
             for problem in report.problems:
