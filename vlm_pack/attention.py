@@ -334,7 +334,8 @@ def _sdpa_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torc
 
     if len(groups) == 1 and len(groups[0]) == 1 and len_q[groups[0][0]] == q.shape[0]:
         return pieces[0]
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    # SDPA's output dtype, not q's: under autocast fp32 inputs give bf16/fp16 outputs.
+    out = pieces[0].new_zeros(q.shape[0], q.shape[1], v.shape[-1])
     return out.index_put((dev_q,), torch.cat(pieces))
 
 
