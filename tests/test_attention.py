@@ -156,6 +156,9 @@ def test_random_packs_with_cross_lengths_and_windows(lengths_q, data, hkv, causa
         out = varlen_attention(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
                                window=window, softmax_scale=0.3, backend=backend)
         torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0, msg=lambda m: f"{backend}: {m}")
+    if q.shape[0] and k.shape[0]:  # the whole-row mask path that runs inside torch.compile
+        out = attention._sdpa_row_mask(q, k, v, cu_q, cu_q if self_attention else cu_k, causal, 0.3, window)
+        torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0, msg=lambda m: f"row mask: {m}")
 
 
 def test_window_backward_with_empty_rows_is_finite_and_exact():

@@ -148,6 +148,12 @@ def _auto_block_backend(device_type: str, dtype: torch.dtype) -> str:
     return select_backend(device_type, dtype, image_blocks=True)
 
 
+@torch.compiler.assume_constant_result  # under torch.compile: resolved eagerly, once, never traced
+def _resolve_auto(device_type: str, dtype: torch.dtype, image_blocks: bool) -> str:
+    """What ``backend="auto"`` runs for these tensors (cached per device type and dtype)."""
+    return (_auto_block_backend if image_blocks else _auto_backend)(device_type, dtype)
+
+
 def _check_window(window: tuple[int, int] | None) -> None:
     """``window`` is None or ``(left, right)`` with ``-1`` meaning unbounded."""
     if window is not None and (len(window) != 2 or any(int(w) < -1 for w in window)):
@@ -339,6 +345,52 @@ def _sdpa_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torc
     return out.index_put((dev_q,), torch.cat(pieces))
 
 
+def _token_coordinates(cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int, tk: int) -> tuple[torch.Tensor, ...]:
+    """Per token: segment and position inside it (queries in key coordinates: bottom-right alignment); keys past
+    the last boundary get segment -1 (they match no query). On device, no host sync, shapes fixed by T."""
+    same = cu_q is cu_k
+    cu_q = cu_q.to(torch.int64)
+    cu_k = cu_q if same else cu_k.to(torch.int64)
+    n_seg = cu_q.numel() - 1
+    seg_q, seg_k = segment_ids(cu_q, tq), segment_ids(cu_k, tk)
+    pos_q = torch.arange(tq, device=cu_q.device) - cu_q[seg_q]
+    if cu_q is not cu_k:  # cross lengths: bottom-right alignment shifts queries (self-attention: no shift)
+        pos_q = pos_q + torch.cat([cu_k.diff() - cu_q.diff(), cu_k.new_zeros(1)])[seg_q]
+    pos_k = torch.arange(tk, device=cu_k.device) - cu_k[seg_k]
+    return seg_q, torch.where(seg_k == n_seg, -1, seg_k), pos_q, pos_k
+
+
+def _allowed(seg_q, seg_k, pos_q, pos_k, qi, ki, left: int, right: int, block_ids: torch.Tensor | None):
+    """The (query ``qi``, key ``ki``) rule of the module docstring, on token coordinates."""
+    allowed = seg_q[qi] == seg_k[ki]
+    if right >= 0:
+        forward_ok = pos_k[ki] <= pos_q[qi] + right
+        if block_ids is not None:
+            forward_ok = forward_ok | ((block_ids[qi] == block_ids[ki]) & (block_ids[qi] >= 0))
+        allowed = allowed & forward_ok
+    if left >= 0:
+        allowed = allowed & (pos_k[ki] >= pos_q[qi] - left)
+    return allowed
+
+
+def _sdpa_row_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                   causal: bool, scale: float | None, window: tuple[int, int] | None,
+                   block_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact SDPA over the whole row with a ``[Tq, Tk]`` segment mask built on device: the path inside
+    ``torch.compile`` (no host sync, no numpy, every shape fixed by ``T``: a fixed-width row never recompiles).
+    Costs ``Tq * Tk`` instead of ``sum(Lq_i * Lk_i)``."""
+    left, right = _effective_window(causal, window)
+    seg_q, seg_k, pos_q, pos_k = _token_coordinates(cu_q, cu_k, q.shape[0], k.shape[0])
+    qi = torch.arange(q.shape[0], device=q.device)[:, None]
+    ki = torch.arange(k.shape[0], device=q.device)[None]
+    allowed = _allowed(seg_q, seg_k, pos_q, pos_k, qi, ki, left, right, block_ids)
+    has_key = allowed.any(dim=1, keepdim=True)
+    q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # THD -> [1, H, T, D]
+    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=allowed | ~has_key, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return (out * has_key.to(out.dtype)).squeeze(0).transpose(0, 1)
+
+
 def document_block_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int, tk: int, *, causal: bool,
                         window: tuple[int, int] | None = None, block_size: int = _FLEX_BLOCK,
                         block_ids: torch.Tensor | None = None) -> "torch.nn.attention.flex_attention.BlockMask":
@@ -351,25 +403,11 @@ def document_block_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int, tk: int
     from torch.nn.attention.flex_attention import BlockMask
 
     left, right = _effective_window(causal, window)
-    cu_q, cu_k = cu_q.to(torch.int64), cu_k.to(torch.int64)
     n_seg = cu_q.numel() - 1
-    seg_q, seg_k = segment_ids(cu_q, tq), segment_ids(cu_k, tk)
-    shift = torch.cat([cu_k.diff() - cu_q.diff(), cu_k.new_zeros(1)])
-    # Positions inside the segment; queries in key coordinates (bottom-right alignment).
-    pos_q = torch.arange(tq, device=cu_q.device) - cu_q[seg_q] + shift[seg_q]
-    pos_k = torch.arange(tk, device=cu_k.device) - cu_k[seg_k]
-    seg_k = torch.where(seg_k == n_seg, -1, seg_k)  # keys past the end match no query
+    seg_q, seg_k, pos_q, pos_k = _token_coordinates(cu_q, cu_k, tq, tk)
 
     def mask_mod(b, h, qi, ki):
-        allowed = seg_q[qi] == seg_k[ki]
-        if right >= 0:
-            forward_ok = pos_k[ki] <= pos_q[qi] + right
-            if block_ids is not None:
-                forward_ok = forward_ok | ((block_ids[qi] == block_ids[ki]) & (block_ids[qi] >= 0))
-            allowed = allowed & forward_ok
-        if left >= 0:
-            allowed = allowed & (pos_k[ki] >= pos_q[qi] - left)
-        return allowed
+        return _allowed(seg_q, seg_k, pos_q, pos_k, qi, ki, left, right, block_ids)
 
     def block_stats(x: torch.Tensor, total: int, fill_lo: int, fill_hi: int):
         """Per-block (min, max) of ``x``, padding the last block with values that never widen the range."""
@@ -503,15 +541,22 @@ def _transformer_engine(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window
     return out.view(q.shape[0], q.shape[1], v.shape[-1])
 
 
+def _max_len(value: int | torch.Tensor | None, cu: torch.Tensor) -> int:
+    """A longest-segment length as a Python int for the kernels (derived from ``cu`` when None; one sync)."""
+    return int(cu.diff().max()) if value is None else int(value)
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = True,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None, max_seqlen_k: int | None, *,
+                     causal: bool = True,
                      softmax_scale: float | None = None, window: tuple[int, int] | None = None,
                      backend: str = "auto", block_ids: torch.Tensor | None = None,
                      plan_cache: dict | None = None) -> torch.Tensor:
     """Attention over a packed THD row, never across a ``cu_seqlens`` boundary; returns ``[Tq, Hq, Dv]``.
 
     ``cu_seqlens_*`` are the PHYSICAL boundaries and end at ``T`` (the host paths check it; GPU kernels trust
-    it). ``max_seqlen_*`` should be Python ints (a tensor costs a device sync). ``backend="auto"`` uses
+    it). ``max_seqlen_*`` should be Python ints (a tensor costs a device sync; None: derived from the boundaries
+    by the CUDA kernels that need it, never read by the CPU paths, so ``torch.compile`` does not specialize on it). ``backend="auto"`` uses
     ``select_backend``; name one of ``BACKENDS`` to force it (``available_backends()`` says what runs here).
     ``block_ids`` (``[T]`` int, ``-1`` outside images; causal self-attention with ``cu_seqlens_q`` equal to
     ``cu_seqlens_k``): tokens of one image block also see each other both ways (module docstring).
@@ -524,8 +569,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         block_ids = block_ids.reshape(-1)
     if q.shape[0] == 0 or k.shape[0] == 0:  # nothing to attend to: every row outputs 0
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
-    auto = _auto_backend if block_ids is None else _auto_block_backend
-    name = auto(q.device.type, q.dtype) if backend == "auto" else backend
+    name = _resolve_auto(q.device.type, q.dtype, block_ids is not None) if backend == "auto" else backend
+    if name == "sdpa_segments" and torch.compiler.is_compiling():
+        return _sdpa_row_mask(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window, block_ids)
     if name == "sdpa_segments":
         return _sdpa_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window, block_ids)
     if name == "flex":
@@ -541,5 +587,6 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     status = available_backends()[name]
     if not status.available:
         raise RuntimeError(f"attention backend {name!r} is not available here: {status.reason}")
-    return kernels[name](q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal,
+    return kernels[name](q, k, v, cu_seqlens_q, cu_seqlens_k, _max_len(max_seqlen_q, cu_seqlens_q),
+                         _max_len(max_seqlen_k, cu_seqlens_k), causal,
                          softmax_scale, window)
