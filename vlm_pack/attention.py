@@ -22,7 +22,8 @@ Only ``flex`` and ``sdpa_segments`` express it (``BackendStatus.image_blocks``);
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import inspect
 from functools import lru_cache
 from typing import Callable, NamedTuple
 
@@ -59,20 +60,41 @@ class BackendStatus(NamedTuple):
     image_blocks: bool = False
 
 
-@lru_cache(maxsize=None)
-def _has_module(name: str) -> bool:
-    """True when ``name`` is importable (checked once, without importing it: named backends probe every call)."""
-    return importlib.util.find_spec(name) is not None
+# What each CUDA kernel's import must provide: (module, attribute) the wrapper calls.
+_KERNEL_IMPORTS = {"flash_attn": ("flash_attn", "flash_attn_varlen_func"),
+                   "transformer_engine": ("transformer_engine.pytorch", "DotProductAttention")}
+# torch.nn.attention.varlen.varlen_attn keywords the wrapper passes (torch 2.12+; older builds raise TypeError).
+_TORCH_VARLEN_KEYWORDS = ("scale", "window_size", "enable_gqa")
 
 
 @lru_cache(maxsize=None)
-def _has_torch_varlen() -> bool:
-    """True when this torch build ships ``torch.nn.attention.varlen.varlen_attn``."""
+def _import_error(name: str) -> str | None:
+    """None when backend ``name``'s kernel imports for real (once, cached), else why not: a wheel built for
+    another torch (``undefined symbol``) or an empty namespace package must not pass for an installed kernel."""
+    module, attribute = _KERNEL_IMPORTS[name]
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        getattr(importlib.import_module(module), attribute)
+    except ModuleNotFoundError as error:
+        if error.name == module or module.startswith(f"{error.name}."):
+            return "not installed"
+        return f"import {module} failed: {type(error).__name__}: {error}"
+    except Exception as error:  # ImportError (undefined symbol), AttributeError (no such kernel), OSError
+        return f"import {module} failed: {type(error).__name__}: {error}"
+    return None
+
+
+@lru_cache(maxsize=None)
+def _torch_varlen_error() -> str | None:
+    """None when this torch ships ``varlen_attn`` with every keyword the wrapper passes, else why not."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return False
-    return True
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (torch >= 2.12 has it)"
+    missing = [k for k in _TORCH_VARLEN_KEYWORDS if k not in inspect.signature(varlen_attn).parameters]
+    if missing:
+        return (f"torch {torch.__version__}'s varlen_attn lacks the keyword(s) {missing} (torch >= 2.12 has them); "
+                "upgrade torch or use another backend")
+    return None
 
 
 @lru_cache(maxsize=None)
@@ -85,25 +107,30 @@ def _has_flex() -> bool:
     return True
 
 
+def _install_hint(error: str | None, package: str, command: str) -> str | None:
+    """The probe's error, worded for users: a missing package names its install command."""
+    return f"{package} is not installed ({command})" if error == "not installed" else error
+
+
 def available_backends() -> dict[str, BackendStatus]:
     """Probe every backend on this machine: ``{name: BackendStatus(available, reason)}``."""
     cuda = torch.cuda.is_available()
     no_cuda = "needs a CUDA device (torch.cuda.is_available() is False)"
-    # CUDA kernels: (name, installed?, why not when missing, what runs when present)
+    # CUDA kernels: (name, why it cannot run or None, what runs when it can)
     cuda_kernels = (
-        ("flash_attn", _has_module("flash_attn"), "flash-attn is not installed (pip install flash-attn)",
+        ("flash_attn", _install_hint(_import_error("flash_attn"), "flash-attn", "pip install flash-attn"),
          "flash_attn_varlen_func"),
-        ("torch_varlen", _has_torch_varlen(), "this torch build has no torch.nn.attention.varlen",
-         "torch.nn.attention.varlen.varlen_attn"),
-        ("transformer_engine", _has_module("transformer_engine"), "transformer-engine is not installed",
+        ("torch_varlen", _torch_varlen_error(), "torch.nn.attention.varlen.varlen_attn"),
+        ("transformer_engine", _install_hint(_import_error("transformer_engine"), "transformer-engine",
+                                             "pip install transformer-engine[pytorch]"),
          "DotProductAttention(qkv_format='thd')"),
     )
     # Their masks are a causal/window band per segment: a query cannot see a later key of its own image.
     no_blocks = "; cannot express bidirectional image blocks (routed to flex / sdpa_segments)"
     status: dict[str, BackendStatus] = {
-        name: BackendStatus(cuda, (kernel if cuda else no_cuda) + no_blocks) if installed
-        else BackendStatus(False, missing + no_blocks)
-        for name, installed, missing, kernel in cuda_kernels
+        name: BackendStatus(False, error + no_blocks) if error is not None
+        else BackendStatus(cuda, (kernel if cuda else no_cuda) + no_blocks)
+        for name, error, kernel in cuda_kernels
     }
     if not _has_flex():
         status["flex"] = BackendStatus(False, "this torch build has no torch.nn.attention.flex_attention")
@@ -500,22 +527,31 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
     return out.squeeze(0).transpose(0, 1)
 
 
+def _require_half(name: str, q: torch.Tensor) -> None:
+    if q.dtype not in _HALF_DTYPES:
+        raise ValueError(f"backend={name!r} needs fp16/bf16 tensors, got {q.dtype}; cast q/k/v or use "
+                         "backend='sdpa_segments'")
+
+
 def _flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window) -> torch.Tensor:
-    """flash_attn_varlen_func (GQA native)."""
+    """flash_attn_varlen_func (GQA native; fp16/bf16, one head dim for q, k and v)."""
     from flash_attn import flash_attn_varlen_func
 
+    _require_half("flash_attn", q)
+    if v.shape[-1] != q.shape[-1]:
+        raise ValueError(f"backend='flash_attn' needs the value head dim ({v.shape[-1]}) equal to the query/key "
+                         f"head dim ({q.shape[-1]}); use backend='sdpa_segments' (or 'flex')")
     return flash_attn_varlen_func(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
                                   dropout_p=0.0, softmax_scale=scale, causal=causal,
-                                  window_size=_effective_window(causal, window))
+                                  window_size=_effective_window(causal, window),
+                                  deterministic=torch.are_deterministic_algorithms_enabled())
 
 
 def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window) -> torch.Tensor:
     """torch.nn.attention.varlen.varlen_attn (FlashAttention-2 / cuDNN inside torch; fp16/bf16, CUDA)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    if q.dtype not in _HALF_DTYPES:
-        raise ValueError(f"backend='torch_varlen' needs fp16/bf16 tensors, got {q.dtype}; cast q/k/v or use "
-                         "backend='sdpa_segments'")
+    _require_half("torch_varlen", q)
     return varlen_attn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, scale=scale,
                        window_size=_effective_window(causal, window), enable_gqa=q.shape[1] != k.shape[1])
 
@@ -529,15 +565,28 @@ def _te_module(num_heads: int, head_dim: int, num_kv_heads: int, scale: float | 
                                qkv_format="thd", softmax_scale=scale)
 
 
+def _te_window(causal: bool, window: tuple[int, int] | None, max_len: int) -> tuple[str, tuple[int, int]]:
+    """(mask type, window) in TransformerEngine's terms. TE takes causal masks with ``(left, 0)`` windows and
+    padding masks with ``(-1, -1)`` or ``(>= 0, >= 0)``: it asserts on ``(l, -1)`` / ``(-1, r)`` and rewrites a
+    non-causal ``(-1, 0)`` to full attention. A right bound of 0 is causal; an unbounded side is bounded by the
+    longest segment (no key of a segment is further away), so every window keeps its meaning."""
+    left, right = _effective_window(causal, window)
+    if right == 0:
+        return "padding_causal_bottom_right", (left, 0)
+    if (left < 0) != (right < 0):
+        left, right = (max_len if left < 0 else left), (max_len if right < 0 else right)
+    return "padding", (left, right)
+
+
 def _transformer_engine(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window) -> torch.Tensor:
     """TransformerEngine fused attention, THD format (thin wrapper; TE picks its own kernel)."""
     if q.shape[-1] != v.shape[-1]:
-        raise NotImplementedError("backend='transformer_engine' wrapper needs equal q/v head dims")
+        raise ValueError(f"backend='transformer_engine' wrapper needs the value head dim ({v.shape[-1]}) equal to "
+                         f"the query/key head dim ({q.shape[-1]}); use backend='sdpa_segments' (or 'flex')")
+    mask_type, window_size = _te_window(causal, window, max(max_q, max_k))
     module = _te_module(q.shape[1], q.shape[2], k.shape[1], scale)
     out = module(q, k, v, qkv_format="thd", cu_seqlens_q=cu_q.to(torch.int32), cu_seqlens_kv=cu_k.to(torch.int32),
-                 max_seqlen_q=max_q, max_seqlen_kv=max_k,
-                 attn_mask_type="padding_causal_bottom_right" if causal else "padding",
-                 window_size=_effective_window(causal, window))
+                 max_seqlen_q=max_q, max_seqlen_kv=max_k, attn_mask_type=mask_type, window_size=window_size)
     return out.view(q.shape[0], q.shape[1], v.shape[-1])
 
 
