@@ -421,3 +421,24 @@ def test_deepcopy_of_a_packed_model_runs_its_own_weights(text_models):
         torch.testing.assert_close(clone(**row, use_cache=False).logits, model(**row, use_cache=False).logits)
         deltanet.out_proj.weight.zero_()
         assert not torch.allclose(clone(**row, use_cache=False).logits, model(**row, use_cache=False).logits)
+
+
+def test_fla_older_than_0_5_is_refused_by_auto_and_named_when_forced(fake_fla, monkeypatch):
+    """fla <= 0.4.2 mis-computes grouped-value delta rules: auto must not pick it, a forced 'fla' names the fix."""
+    from importlib import metadata
+
+    real_version = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "0.4.2" if name == "flash-linear-attention"
+                        else real_version(name))
+    monkeypatch.setattr(la.importlib.util, "find_spec", lambda name, *a: object() if name == "fla" else None)
+    la.fla_error.cache_clear()
+    try:
+        assert "0.4.2" in la.fla_error() and la.select_linear_backend("cuda") == "torch_segments"
+        model = small_vocab_text_model()
+        enable_packing(model)
+        install_linear_attention_packing(model, DELTANET, backend="fla")
+        _, row = text_batch([5, 9], seed=6)
+        with torch.no_grad(), pytest.raises(ImportError, match=r"0\.4\.2.*>=0\.5\.0"):
+            model(**row, use_cache=False)
+    finally:
+        la.fla_error.cache_clear()
