@@ -108,6 +108,38 @@ def run(mode: str, batches: int, rounds: int, backend: str) -> dict:
     }
 
 
+def flex_recompiles(batches: int, width: int = 256) -> dict:
+    """Compiled FlexAttention (CPU: static shapes) over ``batches`` fixed-width rows of different segment layouts,
+    two layer kinds (causal, causal with a 32-token window): recompiles per kind after its first call."""
+    import numpy as np
+
+    from vlm_pack.attention import varlen_attention
+
+    torch._dynamo.reset()
+    log = RecompileLog()
+    logger = logging.getLogger("torch._dynamo")
+    logger.addHandler(log)
+    torch._logging.set_logs(recompiles=True)
+    rng = np.random.default_rng(0)
+    q = k = v = torch.randn(width, 2, 16)
+    per_batch, start = [], time.perf_counter()
+    try:
+        for _ in range(batches):
+            cuts = np.sort(rng.choice(np.arange(1, width), size=int(rng.integers(1, 8)), replace=False))
+            cu = torch.tensor([0, *cuts.tolist(), width], dtype=torch.int32)
+            before = len(log.reasons)
+            with torch.no_grad():
+                for window in (None, (32, 0)):
+                    varlen_attention(q, k, v, cu, cu, None, None, window=window, backend="flex")
+            per_batch.append(len(log.reasons) - before)
+    finally:
+        torch._logging.set_logs()
+        logger.removeHandler(log)
+    return {"batches": batches, "width": width, "recompiles_per_batch": per_batch,
+            "seconds": round(time.perf_counter() - start, 1),
+            "reasons": [r.split("triggered by the following guard failure(s):")[-1].strip()[:300] for r in log.reasons]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="6 batches, 1 timing round, fixed width only")

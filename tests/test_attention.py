@@ -622,3 +622,29 @@ def test_torch_varlen_without_the_keywords_used_is_unavailable(monkeypatch):
         assert not status.available and "scale" in status.reason and "2.12" in status.reason
     finally:
         attention._torch_varlen_error.cache_clear()
+
+
+def test_flex_builds_one_block_mask_per_batch_and_layer_kind(monkeypatch):
+    """Layers of one forward share the boundaries tensor: the mask is built once per (causal, window) kind, and
+    again for the next batch's boundaries."""
+    built = []
+    real = attention.document_block_mask
+    monkeypatch.setattr(attention, "document_block_mask", lambda *a, **kw: built.append(kw["window"]) or real(*a, **kw))
+    q, k, v = random_qkv(9, 9, 2, 2, 8, seed=0)
+    for cu in (cu_of([3, 6]), cu_of([4, 5])):  # two batches
+        for window in (None, (2, 2), None, (2, 2)):  # four layers, two kinds
+            out = varlen_attention(q, k, v, cu, cu, 6, 6, window=window, backend="flex")
+            torch.testing.assert_close(out.double(), reference(q, k, v, cu, cu, causal=True, window=window),
+                                       atol=ATOL, rtol=0)
+    assert built == [None, (2, 2), None, (2, 2)]
+
+
+def test_doctor_prints_every_backend_and_why(broken_flash_attn, capsys):
+    from vlm_pack.cli import main
+
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    for name in BACKENDS:
+        assert f"\n  {name} " in out
+    assert "undefined symbol" in out  # the probe's own error, for the bug report
+    assert "cpu float32   -> sdpa_segments" in out

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import weakref
 from functools import lru_cache
 from typing import Callable, NamedTuple
 
@@ -140,7 +141,8 @@ def available_backends() -> dict[str, BackendStatus]:
             "CPU backward)", True,
         )
     status["sdpa_segments"] = BackendStatus(
-        True, "exact per-segment SDPA (one host sync per call; image blocks via a per-segment mask)", True
+        True, "exact per-segment SDPA (one host sync per call; image blocks via a per-segment mask; inside "
+        "torch.compile: one SDPA over the row with a segment mask, no host sync)", True
     )
     return status
 
@@ -501,19 +503,36 @@ def _flex_kernel(device_type: str) -> Callable:
     return _compiled_flex(device_type)
 
 
+# Plans derived from the boundaries of the batch in flight: every layer of one forward gets the same cu tensors.
+_plans: tuple[weakref.ref, weakref.ref, int, int, dict] | None = None
+
+
+def _batch_plans(cu_q: torch.Tensor, cu_k: torch.Tensor) -> dict:
+    """The plan dict of these boundary tensors (a new batch, or boundaries changed in place, starts a new one):
+    FlexAttention's block mask is built once per batch and layer kind, not once per layer."""
+    global _plans
+    if (_plans is not None and _plans[0]() is cu_q and _plans[1]() is cu_k
+            and _plans[2:4] == (cu_q._version, cu_k._version)):
+        return _plans[4]
+    _plans = (weakref.ref(cu_q), weakref.ref(cu_k), cu_q._version, cu_k._version, {})
+    return _plans[4]
+
+
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
           causal: bool, scale: float | None, window: tuple[int, int] | None,
           block_ids: torch.Tensor | None = None, plan_cache: dict | None = None) -> torch.Tensor:
     """FlexAttention with a document (x image block) mask built from cu_seqlens (forward only on CPU).
 
-    ``plan_cache``: a dict owned by the caller for one batch; the block mask is built once per (rule, window)
-    and reused by every later layer of that batch.
+    ``plan_cache``: a dict owned by the caller for one batch (default: one kept per boundary tensors); the block
+    mask is built once per (rule, window) and reused by every later layer of that batch.
     """
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise NotImplementedError(
             "backend='flex' has no backward on CPU in this torch build; use backend='sdpa_segments' for "
             "CPU training (or run flex under torch.no_grad())"
         )
+    if plan_cache is None and not torch.compiler.is_compiling():
+        plan_cache = _batch_plans(cu_q, cu_k)
     key = ("flex", q.shape[0], k.shape[0], causal, window, block_ids is not None)
     block_mask = None if plan_cache is None else plan_cache.get(key)
     if block_mask is None:
