@@ -10,7 +10,11 @@ names an input vlm_pack supplies (``cu_seq_lens_*``, ``max_length_*``) or a vlm_
 (forward + backward, fp32) is then measured with eager and compiled steps interleaved over the same rows
 (median per step), after every shape has been compiled.
 
-Run: ``python benchmarks/compile.py [--quick]``; writes ``benchmarks/results/compile_cpu.md`` (+ ``.json``).
+``--flex``: compiled FlexAttention alone (CPU, static shapes) over 20 fixed-width rows of different segment
+layouts and two layer kinds: recompiles per batch (the block mask's ``mask_mod`` is a fresh closure per batch).
+
+Run: ``python benchmarks/compile.py [--quick] [--flex]``; writes ``benchmarks/results/compile_cpu.md`` (+ ``.json``)
+or ``compile_flex_cpu.md``.
 """
 
 from __future__ import annotations
@@ -144,8 +148,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="6 batches, 1 timing round, fixed width only")
     parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--flex", action="store_true",
+                        help="only compiled FlexAttention's recompiles (writes compile_flex_cpu.md)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.flex:
+        flex = flex_recompiles(6 if args.quick else 20)
+        text = "\n".join([
+            "# Compiled FlexAttention on CPU: recompiles per batch", "",
+            f"{flex['batches']} rows of {flex['width']} tokens, 2-8 segments each (random cuts), two layer kinds per "
+            "row (causal; causal with a 32-token window), torch " + torch.__version__ + ", static shapes (CPU). "
+            "`python benchmarks/compile.py --flex`.", "",
+            f"Recompiles per batch: {flex['recompiles_per_batch']} ({flex['seconds']} s in all).", "",
+            "Reasons:", "", *(f"- {reason}" for reason in flex["reasons"]), ""])
+        if not args.quick:
+            RESULTS.mkdir(exist_ok=True)
+            (RESULTS / "compile_flex_cpu.md").write_text(text)
+        print(text)
+        return
     batches, rounds = (6, 1) if args.quick else (20, 3)
     modes = ["fixed"] if args.quick else ["fixed", "variable"]
     results = [run(mode, batches, rounds, args.backend) for mode in modes]
