@@ -156,6 +156,9 @@ def test_random_packs_with_cross_lengths_and_windows(lengths_q, data, hkv, causa
         out = varlen_attention(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
                                window=window, softmax_scale=0.3, backend=backend)
         torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0, msg=lambda m: f"{backend}: {m}")
+    if q.shape[0] and k.shape[0]:  # the whole-row mask path that runs inside torch.compile
+        out = attention._sdpa_row_mask(q, k, v, cu_q, cu_q if self_attention else cu_k, causal, 0.3, window)
+        torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0, msg=lambda m: f"row mask: {m}")
 
 
 def test_window_backward_with_empty_rows_is_finite_and_exact():
@@ -278,8 +281,8 @@ def test_unknown_and_unavailable_backends(monkeypatch):
 
 def fake_machine(monkeypatch, *, cuda: bool, installed: set[str], torch_varlen: bool = True):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(attention, "_has_module", lambda name: name in installed)
-    monkeypatch.setattr(attention, "_has_torch_varlen", lambda: torch_varlen)
+    monkeypatch.setattr(attention, "_import_error", lambda name: None if name in installed else "not installed")
+    monkeypatch.setattr(attention, "_torch_varlen_error", lambda: None if torch_varlen else "torch is too old")
 
 
 @pytest.mark.parametrize(
@@ -406,9 +409,14 @@ class FakeKernels:
     def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+        # flash-attn 2.8's own checks (csrc/flash_attn/flash_api.cpp, mha_varlen_fwd): fp16/bf16 only, one head
+        # dim for q, k and v, query heads a multiple of key heads (its CUDA-only check cannot run here).
+        assert q.dtype in (torch.float16, torch.bfloat16), "FlashAttention only support fp16 and bf16 data type"
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1], "head dims of q, k, v must match"
+        assert q.shape[1] % k.shape[1] == 0, "Number of heads in key/value must divide number of heads in query"
         self.calls.append(("flash_attn", dict(q=q, k=k, v=v, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, max_q=max_seqlen_q,
                                               max_k=max_seqlen_k, scale=softmax_scale, window=tuple(window_size),
-                                              causal=causal, dropout_p=dropout_p)))
+                                              causal=causal, dropout_p=dropout_p, deterministic=deterministic)))
         left, right = window_size
         return emulate(q, k, v, cu_seqlens_q, cu_seqlens_k, (left, 0 if causal else right), softmax_scale)
 
@@ -442,13 +450,27 @@ class FakeKernels:
                     init=self.init, qkv_format=qkv_format, mask_type=attn_mask_type,
                     padded=(cu_seqlens_q_padded, cu_seqlens_kv_padded))))
                 assert attn_mask_type in ("padding", "padding_causal_bottom_right"), attn_mask_type
-                left, right = window_size
-                window = (left, 0 if attn_mask_type.startswith("padding_causal") else right)
+                window = te_check_set_window_size(attn_mask_type, tuple(window_size))
                 out = emulate(query_layer, key_layer, value_layer, cu_seqlens_q, cu_seqlens_kv, window,
                               self.init["scale"])
                 return out.reshape(out.shape[0], -1)  # TE returns THD with heads flattened: [T, H * D]
 
         return DotProductAttention
+
+
+def te_check_set_window_size(attn_mask_type: str, window: tuple[int, int]) -> tuple[int, int]:
+    """TransformerEngine 2.x's ``check_set_window_size`` rule (transformer_engine/pytorch/attention/
+    dot_product_attention/utils.py): causal masks keep ``(left, 0)``; padding masks take ``(-1, -1)`` or two
+    bounds >= 0, ASSERT on one unbounded side and silently turn ``(-1, 0)`` into full attention."""
+    if "causal" in attn_mask_type:
+        if window == (-1, -1) or (window[0] >= 0 and window[1] != 0):
+            return window[0], 0
+        assert window == (-1, 0) or (window[0] >= 0 and window[1] == 0), f"window_size {window} for {attn_mask_type}"
+        return window
+    if window == (-1, 0):
+        return -1, -1  # TE warns and attends to everything
+    assert window == (-1, -1) or (window[0] >= 0 and window[1] >= 0), f"window_size {window} for {attn_mask_type}"
+    return window
 
 
 KERNEL_CASES = [(backend, causal, window, scale) for backend in ("flash_attn", "torch_varlen", "transformer_engine")
@@ -472,7 +494,7 @@ def test_gpu_kernels_get_int32_boundaries_int_lengths_and_the_window(monkeypatch
     assert call["scale"] == scale
     assert all(call[x].dtype == torch.bfloat16 for x in "qkv") and call["k"].shape[1] == 2  # no upcast, no KV repeat
     if backend == "flash_attn":
-        assert call["causal"] is causal and call["dropout_p"] == 0.0
+        assert call["causal"] is causal and call["dropout_p"] == 0.0 and call["deterministic"] is False
     if backend == "torch_varlen":
         assert call["enable_gqa"] is True
     if backend == "transformer_engine":
@@ -500,3 +522,129 @@ def test_auto_routes_half_precision_cuda_tensors_to_the_kernel(monkeypatch, inst
     varlen_attention(q, k, v, cu, cu, 4, 4)
     assert [name for name, _ in kernels.calls] == [expected]
     attention._te_module.cache_clear()
+
+
+# Non-causal windows with one side unbounded, or a right bound of 0: TE asserts on the first, and silently
+# attends everywhere for (-1, 0); the wrapper must keep each window's meaning.
+TE_WINDOWS = [(False, (3, -1)), (False, (-1, 2)), (False, (-1, 0)), (False, (2, 0)), (True, (-1, 4)), (True, None)]
+
+
+@pytest.mark.parametrize("causal,window", TE_WINDOWS, ids=[f"{c}-{w}" for c, w in TE_WINDOWS])
+def test_transformer_engine_windows_keep_their_meaning(monkeypatch, causal, window):
+    FakeKernels(monkeypatch)
+    cu = cu_of([7, 3, 9])
+    q, k, v = (x.bfloat16() for x in random_qkv(19, 19, 2, 1, 8, seed=6))
+    out = varlen_attention(q, k, v, cu, cu, 9, 9, causal=causal, window=window, backend="transformer_engine")
+    expected = reference(q.float(), k.float(), v.float(), cu, cu, causal=causal, window=window)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=0)
+    attention._te_module.cache_clear()
+
+
+def test_flash_attn_passes_deterministic(monkeypatch):
+    kernels = FakeKernels(monkeypatch)
+    cu = cu_of([3, 5])
+    q, k, v = (x.bfloat16() for x in random_qkv(8, 8, 2, 2, 8, seed=1))
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    varlen_attention(q, k, v, cu, cu, 5, 5, backend="flash_attn")
+    assert kernels.calls[-1][1]["deterministic"] is True
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "transformer_engine"])
+def test_kernels_refuse_value_head_dim_unlike_query(monkeypatch, backend):
+    FakeKernels(monkeypatch)
+    cu = cu_of([3, 5])
+    q, k, _ = (x.bfloat16() for x in random_qkv(8, 8, 2, 2, 8, seed=1))
+    v = torch.zeros(8, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="value head dim"):
+        varlen_attention(q, k, v, cu, cu, 5, 5, backend=backend)
+    attention._te_module.cache_clear()
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen"])
+def test_kernels_refuse_fp32(monkeypatch, backend):
+    FakeKernels(monkeypatch)
+    cu = cu_of([3, 5])
+    q, k, v = random_qkv(8, 8, 2, 2, 8, seed=1)
+    with pytest.raises(ValueError, match="needs fp16/bf16"):
+        varlen_attention(q, k, v, cu, cu, 5, 5, backend=backend)
+
+
+# ------------------------------------------------------------------ probes import for real
+
+
+@pytest.fixture
+def broken_flash_attn(tmp_path, monkeypatch):
+    """A flash-attn that is found but fails to import (a wheel built for another torch: undefined symbol)."""
+    package = tmp_path / "flash_attn"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    attention._import_error.cache_clear()
+    attention._auto_backend.cache_clear()
+    yield
+    attention._import_error.cache_clear()
+    attention._auto_backend.cache_clear()
+
+
+def test_flash_attn_that_fails_to_import_is_unavailable_and_auto_falls_back(broken_flash_attn, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(attention, "_torch_varlen_error", lambda: None)
+    status = available_backends()["flash_attn"]
+    assert not status.available and "undefined symbol" in status.reason
+    assert select_backend("cuda", torch.bfloat16) == "torch_varlen"
+
+
+def test_flash_attn_namespace_without_the_kernel_is_unavailable(tmp_path, monkeypatch):
+    """A flash-attn-4-only install leaves ``flash_attn`` a namespace package without flash_attn_varlen_func."""
+    (tmp_path / "flash_attn").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    attention._import_error.cache_clear()
+    try:
+        reason = available_backends()["flash_attn"].reason
+        assert not available_backends()["flash_attn"].available and "flash_attn_varlen_func" in reason
+    finally:
+        attention._import_error.cache_clear()
+
+
+def test_torch_varlen_without_the_keywords_used_is_unavailable(monkeypatch):
+    """torch 2.10/2.11's varlen_attn has no scale / window_size / enable_gqa: calling it would raise TypeError."""
+    import torch.nn.attention.varlen as torch_varlen
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(torch_varlen, "varlen_attn", varlen_attn)
+    attention._torch_varlen_error.cache_clear()
+    try:
+        status = available_backends()["torch_varlen"]
+        assert not status.available and "scale" in status.reason and "2.12" in status.reason
+    finally:
+        attention._torch_varlen_error.cache_clear()
+
+
+def test_flex_builds_one_block_mask_per_batch_and_layer_kind(monkeypatch):
+    """Layers of one forward share the boundaries tensor: the mask is built once per (causal, window) kind, and
+    again for the next batch's boundaries."""
+    built = []
+    real = attention.document_block_mask
+    monkeypatch.setattr(attention, "document_block_mask", lambda *a, **kw: built.append(kw["window"]) or real(*a, **kw))
+    q, k, v = random_qkv(9, 9, 2, 2, 8, seed=0)
+    for cu in (cu_of([3, 6]), cu_of([4, 5])):  # two batches
+        for window in (None, (2, 2), None, (2, 2)):  # four layers, two kinds
+            out = varlen_attention(q, k, v, cu, cu, 6, 6, window=window, backend="flex")
+            torch.testing.assert_close(out.double(), reference(q, k, v, cu, cu, causal=True, window=window),
+                                       atol=ATOL, rtol=0)
+    assert built == [None, (2, 2), None, (2, 2)]
+
+
+def test_doctor_prints_every_backend_and_why(broken_flash_attn, capsys):
+    from vlm_pack.cli import main
+
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    for name in BACKENDS:
+        assert f"\n  {name} " in out
+    assert "undefined symbol" in out  # the probe's own error, for the bug report
+    assert "cpu float32   -> sdpa_segments" in out

@@ -209,11 +209,35 @@ class Recorder:
         return self.make_output(*args, **kwargs)
 
 
+# flash-linear-attention 0.6.0's signatures (read from the installed package with inspect.signature; fla cannot
+# stay installed here: with it, transformers' Qwen3.5 modules call its Triton kernels on CPU tensors and fail).
+def fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                               state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+                               cp_context=None, **kwargs):
+    """fla's shape rules: q, k [B, T, H, K]; v [B, T, HV, V] with HV a multiple of H (grouped values, fla >= 0.5);
+    g, beta [B, T, HV]; varlen needs B == 1."""
+    assert not kwargs, f"unknown keywords {sorted(kwargs)}"
+    assert q.shape == k.shape and v.shape[:2] == q.shape[:2] and v.shape[2] % q.shape[2] == 0
+    assert g.shape == beta.shape == v.shape[:3]
+    assert cu_seqlens is None or q.shape[0] == 1
+    return torch.zeros_like(v), None
+
+
+def fla_causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
+                      activation=None, backend="triton", cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+                      cp_context=None, **kwargs):
+    """fla's rules: x [B, T, D], weight [D, W]; returns (y, final_state)."""
+    assert not kwargs, f"unknown keywords {sorted(kwargs)}"
+    assert x.dim() == 3 and weight.shape[0] == x.shape[-1]
+    return torch.zeros_like(x), None
+
+
 @pytest.fixture
 def fake_fla(monkeypatch):
-    """flash-linear-attention's two varlen entry points as recording fakes, importable at run time."""
-    rule = Recorder(lambda q, k, v, **kw: (torch.zeros_like(v), None))
-    conv = Recorder(lambda x, **kw: (torch.zeros_like(x), None))
+    """flash-linear-attention's two varlen entry points as recording fakes with the real signatures."""
+    rule = Recorder(fla_chunk_gated_delta_rule)
+    conv = Recorder(fla_causal_conv1d)
     modules = {
         "fla": types.ModuleType("fla"),
         "fla.ops": types.ModuleType("fla.ops"),
@@ -427,3 +451,24 @@ def test_deepcopy_of_a_packed_model_runs_its_own_weights(text_models):
         torch.testing.assert_close(clone(**row, use_cache=False).logits, model(**row, use_cache=False).logits)
         deltanet.out_proj.weight.zero_()
         assert not torch.allclose(clone(**row, use_cache=False).logits, model(**row, use_cache=False).logits)
+
+
+def test_fla_older_than_0_5_is_refused_by_auto_and_named_when_forced(fake_fla, monkeypatch):
+    """fla <= 0.4.2 mis-computes grouped-value delta rules: auto must not pick it, a forced 'fla' names the fix."""
+    from importlib import metadata
+
+    real_version = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "0.4.2" if name == "flash-linear-attention"
+                        else real_version(name))
+    monkeypatch.setattr(la.importlib.util, "find_spec", lambda name, *a: object() if name == "fla" else None)
+    la.fla_error.cache_clear()
+    try:
+        assert "0.4.2" in la.fla_error() and la.select_linear_backend("cuda") == "torch_segments"
+        model = small_vocab_text_model()
+        enable_packing(model)
+        install_linear_attention_packing(model, DELTANET, backend="fla")
+        _, row = text_batch([5, 9], seed=6)
+        with torch.no_grad(), pytest.raises(ImportError, match=r"0\.4\.2.*>=0\.5\.0"):
+            model(**row, use_cache=False)
+    finally:
+        la.fla_error.cache_clear()

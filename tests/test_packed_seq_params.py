@@ -99,3 +99,35 @@ def test_bare_hugging_face_batch_and_missing_boundaries():
     assert p.max_seqlen_q == 5 and p.seq_idx.tolist() == [[0] * 4 + [1] * 5]
     with pytest.raises(ValueError, match="cannot find the packed sequence boundaries"):
         get_packed_seq_params({"input_ids": torch.zeros(1, 9, dtype=torch.long)})
+
+
+def megatron_packed_seq_params_class():
+    """Megatron-Core's own ``PackedSeqParams``, loaded from its file: ``import megatron.core`` pulls in its
+    optimizers and parallel state (~20 s), and that module needs only torch."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("megatron")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("megatron-core is not installed (pip install megatron-core)")
+    path = next(iter(spec.submodule_search_locations)) + "/core/packed_seq_params.py"
+    module_spec = importlib.util.spec_from_file_location("_mcore_packed_seq_params", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.PackedSeqParams
+
+
+def test_carries_every_megatron_core_field():
+    """Megatron-Core reads its fields by name (TEDotProductAttention: ``getattr(p, f) for f in fields(its class)``;
+    0.16 reads ``cp_group`` / ``local_cp_size`` first): ours must answer every one, with MCore's meaning."""
+    import dataclasses
+
+    mcore = megatron_packed_seq_params_class()
+    tokens = torch.tensor([[1, 2, 3, 0, 0], [4, 5, 6, 7, 8]])
+    ours = get_packed_seq_params(pack_batch_sequences(tokens, pad_to_multiple_of=4))
+    names = [f.name for f in dataclasses.fields(mcore)]
+    assert {"local_cp_size", "cp_group", "cu_seqlens_q_padded"} <= set(names)
+    kept = {name: getattr(ours, name) for name in names}  # what Megatron-Core's TE attention does
+    theirs = mcore(**kept)
+    assert theirs.qkv_format == "thd" and theirs.cp_group is None and theirs.local_cp_size is None
+    assert theirs.cu_seqlens_q.tolist() == [0, 3, 8] and theirs.cu_seqlens_q_padded.tolist() == [0, 4, 12]
+    assert theirs.max_seqlen_q == theirs.max_seqlen_kv == 8

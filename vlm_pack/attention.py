@@ -22,7 +22,9 @@ Only ``flex`` and ``sdpa_segments`` express it (``BackendStatus.image_blocks``);
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import inspect
+import weakref
 from functools import lru_cache
 from typing import Callable, NamedTuple
 
@@ -59,20 +61,41 @@ class BackendStatus(NamedTuple):
     image_blocks: bool = False
 
 
-@lru_cache(maxsize=None)
-def _has_module(name: str) -> bool:
-    """True when ``name`` is importable (checked once, without importing it: named backends probe every call)."""
-    return importlib.util.find_spec(name) is not None
+# What each CUDA kernel's import must provide: (module, attribute) the wrapper calls.
+_KERNEL_IMPORTS = {"flash_attn": ("flash_attn", "flash_attn_varlen_func"),
+                   "transformer_engine": ("transformer_engine.pytorch", "DotProductAttention")}
+# torch.nn.attention.varlen.varlen_attn keywords the wrapper passes (torch 2.12+; older builds raise TypeError).
+_TORCH_VARLEN_KEYWORDS = ("scale", "window_size", "enable_gqa")
 
 
 @lru_cache(maxsize=None)
-def _has_torch_varlen() -> bool:
-    """True when this torch build ships ``torch.nn.attention.varlen.varlen_attn``."""
+def _import_error(name: str) -> str | None:
+    """None when backend ``name``'s kernel imports for real (once, cached), else why not: a wheel built for
+    another torch (``undefined symbol``) or an empty namespace package must not pass for an installed kernel."""
+    module, attribute = _KERNEL_IMPORTS[name]
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        getattr(importlib.import_module(module), attribute)
+    except ModuleNotFoundError as error:
+        if error.name == module or module.startswith(f"{error.name}."):
+            return "not installed"
+        return f"import {module} failed: {type(error).__name__}: {error}"
+    except Exception as error:  # ImportError (undefined symbol), AttributeError (no such kernel), OSError
+        return f"import {module} failed: {type(error).__name__}: {error}"
+    return None
+
+
+@lru_cache(maxsize=None)
+def _torch_varlen_error() -> str | None:
+    """None when this torch ships ``varlen_attn`` with every keyword the wrapper passes, else why not."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return False
-    return True
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (torch >= 2.12 has it)"
+    missing = [k for k in _TORCH_VARLEN_KEYWORDS if k not in inspect.signature(varlen_attn).parameters]
+    if missing:
+        return (f"torch {torch.__version__}'s varlen_attn lacks the keyword(s) {missing} (torch >= 2.12 has them); "
+                "upgrade torch or use another backend")
+    return None
 
 
 @lru_cache(maxsize=None)
@@ -85,25 +108,30 @@ def _has_flex() -> bool:
     return True
 
 
+def _install_hint(error: str | None, package: str, command: str) -> str | None:
+    """The probe's error, worded for users: a missing package names its install command."""
+    return f"{package} is not installed ({command})" if error == "not installed" else error
+
+
 def available_backends() -> dict[str, BackendStatus]:
     """Probe every backend on this machine: ``{name: BackendStatus(available, reason)}``."""
     cuda = torch.cuda.is_available()
     no_cuda = "needs a CUDA device (torch.cuda.is_available() is False)"
-    # CUDA kernels: (name, installed?, why not when missing, what runs when present)
+    # CUDA kernels: (name, why it cannot run or None, what runs when it can)
     cuda_kernels = (
-        ("flash_attn", _has_module("flash_attn"), "flash-attn is not installed (pip install flash-attn)",
+        ("flash_attn", _install_hint(_import_error("flash_attn"), "flash-attn", "pip install flash-attn"),
          "flash_attn_varlen_func"),
-        ("torch_varlen", _has_torch_varlen(), "this torch build has no torch.nn.attention.varlen",
-         "torch.nn.attention.varlen.varlen_attn"),
-        ("transformer_engine", _has_module("transformer_engine"), "transformer-engine is not installed",
+        ("torch_varlen", _torch_varlen_error(), "torch.nn.attention.varlen.varlen_attn"),
+        ("transformer_engine", _install_hint(_import_error("transformer_engine"), "transformer-engine",
+                                             "pip install transformer-engine[pytorch]"),
          "DotProductAttention(qkv_format='thd')"),
     )
     # Their masks are a causal/window band per segment: a query cannot see a later key of its own image.
     no_blocks = "; cannot express bidirectional image blocks (routed to flex / sdpa_segments)"
     status: dict[str, BackendStatus] = {
-        name: BackendStatus(cuda, (kernel if cuda else no_cuda) + no_blocks) if installed
-        else BackendStatus(False, missing + no_blocks)
-        for name, installed, missing, kernel in cuda_kernels
+        name: BackendStatus(False, error + no_blocks) if error is not None
+        else BackendStatus(cuda, (kernel if cuda else no_cuda) + no_blocks)
+        for name, error, kernel in cuda_kernels
     }
     if not _has_flex():
         status["flex"] = BackendStatus(False, "this torch build has no torch.nn.attention.flex_attention")
@@ -113,7 +141,8 @@ def available_backends() -> dict[str, BackendStatus]:
             "CPU backward)", True,
         )
     status["sdpa_segments"] = BackendStatus(
-        True, "exact per-segment SDPA (one host sync per call; image blocks via a per-segment mask)", True
+        True, "exact per-segment SDPA (one host sync per call; image blocks via a per-segment mask; inside "
+        "torch.compile: one SDPA over the row with a segment mask, no host sync)", True
     )
     return status
 
@@ -146,6 +175,12 @@ def _auto_backend(device_type: str, dtype: torch.dtype) -> str:
 def _auto_block_backend(device_type: str, dtype: torch.dtype) -> str:
     """Cached ``select_backend`` for a row with image blocks."""
     return select_backend(device_type, dtype, image_blocks=True)
+
+
+@torch.compiler.assume_constant_result  # under torch.compile: resolved eagerly, once, never traced
+def _resolve_auto(device_type: str, dtype: torch.dtype, image_blocks: bool) -> str:
+    """What ``backend="auto"`` runs for these tensors (cached per device type and dtype)."""
+    return (_auto_block_backend if image_blocks else _auto_backend)(device_type, dtype)
 
 
 def _check_window(window: tuple[int, int] | None) -> None:
@@ -334,8 +369,55 @@ def _sdpa_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torc
 
     if len(groups) == 1 and len(groups[0]) == 1 and len_q[groups[0][0]] == q.shape[0]:
         return pieces[0]
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    # SDPA's output dtype, not q's: under autocast fp32 inputs give bf16/fp16 outputs.
+    out = pieces[0].new_zeros(q.shape[0], q.shape[1], v.shape[-1])
     return out.index_put((dev_q,), torch.cat(pieces))
+
+
+def _token_coordinates(cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int, tk: int) -> tuple[torch.Tensor, ...]:
+    """Per token: segment and position inside it (queries in key coordinates: bottom-right alignment); keys past
+    the last boundary get segment -1 (they match no query). On device, no host sync, shapes fixed by T."""
+    same = cu_q is cu_k
+    cu_q = cu_q.to(torch.int64)
+    cu_k = cu_q if same else cu_k.to(torch.int64)
+    n_seg = cu_q.numel() - 1
+    seg_q, seg_k = segment_ids(cu_q, tq), segment_ids(cu_k, tk)
+    pos_q = torch.arange(tq, device=cu_q.device) - cu_q[seg_q]
+    if cu_q is not cu_k:  # cross lengths: bottom-right alignment shifts queries (self-attention: no shift)
+        pos_q = pos_q + torch.cat([cu_k.diff() - cu_q.diff(), cu_k.new_zeros(1)])[seg_q]
+    pos_k = torch.arange(tk, device=cu_k.device) - cu_k[seg_k]
+    return seg_q, torch.where(seg_k == n_seg, -1, seg_k), pos_q, pos_k
+
+
+def _allowed(seg_q, seg_k, pos_q, pos_k, qi, ki, left: int, right: int, block_ids: torch.Tensor | None):
+    """The (query ``qi``, key ``ki``) rule of the module docstring, on token coordinates."""
+    allowed = seg_q[qi] == seg_k[ki]
+    if right >= 0:
+        forward_ok = pos_k[ki] <= pos_q[qi] + right
+        if block_ids is not None:
+            forward_ok = forward_ok | ((block_ids[qi] == block_ids[ki]) & (block_ids[qi] >= 0))
+        allowed = allowed & forward_ok
+    if left >= 0:
+        allowed = allowed & (pos_k[ki] >= pos_q[qi] - left)
+    return allowed
+
+
+def _sdpa_row_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                   causal: bool, scale: float | None, window: tuple[int, int] | None,
+                   block_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact SDPA over the whole row with a ``[Tq, Tk]`` segment mask built on device: the path inside
+    ``torch.compile`` (no host sync, no numpy, every shape fixed by ``T``: a fixed-width row never recompiles).
+    Costs ``Tq * Tk`` instead of ``sum(Lq_i * Lk_i)``."""
+    left, right = _effective_window(causal, window)
+    seg_q, seg_k, pos_q, pos_k = _token_coordinates(cu_q, cu_k, q.shape[0], k.shape[0])
+    qi = torch.arange(q.shape[0], device=q.device)[:, None]
+    ki = torch.arange(k.shape[0], device=q.device)[None]
+    allowed = _allowed(seg_q, seg_k, pos_q, pos_k, qi, ki, left, right, block_ids)
+    has_key = allowed.any(dim=1, keepdim=True)
+    q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # THD -> [1, H, T, D]
+    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=allowed | ~has_key, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return (out * has_key.to(out.dtype)).squeeze(0).transpose(0, 1)
 
 
 def document_block_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int, tk: int, *, causal: bool,
@@ -350,25 +432,11 @@ def document_block_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int, tk: int
     from torch.nn.attention.flex_attention import BlockMask
 
     left, right = _effective_window(causal, window)
-    cu_q, cu_k = cu_q.to(torch.int64), cu_k.to(torch.int64)
     n_seg = cu_q.numel() - 1
-    seg_q, seg_k = segment_ids(cu_q, tq), segment_ids(cu_k, tk)
-    shift = torch.cat([cu_k.diff() - cu_q.diff(), cu_k.new_zeros(1)])
-    # Positions inside the segment; queries in key coordinates (bottom-right alignment).
-    pos_q = torch.arange(tq, device=cu_q.device) - cu_q[seg_q] + shift[seg_q]
-    pos_k = torch.arange(tk, device=cu_k.device) - cu_k[seg_k]
-    seg_k = torch.where(seg_k == n_seg, -1, seg_k)  # keys past the end match no query
+    seg_q, seg_k, pos_q, pos_k = _token_coordinates(cu_q, cu_k, tq, tk)
 
     def mask_mod(b, h, qi, ki):
-        allowed = seg_q[qi] == seg_k[ki]
-        if right >= 0:
-            forward_ok = pos_k[ki] <= pos_q[qi] + right
-            if block_ids is not None:
-                forward_ok = forward_ok | ((block_ids[qi] == block_ids[ki]) & (block_ids[qi] >= 0))
-            allowed = allowed & forward_ok
-        if left >= 0:
-            allowed = allowed & (pos_k[ki] >= pos_q[qi] - left)
-        return allowed
+        return _allowed(seg_q, seg_k, pos_q, pos_k, qi, ki, left, right, block_ids)
 
     def block_stats(x: torch.Tensor, total: int, fill_lo: int, fill_hi: int):
         """Per-block (min, max) of ``x``, padding the last block with values that never widen the range."""
@@ -435,19 +503,36 @@ def _flex_kernel(device_type: str) -> Callable:
     return _compiled_flex(device_type)
 
 
+# Plans derived from the boundaries of the batch in flight: every layer of one forward gets the same cu tensors.
+_plans: tuple[weakref.ref, weakref.ref, int, int, dict] | None = None
+
+
+def _batch_plans(cu_q: torch.Tensor, cu_k: torch.Tensor) -> dict:
+    """The plan dict of these boundary tensors (a new batch, or boundaries changed in place, starts a new one):
+    FlexAttention's block mask is built once per batch and layer kind, not once per layer."""
+    global _plans
+    if (_plans is not None and _plans[0]() is cu_q and _plans[1]() is cu_k
+            and _plans[2:4] == (cu_q._version, cu_k._version)):
+        return _plans[4]
+    _plans = (weakref.ref(cu_q), weakref.ref(cu_k), cu_q._version, cu_k._version, {})
+    return _plans[4]
+
+
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
           causal: bool, scale: float | None, window: tuple[int, int] | None,
           block_ids: torch.Tensor | None = None, plan_cache: dict | None = None) -> torch.Tensor:
     """FlexAttention with a document (x image block) mask built from cu_seqlens (forward only on CPU).
 
-    ``plan_cache``: a dict owned by the caller for one batch; the block mask is built once per (rule, window)
-    and reused by every later layer of that batch.
+    ``plan_cache``: a dict owned by the caller for one batch (default: one kept per boundary tensors); the block
+    mask is built once per (rule, window) and reused by every later layer of that batch.
     """
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise NotImplementedError(
             "backend='flex' has no backward on CPU in this torch build; use backend='sdpa_segments' for "
             "CPU training (or run flex under torch.no_grad())"
         )
+    if plan_cache is None and not torch.compiler.is_compiling():
+        plan_cache = _batch_plans(cu_q, cu_k)
     key = ("flex", q.shape[0], k.shape[0], causal, window, block_ids is not None)
     block_mask = None if plan_cache is None else plan_cache.get(key)
     if block_mask is None:
@@ -461,22 +546,31 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
     return out.squeeze(0).transpose(0, 1)
 
 
+def _require_half(name: str, q: torch.Tensor) -> None:
+    if q.dtype not in _HALF_DTYPES:
+        raise ValueError(f"backend={name!r} needs fp16/bf16 tensors, got {q.dtype}; cast q/k/v or use "
+                         "backend='sdpa_segments'")
+
+
 def _flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window) -> torch.Tensor:
-    """flash_attn_varlen_func (GQA native)."""
+    """flash_attn_varlen_func (GQA native; fp16/bf16, one head dim for q, k and v)."""
     from flash_attn import flash_attn_varlen_func
 
+    _require_half("flash_attn", q)
+    if v.shape[-1] != q.shape[-1]:
+        raise ValueError(f"backend='flash_attn' needs the value head dim ({v.shape[-1]}) equal to the query/key "
+                         f"head dim ({q.shape[-1]}); use backend='sdpa_segments' (or 'flex')")
     return flash_attn_varlen_func(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
                                   dropout_p=0.0, softmax_scale=scale, causal=causal,
-                                  window_size=_effective_window(causal, window))
+                                  window_size=_effective_window(causal, window),
+                                  deterministic=torch.are_deterministic_algorithms_enabled())
 
 
 def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window) -> torch.Tensor:
     """torch.nn.attention.varlen.varlen_attn (FlashAttention-2 / cuDNN inside torch; fp16/bf16, CUDA)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    if q.dtype not in _HALF_DTYPES:
-        raise ValueError(f"backend='torch_varlen' needs fp16/bf16 tensors, got {q.dtype}; cast q/k/v or use "
-                         "backend='sdpa_segments'")
+    _require_half("torch_varlen", q)
     return varlen_attn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, scale=scale,
                        window_size=_effective_window(causal, window), enable_gqa=q.shape[1] != k.shape[1])
 
@@ -490,27 +584,47 @@ def _te_module(num_heads: int, head_dim: int, num_kv_heads: int, scale: float | 
                                qkv_format="thd", softmax_scale=scale)
 
 
+def _te_window(causal: bool, window: tuple[int, int] | None, max_len: int) -> tuple[str, tuple[int, int]]:
+    """(mask type, window) in TransformerEngine's terms. TE takes causal masks with ``(left, 0)`` windows and
+    padding masks with ``(-1, -1)`` or ``(>= 0, >= 0)``: it asserts on ``(l, -1)`` / ``(-1, r)`` and rewrites a
+    non-causal ``(-1, 0)`` to full attention. A right bound of 0 is causal; an unbounded side is bounded by the
+    longest segment (no key of a segment is further away), so every window keeps its meaning."""
+    left, right = _effective_window(causal, window)
+    if right == 0:
+        return "padding_causal_bottom_right", (left, 0)
+    if (left < 0) != (right < 0):
+        left, right = (max_len if left < 0 else left), (max_len if right < 0 else right)
+    return "padding", (left, right)
+
+
 def _transformer_engine(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window) -> torch.Tensor:
     """TransformerEngine fused attention, THD format (thin wrapper; TE picks its own kernel)."""
     if q.shape[-1] != v.shape[-1]:
-        raise NotImplementedError("backend='transformer_engine' wrapper needs equal q/v head dims")
+        raise ValueError(f"backend='transformer_engine' wrapper needs the value head dim ({v.shape[-1]}) equal to "
+                         f"the query/key head dim ({q.shape[-1]}); use backend='sdpa_segments' (or 'flex')")
+    mask_type, window_size = _te_window(causal, window, max(max_q, max_k))
     module = _te_module(q.shape[1], q.shape[2], k.shape[1], scale)
     out = module(q, k, v, qkv_format="thd", cu_seqlens_q=cu_q.to(torch.int32), cu_seqlens_kv=cu_k.to(torch.int32),
-                 max_seqlen_q=max_q, max_seqlen_kv=max_k,
-                 attn_mask_type="padding_causal_bottom_right" if causal else "padding",
-                 window_size=_effective_window(causal, window))
+                 max_seqlen_q=max_q, max_seqlen_kv=max_k, attn_mask_type=mask_type, window_size=window_size)
     return out.view(q.shape[0], q.shape[1], v.shape[-1])
 
 
+def _max_len(value: int | torch.Tensor | None, cu: torch.Tensor) -> int:
+    """A longest-segment length as a Python int for the kernels (derived from ``cu`` when None; one sync)."""
+    return int(cu.diff().max()) if value is None else int(value)
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = True,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None, max_seqlen_k: int | None, *,
+                     causal: bool = True,
                      softmax_scale: float | None = None, window: tuple[int, int] | None = None,
                      backend: str = "auto", block_ids: torch.Tensor | None = None,
                      plan_cache: dict | None = None) -> torch.Tensor:
     """Attention over a packed THD row, never across a ``cu_seqlens`` boundary; returns ``[Tq, Hq, Dv]``.
 
     ``cu_seqlens_*`` are the PHYSICAL boundaries and end at ``T`` (the host paths check it; GPU kernels trust
-    it). ``max_seqlen_*`` should be Python ints (a tensor costs a device sync). ``backend="auto"`` uses
+    it). ``max_seqlen_*`` should be Python ints (a tensor costs a device sync; None: derived from the boundaries
+    by the CUDA kernels that need it, never read by the CPU paths, so ``torch.compile`` does not specialize on it). ``backend="auto"`` uses
     ``select_backend``; name one of ``BACKENDS`` to force it (``available_backends()`` says what runs here).
     ``block_ids`` (``[T]`` int, ``-1`` outside images; causal self-attention with ``cu_seqlens_q`` equal to
     ``cu_seqlens_k``): tokens of one image block also see each other both ways (module docstring).
@@ -523,8 +637,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         block_ids = block_ids.reshape(-1)
     if q.shape[0] == 0 or k.shape[0] == 0:  # nothing to attend to: every row outputs 0
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
-    auto = _auto_backend if block_ids is None else _auto_block_backend
-    name = auto(q.device.type, q.dtype) if backend == "auto" else backend
+    name = _resolve_auto(q.device.type, q.dtype, block_ids is not None) if backend == "auto" else backend
+    if name == "sdpa_segments" and torch.compiler.is_compiling():
+        return _sdpa_row_mask(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window, block_ids)
     if name == "sdpa_segments":
         return _sdpa_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window, block_ids)
     if name == "flex":
@@ -540,5 +655,6 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     status = available_backends()[name]
     if not status.available:
         raise RuntimeError(f"attention backend {name!r} is not available here: {status.reason}")
-    return kernels[name](q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal,
+    return kernels[name](q, k, v, cu_seqlens_q, cu_seqlens_k, _max_len(max_seqlen_q, cu_seqlens_q),
+                         _max_len(max_seqlen_k, cu_seqlens_k), causal,
                          softmax_scale, window)

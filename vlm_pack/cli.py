@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "plan-vlm": "vlm_pack.budget.cli",
     "stats": "vlm_pack.stats",
     "verify": "vlm_pack.offline.verify",
+    "doctor": "vlm_pack.env",
 }
 
 

@@ -147,13 +147,6 @@ def _boundaries_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Ten
     return result
 
 
-def _as_int(value, cu: torch.Tensor) -> int:
-    """A max length as a Python int (derived from ``cu`` when missing; a tensor costs one sync)."""
-    if value is None:
-        return int(cu.diff().max())
-    return int(value)
-
-
 def packing_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -194,9 +187,8 @@ def packing_attention_forward(
                 "a packed row got both cu_seq_lens_q and a padding attention_mask: drop attention_mask (packed "
                 "rows carry their boundaries in cu_seq_lens_*; padding slots belong to a fill segment)"
             )
-        cu_k = cu_q if cu_k is None else cu_k
-        max_q = _as_int(max_q, cu_q)
-        max_k = max_q if max_k is None and cu_k is cu_q else _as_int(max_k, cu_k)
+        if cu_k is None:
+            cu_k, max_k = cu_q, max_q if max_k is None else max_k
         out = varlen_attention(
             query.transpose(1, 2).reshape(-1, heads, query.shape[-1]),
             key.transpose(1, 2).reshape(-1, key.shape[1], key.shape[-1]),

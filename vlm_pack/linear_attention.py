@@ -71,18 +71,60 @@ CONTEXT_PARALLEL_REFUSAL = (
 )
 
 
+FLA_MIN_VERSION = (0, 5, 0)
+"""flash-linear-attention <= 0.4.2 mis-computes the gated delta rule when key heads < value heads (grouped values
+arrived in 0.5.0), and 0.2.x's causal_conv1d returns a bare tensor."""
+
+
+def _fla_version_error() -> str | None:
+    """Why the installed flash-linear-attention is too old, or None (also None when no distribution is found)."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("flash-linear-attention")
+    except metadata.PackageNotFoundError:
+        return None
+    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:3] if p.isdigit())
+    if parts < FLA_MIN_VERSION:
+        return (f"flash-linear-attention {version} is older than 0.5.0 (wrong gated delta rule with fewer key than "
+                "value heads): pip install 'flash-linear-attention>=0.5.0'")
+    return None
+
+
 @lru_cache(maxsize=None)
+def fla_error() -> str | None:
+    """None when flash-linear-attention's two varlen kernels import for real (checked once) at a version >= 0.5.0,
+    else why not. Only the CUDA route asks (importing fla costs seconds)."""
+    if importlib.util.find_spec("fla") is None:
+        return "flash-linear-attention is not installed (pip install 'vlm_pack[fla]')"
+    too_old = _fla_version_error()
+    if too_old is not None:
+        return too_old
+    try:
+        for module, name in _FLA_FUNCTIONS:
+            getattr(importlib.import_module(module), name)
+    except Exception as error:  # a broken install: undefined symbol, missing function
+        return f"import {module}.{name} failed: {type(error).__name__}: {error}"
+    return None
+
+
 def fla_installed() -> bool:
-    """True when flash-linear-attention (import name ``fla``) can be imported (checked without importing it)."""
-    return importlib.util.find_spec("fla") is not None
+    """True when flash-linear-attention's varlen kernels can run (imported for real, version >= 0.5.0)."""
+    return fla_error() is None
 
 
 def select_linear_backend(device: torch.device | str) -> str:
-    """The backend ``"auto"`` resolves to: ``"fla"`` for CUDA tensors when installed, else ``"torch_segments"``."""
+    """The backend ``"auto"`` resolves to: ``"fla"`` for CUDA tensors when usable, else ``"torch_segments"``."""
     return "fla" if torch.device(device).type == "cuda" and fla_installed() else "torch_segments"
 
 
+_FLA_FUNCTIONS = (("fla.modules.convolution", "causal_conv1d"), ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"))
+
+
 def _fla_function(module: str, name: str) -> Callable:
+    too_old = _fla_version_error()
+    if too_old is not None:
+        raise ImportError(f"linear backend 'fla': {too_old}; or choose linear_backend='torch_segments'")
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as error:

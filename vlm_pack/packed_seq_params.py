@@ -31,7 +31,9 @@ class PackedSeqParams:
     ``cu_seqlens_q/kv`` are the boundaries attention uses. When sequences were padded for alignment, they hold
     the real (unpadded) boundaries and ``*_padded`` the physical ones; otherwise ``*_padded`` stay ``None``
     (TransformerEngine picks a slower kernel when they are set needlessly). ``seq_idx``: int32 ``[1, T]``, the
-    segment of every token (what Megatron-Core's Mamba / linear-attention layers read).
+    segment of every token (what Megatron-Core's Mamba / linear-attention layers read). ``local_cp_size`` and
+    ``cp_group`` are Megatron-Core's dynamic context-parallel fields (read by its attention; None: the model's
+    own context-parallel group), so this class can be handed to Megatron-Core as it is.
     """
 
     qkv_format: str
@@ -43,6 +45,8 @@ class PackedSeqParams:
     max_seqlen_kv: int | None
     total_tokens: int | None = None
     seq_idx: torch.Tensor | None = None
+    local_cp_size: int | None = None
+    cp_group: Any = None  # torch.distributed.ProcessGroup
 
 
 def trim_cu_seqlens(cu_seqlens: torch.Tensor, argmin: torch.Tensor | int | None = None) -> torch.Tensor:
