@@ -145,7 +145,7 @@ def packed_forward_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
 
 def _install_forward_hooks(model: torch.nn.Module) -> None:
     """``packed_forward_hook`` on every sub-model whose forward takes ``use_cache`` (once per module): the top one
-    runs first; inner ones cover wrappers that call ``.forward`` directly (PEFT)."""
+    runs first; inner ones still run when a wrapper calls the top model's ``.forward`` directly."""
     for module in model.modules():
         if getattr(module, "_vlm_pack_forward_hook", None) is not None:
             continue
