@@ -126,12 +126,21 @@ def test_collator_refuses_unknown_family_and_missing_model_config(processor):
         VLMPackingCollator(processor, max_length=64)
 
 
-def test_enable_packing_switches_the_forward_cache_off():
-    """model(**batch) (Trainer, TRL) passes no use_cache: a packed row must never fill a KV cache."""
-    model = tiny_model("qwen2_vl")
-    assert model.config.text_config.use_cache
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_5_text"])
+def test_a_packed_forward_fills_no_cache_and_the_config_is_left_alone(family):
+    """model(**batch) (Trainer, TRL) passes no use_cache: a packed row never fills a KV cache (a hybrid model's
+    recurrent-state cache is refused outright), while the config keeps the user's use_cache (it is saved with every
+    checkpoint; tests/test_trainer_eval.py reloads one)."""
+    model = tiny_model(family, layers=2)
+    before = model.config.to_json_string()
     enable_packing(model)
-    assert model.config.use_cache is False and model.config.get_text_config().use_cache is False
+    assert model.config.to_json_string() == before and model.config.get_text_config().use_cache
+    packed = pack_batch_sequences(torch.tensor([[5, 6, 7, 0], [8, 9, 10, 11]]), padding_mask=torch.tensor(
+        [[1, 1, 1, 0], [1, 1, 1, 1]]))
+    with torch.no_grad():
+        out = model(input_ids=packed.tokens, position_ids=packed.position_ids, **packed.attention_kwargs())
+        assert out.past_key_values is None
+        assert model(input_ids=packed.tokens[:, :3]).past_key_values is not None  # an ordinary call still caches
 
 
 def test_processor_of_another_family_is_refused(processor):

@@ -21,6 +21,7 @@ SDPA; the varlen kernels cannot express it).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -37,9 +38,11 @@ from .token_mean import install_token_mean_check
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "DISPATCH_FIX",
     "IMAGE_BLOCKS_KWARG",
     "ImageBlocks",
     "enable_packing",
+    "packed_forward_hook",
     "packing_attention_forward",
     "packing_mask",
     "register_attention",
@@ -110,6 +113,45 @@ def _install_image_blocks(model: torch.nn.Module, rule: ImageBlockRule) -> None:
             f"{type(model).__name__} holds no {rule.model_class}: cannot read {rule.token_key} for its image blocks. "
             "Call enable_packing on the full model (e.g. the ...ForConditionalGeneration)."
         )
+
+
+DISPATCH_FIX = 'accelerator_config={"dispatch_batches": False}'
+"""The ``TrainingArguments`` / ``SFTConfig`` argument that keeps accelerate from slicing packed batches."""
+
+
+def packed_forward_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of every (sub-)model taking ``use_cache``, for a call that carries ``cu_seq_lens_q``.
+
+    * ``use_cache=None`` becomes False: a packed row never fills a KV cache (the config is not touched);
+    * a batch that accelerate's ``dispatch_batches`` cut is refused. With it on (Trainer's default for an
+      ``IterableDataset``), accelerate slices every tensor of the batch along dim 0 to the process's share
+      (``find_batch_size`` reads ``input_ids``' 1 row), so ``cu_seq_lens_q`` arrives as one entry and mRoPE positions
+      / vision tensors lose rows. No packed layout survives that (in several processes it also concatenates rows
+      of different widths), so the fix is to switch it off: each process then reads and packs its own samples.
+    """
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        return None
+    if cu.numel() < 2:
+        raise ValueError(
+            f"the packed batch reached {type(module).__name__} cut to pieces (cu_seq_lens_q = {cu.tolist()}, a packed "
+            "row needs [0, ..., T]): accelerate's dispatch_batches, on by default for an IterableDataset (streaming) "
+            "in Trainer and TRL, slices every batch tensor along dim 0. Pass TrainingArguments(..., "
+            f"{DISPATCH_FIX}) (SFTConfig takes it too)"
+        )
+    if kwargs.get("use_cache") is None:
+        return args, {**kwargs, "use_cache": False}
+    return None
+
+
+def _install_forward_hooks(model: torch.nn.Module) -> None:
+    """``packed_forward_hook`` on every sub-model whose forward takes ``use_cache`` (once per module): the top one
+    runs first; inner ones still run when a wrapper calls the top model's ``.forward`` directly."""
+    for module in model.modules():
+        if getattr(module, "_vlm_pack_forward_hook", None) is not None:
+            continue
+        if isinstance(module, transformers.PreTrainedModel) and "use_cache" in inspect.signature(module.forward).parameters:
+            module._vlm_pack_forward_hook = module.register_forward_pre_hook(packed_forward_hook, with_kwargs=True)
 
 
 def packing_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
@@ -228,15 +270,16 @@ def enable_packing(model, name: str = ATTN_IMPLEMENTATION, *, allow_unproven: bo
     of Gemma 3 / 4) is applied too, and ``accepts_loss_kwargs`` is set where the family's loss honours Trainer's ``num_items_in_batch`` (see
     :class:`~vlm_pack.models.FamilySpec`), so ``Trainer(model=enable_packing(model), data_collator=collator)`` is
     exact under gradient accumulation with nothing else passed.
-    The forward KV cache is switched off (``config.use_cache=False``, text config included): a packed row must
-    never fill a cache, and ``model(**batch)`` (Trainer, TRL) passes no ``use_cache``; ``generate()`` still
-    caches (it reads ``generation_config``). Never pass an ``attention_mask`` with a packed row.
+    A forward that carries ``cu_seq_lens_q`` (a packed row) runs with ``use_cache=False`` unless the call says
+    otherwise (a packed row must never fill a cache, and ``model(**batch)``, as Trainer and TRL call it, passes no
+    ``use_cache``); the config is left alone, so a checkpoint saved later keeps the user's ``use_cache`` and
+    ``generate()`` caches as before. A packed batch cut by accelerate's ``dispatch_batches`` is refused with the
+    fix (:func:`packed_forward_hook`). Never pass an ``attention_mask`` with a packed row.
     """
     family = get_family(model.config, allow_unproven=allow_unproven)
     register_attention(name)
     model.set_attn_implementation(name)
-    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
-        config.use_cache = False
+    _install_forward_hooks(model)
     rule = None if family.image_blocks is None else family.image_blocks(model.config)
     if rule is not None:
         _install_image_blocks(model, rule)

@@ -1,0 +1,46 @@
+"""``PackedSFTTrainer``: TRL's ``SFTTrainer`` with the two settings packed batches need, nothing else changed.
+
+* ``num_tokens``: TRL counts a padding-free batch as ``position_ids.size(1)`` tokens, right for a ``[1, T]`` row but
+  1 for the mRoPE positions ``[C, 1, T]`` of Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 packed rows; this class counts
+  the row's ``T`` slots instead (the real tokens when no alignment padding is asked for, as TRL's
+  ``attention_mask.sum()`` counts for the same samples padded). ``mean_token_accuracy`` needs no change: TRL scores
+  the labels of the row, and each sample's first label is -100, so no prediction across a boundary is counted.
+* ``dispatch_batches`` off: accelerate's default for an ``IterableDataset`` slices every tensor of a batch along
+  dim 0, which no packed batch survives (see :func:`vlm_pack.hf.packed_forward_hook`); each process then reads and
+  packs its own samples. An explicit ``dispatch_batches=True`` is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from trl import SFTTrainer
+
+from .hf import DISPATCH_FIX
+
+__all__ = ["PackedSFTTrainer"]
+
+
+class PackedSFTTrainer(SFTTrainer):
+    """``SFTTrainer`` for packed batches (``VLMPackingCollator``, offline packs): same arguments, same training."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        config = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if config is not None and config.accelerator_config.dispatch_batches:
+            raise ValueError(f"PackedSFTTrainer: dispatch_batches=True cuts packed batches apart; pass {DISPATCH_FIX}")
+        super().__init__(*args, **kwargs)
+        # Dataloaders are built (and prepared) later, in train() / evaluate(): both settings take effect.
+        self.args.accelerator_config.dispatch_batches = False
+        self.accelerator.dataloader_config.dispatch_batches = False
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        counted = self._total_train_tokens
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        positions = inputs.get("position_ids")
+        if self.model.training and "attention_mask" not in inputs and positions is not None and positions.dim() == 3:
+            slots = torch.tensor(positions.size(-1), device=positions.device)
+            self._total_train_tokens = counted + self.accelerator.gather_for_metrics(slots).sum().item() // self._tp_size
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return result
