@@ -305,14 +305,13 @@ def _glm4v_processor() -> ProcessorMixin:
     )
 
 
-def _glm4v_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
-    from transformers import Glm4vConfig, Glm4vForConditionalGeneration
-
+def _glm4v_parts(processor, initializer_range: float, layers: int) -> dict:
+    """Config arguments shared by GLM-4V and GLM-4V-MoE."""
     tokenizer = processor.tokenizer
     text = _qwen2_text(len(tokenizer), initializer_range, layers)
     del text["model_type"]
     ids = {f"{name}_id": tokenizer.convert_tokens_to_ids(token) for name, token in _GLM4V_TOKENS.items()}
-    config = Glm4vConfig(
+    return dict(
         text_config={
             **text,
             "head_dim": _HIDDEN // 4,
@@ -334,7 +333,153 @@ def _glm4v_model(processor, initializer_range: float, layers: int, attn: str) ->
         },
         **ids,
     )
+
+
+def _glm4v_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import Glm4vConfig, Glm4vForConditionalGeneration
+
+    config = Glm4vConfig(**_glm4v_parts(processor, initializer_range, layers))
     return Glm4vForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+def _glm4v_moe_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    """GLM-4V's tiny config with GLM-4.5V's mixture of experts from the second layer on (the first stays dense):
+    4 routed experts (sigmoid scores, 2 per token) plus a shared one."""
+    from transformers import Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
+
+    parts = _glm4v_parts(processor, initializer_range, layers)
+    parts["text_config"].update(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                moe_intermediate_size=32, first_k_dense_replace=1)
+    config = Glm4vMoeConfig(**parts)
+    return Glm4vMoeForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- Qwen3-VL-MoE (Qwen3-VL with mixture-of-experts MLPs)
+
+
+def _qwen3_vl_moe_processor() -> ProcessorMixin:
+    from .tiny_models import offline_qwen2vl_processor
+
+    return offline_qwen2vl_processor()
+
+
+def _qwen3_vl_moe_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    """Qwen3-VL's tiny config (vlm_pack.tiny_models) with 4 experts, 2 per token, in every decoder layer."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    from .tiny_models import tiny_config
+
+    base = tiny_config("qwen3_vl", initializer_range=initializer_range, layers=layers)
+    text = {k: v for k, v in base.text_config.to_dict().items() if k not in ("model_type", "architectures")}
+    config = Qwen3VLMoeConfig(
+        text_config={**text, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                     "decoder_sparse_step": 1},
+        vision_config={k: v for k, v in base.vision_config.to_dict().items() if k != "model_type"},
+    )
+    return Qwen3VLMoeForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- Qwen3.5-MoE (hybrid DeltaNet + full attention, MoE)
+
+
+def _qwen3_5_moe_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    """Qwen3.5's tiny config (vlm_pack.tiny_models: DeltaNet and full-attention layers alternating, linear first)
+    with 4 experts, 2 per token, plus the shared expert."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    from .tiny_models import tiny_config
+
+    base = tiny_config("qwen3_5", initializer_range=initializer_range, layers=layers)
+    text = {k: v for k, v in base.text_config.to_dict().items() if k not in ("model_type", "architectures")}
+    config = Qwen3_5MoeConfig(
+        text_config={**text, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                     "shared_expert_intermediate_size": 32},
+        vision_config={k: v for k, v in base.vision_config.to_dict().items() if k != "model_type"},
+        **{key: getattr(base, key) for key in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                               "vision_end_token_id")},
+    )
+    return Qwen3_5MoeForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- LLaVA, LLaVA-NeXT, LLaVA-NeXT-Video
+
+# 28-px images (CLIP-style resize + center crop) of 7-px patches: 16 <image> tokens each. LLaVA-NeXT adds anyres
+# crops of 28 px (pinpoints up to 2x2 crops), each image's patches padded to the batch's largest count.
+_LLAVA_CROP = 28
+_LLAVA_PINPOINTS = [[28, 28], [28, 56], [56, 28], [56, 56]]
+
+
+def _llava_sizes() -> dict:
+    return {"size": {"shortest_edge": _LLAVA_CROP}, "crop_size": {"height": _LLAVA_CROP, "width": _LLAVA_CROP}}
+
+
+def _llava_processor() -> ProcessorMixin:
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    return LlavaProcessor(
+        image_processor=CLIPImageProcessor(**_llava_sizes()), tokenizer=_tokenizer(["<image>"]), patch_size=7,
+        vision_feature_select_strategy="full", chat_template=chatml_template("<image>"),
+    )
+
+
+def _llava_next_processor() -> ProcessorMixin:
+    from transformers import LlavaNextImageProcessor, LlavaNextProcessor
+
+    return LlavaNextProcessor(
+        image_processor=LlavaNextImageProcessor(**_llava_sizes(), image_grid_pinpoints=_LLAVA_PINPOINTS),
+        tokenizer=_tokenizer(["<image>"]), patch_size=7, vision_feature_select_strategy="full",
+        chat_template=chatml_template("<image>"),
+    )
+
+
+def _llava_next_video_processor() -> ProcessorMixin:
+    from transformers import LlavaNextImageProcessor, LlavaNextVideoProcessor, LlavaNextVideoVideoProcessor
+
+    return LlavaNextVideoProcessor(
+        image_processor=LlavaNextImageProcessor(**_llava_sizes(), image_grid_pinpoints=_LLAVA_PINPOINTS),
+        video_processor=LlavaNextVideoVideoProcessor(**_llava_sizes()),
+        tokenizer=_tokenizer(["<image>", "<video>"]), patch_size=7, vision_feature_select_strategy="full",
+        chat_template=chatml_template("<image>"),
+    )
+
+
+def _llava_config(processor, initializer_range: float, layers: int) -> dict:
+    """Config arguments shared by the LLaVA family: a SigLIP tower (no CLS: strategy "full"), a Qwen2 text model."""
+    tokenizer = processor.tokenizer
+    return {
+        "vision_config": {"model_type": "siglip_vision_model", **TINY_VISION_TOWER, "image_size": _LLAVA_CROP,
+                          "patch_size": 7},
+        "text_config": _qwen2_text(len(tokenizer), initializer_range, layers),
+        "image_token_index": tokenizer.convert_tokens_to_ids("<image>"),
+        "vision_feature_layer": -1,
+        "vision_feature_select_strategy": "full",
+        "initializer_range": initializer_range,
+    }
+
+
+def _llava_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    config = LlavaConfig(**_llava_config(processor, initializer_range, layers))
+    return LlavaForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+def _llava_next_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    config = LlavaNextConfig(**_llava_config(processor, initializer_range, layers),
+                             image_grid_pinpoints=_LLAVA_PINPOINTS)
+    return LlavaNextForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+def _llava_next_video_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import LlavaNextVideoConfig, LlavaNextVideoForConditionalGeneration
+
+    config = LlavaNextVideoConfig(
+        **_llava_config(processor, initializer_range, layers), image_grid_pinpoints=_LLAVA_PINPOINTS,
+        video_token_index=processor.tokenizer.convert_tokens_to_ids("<video>"),
+    )
+    return LlavaNextVideoForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
 @dataclass(frozen=True)
@@ -380,6 +525,37 @@ _BUILDERS = {
         _glm4v_model,
         "Qwen tokenizer + GLM's <|begin_of_image|>/<|image|>/<|end_of_image|> (and video) tokens and ChatML "
         "instead of GLM's; real Glm4vImageProcessor (56-112 px images) and Glm4vProcessor",
+    ),
+    "glm4v_moe": _Builder(
+        _glm4v_processor,
+        _glm4v_moe_model,
+        "as glm4v (GLM-4.5V ships Glm4vProcessor)",
+    ),
+    "qwen3_vl_moe": _Builder(
+        _qwen3_vl_moe_processor,
+        _qwen3_vl_moe_model,
+        "the offline Qwen2-VL processor of vlm_pack.tiny_models (14-px patches), as the tiny Qwen3-VL uses",
+    ),
+    "qwen3_5_moe": _Builder(
+        _qwen3_vl_moe_processor,
+        _qwen3_5_moe_model,
+        "the offline Qwen2-VL processor of vlm_pack.tiny_models (14-px patches), as the tiny Qwen3.5 uses",
+    ),
+    "llava": _Builder(
+        _llava_processor,
+        _llava_model,
+        "Qwen tokenizer + '<image>' and ChatML instead of the checkpoint's; real CLIPImageProcessor (28-px crops) "
+        "and LlavaProcessor; SigLIP tower (no CLS token) and Qwen2 language model",
+    ),
+    "llava_next": _Builder(
+        _llava_next_processor,
+        _llava_next_model,
+        "as llava, with LlavaNextImageProcessor (anyres 28-px crops, up to 2x2) and LlavaNextProcessor",
+    ),
+    "llava_next_video": _Builder(
+        _llava_next_video_processor,
+        _llava_next_video_model,
+        "as llava_next, with LlavaNextVideoProcessor (images only: videos are refused by the family)",
     ),
 }
 TINY_VLM_FAMILIES = tuple(_BUILDERS)
