@@ -172,7 +172,8 @@ EXACT_CASES = [
     ("idefics3", 3, 4), ("smolvlm", 5, 5), ("glm4v", 4, 6),
 ]
 # Families registered later are proven on edge_examples() (a superset of the mixed batch) instead.
-EDGE_FAMILIES = ["qwen3_vl_moe", "llava", "llava_next", "llava_next_video", "glm4v_moe", "qwen3_5_moe"]
+EDGE_FAMILIES = ["qwen3_vl_moe", "llava", "llava_next", "llava_next_video", "glm4v_moe", "qwen3_5_moe", "idefics2",
+                 "aya_vision"]
 FAMILIES = [family for family, _, _ in EXACT_CASES] + EDGE_FAMILIES
 # Composite families whose language model is a separate registered text family (the others bring their own).
 TEXT_BACKBONE_FAMILIES = [f for f in FAMILIES if f not in ("glm4v", "glm4v_moe", "qwen3_vl_moe", "qwen3_5_moe")]
@@ -383,11 +384,29 @@ def test_unproven_language_model_is_refused(family):
     config.text_config = GPT2Config()
     with pytest.raises(UnsupportedModelError, match=rf"{family} model with language model 'gpt2' \(proven"):
         get_family(config)
-    if family != "mistral3":
+    if family not in ("mistral3", "aya_vision"):
         config.text_config = tiny_config("qwen2")
         config.text_config.layer_types = ["sliding_attention", "full_attention"]
         with pytest.raises(UnsupportedModelError, match=r"language model 'qwen2' with layer types"):
             get_family(config)
+
+
+@pytest.mark.parametrize(("config_class", "rule", "wrong"), [
+    ("PaliGemmaConfig", "prefix-LM attention over packed rows is not implemented", "the prefix would attend causally"),
+    ("Llama4Config", "chunked attention over packed rows is not implemented", "attend across chunk borders"),
+    ("MllamaConfig", "cross-attention isolation over packed rows is not implemented", "another sample's image"),
+    ("Qwen2_5OmniThinkerConfig", "the Omni thinker.s time-aligned mRoPE", "wrong position"),
+])
+def test_known_unproven_families_are_refused_with_the_missing_rule(config_class, rule, wrong):
+    """Families whose exact packing needs a rule vlm_pack lacks: the refusal names the rule and what
+    allow_unproven=True (causal, 1-D positions) would get wrong; with allow_unproven the warning says the same."""
+    import transformers
+
+    config = getattr(transformers, config_class)()
+    with pytest.raises(UnsupportedModelError, match=rf"model_type '{config.model_type}': {rule}.*{wrong}"):
+        get_family(config)
+    with pytest.warns(UserWarning, match=rule):
+        assert get_family(config, allow_unproven=True).name == f"unproven:{config.model_type}"
 
 
 def test_mistral3_with_an_unproven_language_model_is_refused():
@@ -402,32 +421,37 @@ def test_mistral3_with_an_unproven_language_model_is_refused():
 # ------------------------------------------------------------------ Mistral text: sliding window inside each sample
 
 
-def _mistral(window: int | None, vocab_size: int):
-    from transformers import MistralForCausalLM
+def _windowed(kind: str, window: int | None, vocab_size: int):
+    from transformers import Cohere2ForCausalLM, MistralForCausalLM
 
-    from vlm_pack.tiny_families import mistral_text_config
+    from vlm_pack.tiny_families import cohere2_text_config, mistral_text_config
 
+    build = {"mistral": (mistral_text_config, MistralForCausalLM), "cohere2": (cohere2_text_config, Cohere2ForCausalLM)}
+    config_fn, model_cls = build[kind]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        config = mistral_text_config(vocab_size, sliding_window=window)
-        return MistralForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+        config = config_fn(vocab_size, sliding_window=window)
+        return model_cls._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
 
 
-def test_mistral_sliding_window_packed_equals_each_sample_alone():
-    """Mistral text with a window (4) shorter than every sample: the packed path applies it inside each sample
+@pytest.mark.parametrize("kind", ["mistral", "cohere2"])
+def test_sliding_window_packed_equals_each_sample_alone(kind):
+    """Mistral text, and Cohere 2 (Aya Vision's language model: windowed RoPE layers alternating with full layers
+    without positions), with a window (4) shorter than every sample: the packed path applies it inside each sample
     like HF does (logits, losses, the model's own loss, gradients); without the window it would not match."""
     tokenizer = qwen_tokenizer()
-    packed = enable_packing(_mistral(4, len(tokenizer)))
+    packed = enable_packing(_windowed(kind, 4, len(tokenizer)))
     collator = VLMPackingCollator(tokenizer, max_length=1024, model_config=packed.config)
-    setup = Setup("mistral", tokenizer, _mistral(4, len(tokenizer)), packed, collator)
+    setup = Setup(kind, tokenizer, _windowed(kind, 4, len(tokenizer)), packed, collator)
     examples = text_chat_examples(3, seed=1, max_turns=2)
     result = compare(setup, examples)
-    MEASURED["mistral"] = result
-    print("mistral", 3, result)
+    MEASURED[kind] = result
+    print(kind, 3, result)
     assert_exact(result)
-    with torch.no_grad():  # corruption: the same weights without the window
+    with torch.no_grad():  # corruption: the same weights without the window (Cohere 2 needs one: never binding)
         batch = collator(examples)
-        unwindowed = packed_logits(enable_packing(_mistral(None, len(tokenizer))), batch)
+        unwindowed = packed_logits(enable_packing(_windowed(kind, None if kind == "mistral" else 4096, len(tokenizer))),
+                                   batch)
         assert logit_error(batch, unwindowed, references(setup, examples)) > 100 * LOGIT_ATOL
 
 

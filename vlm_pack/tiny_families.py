@@ -482,6 +482,78 @@ def _llava_next_video_model(processor, initializer_range: float, layers: int, at
     return LlavaNextVideoForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
+# ---------------------------------------------------------------- Idefics2 (perceiver resampler, Mistral text)
+
+# Images resized to 28-56 px (7-px patches; the processor pads each batch's images to its largest and returns the
+# pixel mask); a 1-layer perceiver resamples every image to 4 latents: 4 <image> tokens per image.
+_IDEFICS2_LATENTS = 4
+
+
+def _idefics2_processor() -> ProcessorMixin:
+    from transformers import Idefics2ImageProcessor, Idefics2Processor
+
+    return Idefics2Processor(
+        image_processor=Idefics2ImageProcessor(size={"shortest_edge": 28, "longest_edge": 56},
+                                               do_image_splitting=False),
+        tokenizer=_tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>"]),
+        image_seq_len=_IDEFICS2_LATENTS,
+        chat_template=chatml_template("<image>"),
+    )
+
+
+def _idefics2_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import Idefics2Config, Idefics2ForConditionalGeneration
+
+    config = Idefics2Config(
+        vision_config={**TINY_VISION_TOWER, "image_size": 56, "patch_size": 7, "initializer_range": initializer_range},
+        perceiver_config={"resampler_n_latents": _IDEFICS2_LATENTS, "resampler_depth": 1, "resampler_n_heads": 2,
+                          "resampler_head_dim": 16, "num_key_value_heads": 1, "initializer_range": initializer_range,
+                          "hidden_size": _HIDDEN, "rms_norm_eps": 1e-6},
+        text_config=mistral_text_config(len(processor.tokenizer), initializer_range, layers).to_dict(),
+        image_token_id=processor.image_token_id,
+    )
+    return Idefics2ForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- Aya Vision (SigLIP tiles, Cohere 2 text)
+
+# 28-px tiles (up to 4 + a global view) of 7-px patches, pixel-shuffled by 2: 4 <|IMG_PATCH|> tokens per tile.
+_AYA_TOKENS = ["<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>"]
+
+
+def cohere2_text_config(vocab_size: int, initializer_range: float = 0.2, layers: int = 2, sliding_window: int = 4):
+    """A fresh tiny ``Cohere2Config``: sliding-window layers with RoPE and full layers without (alternating)."""
+    from transformers import Cohere2Config
+
+    text = _qwen2_text(vocab_size, initializer_range, layers)
+    del text["model_type"]
+    return Cohere2Config(**text, sliding_window=sliding_window, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
+
+
+def _aya_vision_processor() -> ProcessorMixin:
+    from transformers import AyaVisionProcessor, GotOcr2ImageProcessor
+
+    return AyaVisionProcessor(
+        image_processor=GotOcr2ImageProcessor(size={"height": 28, "width": 28}, crop_to_patches=True,
+                                              min_patches=1, max_patches=4),
+        tokenizer=_tokenizer(_AYA_TOKENS), patch_size=7, img_size=28, downsample_factor=2,
+        chat_template=chatml_template("<image>"),
+    )
+
+
+def _aya_vision_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import AyaVisionConfig, AyaVisionForConditionalGeneration
+
+    config = AyaVisionConfig(
+        vision_config={"model_type": "siglip_vision_model", **TINY_VISION_TOWER, "image_size": 28, "patch_size": 7},
+        text_config=cohere2_text_config(len(processor.tokenizer), initializer_range, layers).to_dict(),
+        image_token_index=processor.image_token_id,
+        downsample_factor=2,
+    )
+    return AyaVisionForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
 @dataclass(frozen=True)
 class _Builder:
     processor: Callable[[], ProcessorMixin]
@@ -556,6 +628,18 @@ _BUILDERS = {
         _llava_next_video_processor,
         _llava_next_video_model,
         "as llava_next, with LlavaNextVideoProcessor (images only: videos are refused by the family)",
+    ),
+    "idefics2": _Builder(
+        _idefics2_processor,
+        _idefics2_model,
+        "Qwen tokenizer + '<image>', '<fake_token_around_image>', '<end_of_utterance>' and ChatML instead of the "
+        "checkpoint's; real Idefics2ImageProcessor (28-56 px, no splitting) and Idefics2Processor; Mistral text",
+    ),
+    "aya_vision": _Builder(
+        _aya_vision_processor,
+        _aya_vision_model,
+        "Qwen tokenizer + Aya's image tokens and ChatML instead of Cohere's; real GotOcr2ImageProcessor (28-px "
+        "tiles, up to 4 + a global view) and AyaVisionProcessor; Cohere 2 text (window 4)",
     ),
 }
 TINY_VLM_FAMILIES = tuple(_BUILDERS)

@@ -227,11 +227,20 @@ def get_family(config: Any, *, allow_unproven: bool = False) -> FamilySpec:
     model_type = _model_type(config)
     spec = _REGISTRY.get(model_type)
     if spec is None:
-        message = (
-            f"model_type {model_type!r} is not a family vlm_pack has proven exact under packing (supported: "
-            f"{', '.join(sorted(_REGISTRY))}). Pass the composite model.config of a VLM (not its text_config), "
-            "or allow_unproven=True to pack it as a causal 1-D-position model at your own risk."
-        )
+        from .missing import MISSING_RULES
+
+        missing = MISSING_RULES.get(model_type)
+        if missing is not None:
+            message = (
+                f"model_type {model_type!r}: {missing.rule}. allow_unproven=True would pack it as a causal "
+                f"1-D-position model, and then {missing.unproven}."
+            )
+        else:
+            message = (
+                f"model_type {model_type!r} is not a family vlm_pack has proven exact under packing (supported: "
+                f"{', '.join(sorted(_REGISTRY))}). Pass the composite model.config of a VLM (not its text_config), "
+                "or allow_unproven=True to pack it as a causal 1-D-position model at your own risk."
+            )
         if not allow_unproven:
             raise UnsupportedModelError(message)
         warnings.warn(message, stacklevel=2)
@@ -260,6 +269,6 @@ def _load_builtin() -> None:
         return
     _loaded = True
     from . import (  # noqa: F401
-        gemma3, gemma4, glm4v, glm4v_moe, idefics3, internvl, llama, llava, llava_onevision, mistral, qwen3_5,
-        qwen3_5_moe, qwen3_vl_moe, qwen_vl,
+        aya_vision, gemma3, gemma4, glm4v, glm4v_moe, idefics2, idefics3, internvl, llama, llava, llava_onevision,
+        mistral, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
     )
