@@ -554,6 +554,55 @@ def _aya_vision_model(processor, initializer_range: float, layers: int, attn: st
     return AyaVisionForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
+# ---------------------------------------------------------------- GLM-4.6V, VipLLaVA
+
+
+def _glm46v_processor() -> ProcessorMixin:
+    from transformers import Glm46VImageProcessor, Glm46VProcessor, Glm46VVideoProcessor
+
+    size = {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}  # as glm4v: 4-16 merged tokens per image
+    return Glm46VProcessor(
+        image_processor=Glm46VImageProcessor(size=size, patch_size=14, merge_size=2, temporal_patch_size=2),
+        video_processor=Glm46VVideoProcessor(),
+        tokenizer=_tokenizer(_GLM4V_TOKENS),
+        chat_template=chatml_template("<|begin_of_image|><|image|><|end_of_image|>"),
+    )
+
+
+def _glm46v_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import Glm46VConfig, Glm46VForConditionalGeneration
+
+    config = Glm46VConfig(**_glm4v_parts(processor, initializer_range, layers))
+    return Glm46VForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+def _vipllava_processor() -> ProcessorMixin:
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    # A CLIP tower (CLS token first, dropped by the model): 16 patch features per 28-px image.
+    return LlavaProcessor(
+        image_processor=CLIPImageProcessor(**_llava_sizes()), tokenizer=_tokenizer(["<image>"]), patch_size=7,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        chat_template=chatml_template("<image>"),
+    )
+
+
+def _vipllava_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    """VipLLaVA: features of several vision layers (here the embeddings and the last of a 2-layer CLIP tower)
+    concatenated and projected."""
+    from transformers import VipLlavaConfig, VipLlavaForConditionalGeneration
+
+    tokenizer = processor.tokenizer
+    config = VipLlavaConfig(
+        vision_config={"model_type": "clip_vision_model", **TINY_VISION_TOWER, "num_hidden_layers": 2,
+                       "image_size": _LLAVA_CROP, "patch_size": 7, "projection_dim": 32},
+        text_config=_qwen2_text(len(tokenizer), initializer_range, layers),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=[0, -1],
+    )
+    return VipLlavaForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
 @dataclass(frozen=True)
 class _Builder:
     processor: Callable[[], ProcessorMixin]
@@ -640,6 +689,16 @@ _BUILDERS = {
         _aya_vision_model,
         "Qwen tokenizer + Aya's image tokens and ChatML instead of Cohere's; real GotOcr2ImageProcessor (28-px "
         "tiles, up to 4 + a global view) and AyaVisionProcessor; Cohere 2 text (window 4)",
+    ),
+    "glm46v": _Builder(
+        _glm46v_processor,
+        _glm46v_model,
+        "as glm4v, with Glm46VImageProcessor / Glm46VProcessor",
+    ),
+    "vipllava": _Builder(
+        _vipllava_processor,
+        _vipllava_model,
+        "as llava, with a CLIP tower (CLS token) and LlavaProcessor (as the VipLLaVA checkpoints ship)",
     ),
 }
 TINY_VLM_FAMILIES = tuple(_BUILDERS)

@@ -6,7 +6,8 @@ puts each image's features on its own ``<image>`` tokens in sample order. ``pixe
 for NeXT each row holds the image's crops padded to the batch's largest count, and ``image_sizes`` (one row per
 image) tells the model how many are real, so a sample's rows are the same packed or alone. The language model is
 a proven text family, causal over the packed row split at ``cu_seq_lens_q``, positions restarting per sample.
-LLaVA-NeXT-Video's videos are not proven (refused); its images follow LLaVA-NeXT's rules.
+LLaVA-NeXT-Video's videos are not proven (refused); its images follow LLaVA-NeXT's rules. VipLLaVA concatenates
+several vision layers' features per image before its projector: still per image, same rules as LLaVA.
 """
 
 from . import FamilySpec, register_family, text_backbone
@@ -24,4 +25,7 @@ LLAVA_NEXT = register_family(FamilySpec(
 LLAVA_NEXT_VIDEO = register_family(FamilySpec(
     name="llava_next_video", model_types=("llava_next_video",), proof=_PROOF, vision_rows=_NEXT_ROWS,
     extra_checks=_TEXT,
+))
+VIPLLAVA = register_family(FamilySpec(
+    name="vipllava", model_types=("vipllava",), proof=_PROOF, vision_rows={"pixel_values": "image"}, extra_checks=_TEXT,
 ))
