@@ -603,6 +603,69 @@ def _vipllava_model(processor, initializer_range: float, layers: int, attn: str)
     return VipLlavaForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
+# ---------------------------------------------------------------- Cohere 2 Vision (Command A Vision)
+
+# 28-px tiles (up to 4 + a thumbnail) of 7-px SigLIP patches, pixel-shuffled by 2: 2x2 = 4 image tokens per tile.
+_COHERE2_VISION_TOKENS = {
+    "boi_token": "<|START_OF_IMG|>",
+    "eoi_token": "<|END_OF_IMG|>",
+    "image_token": "<|IMG_PATCH|>",
+    "img_line_break_token": "<|IMG_LINE_BREAK|>",
+}
+
+
+def _cohere2_vision_processor() -> ProcessorMixin:
+    from transformers import Cohere2VisionImageProcessor, Cohere2VisionProcessor
+
+    return Cohere2VisionProcessor(
+        image_processor=Cohere2VisionImageProcessor(size={"height": 28, "width": 28}, patch_size=2, max_patches=4),
+        tokenizer=_tokenizer(_COHERE2_VISION_TOKENS),
+        chat_template=chatml_template("<|IMG_PATCH|>"),
+    )
+
+
+def _cohere2_vision_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import Cohere2VisionConfig, Cohere2VisionForConditionalGeneration
+
+    config = Cohere2VisionConfig(
+        vision_config={"model_type": "siglip_vision_model", **TINY_VISION_TOWER, "image_size": 28, "patch_size": 7},
+        text_config=cohere2_text_config(len(processor.tokenizer), initializer_range, layers).to_dict(),
+        image_token_id=processor.image_token_id,
+        downsample_factor=2,
+        alignment_intermediate_size=64,
+    )
+    return Cohere2VisionForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- Video-LLaVA (images; videos refused)
+
+
+def _video_llava_processor() -> ProcessorMixin:
+    from transformers import VideoLlavaImageProcessor, VideoLlavaProcessor, VideoLlavaVideoProcessor
+
+    return VideoLlavaProcessor(
+        image_processor=VideoLlavaImageProcessor(**_llava_sizes()),
+        video_processor=VideoLlavaVideoProcessor(**_llava_sizes()),
+        tokenizer=_tokenizer(["<image>", "<video>"]), patch_size=7, vision_feature_select_strategy="default",
+        num_additional_image_tokens=1, chat_template=chatml_template("<image>"),
+    )
+
+
+def _video_llava_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import VideoLlavaConfig, VideoLlavaForConditionalGeneration
+
+    tokenizer = processor.tokenizer
+    config = VideoLlavaConfig(
+        vision_config={"model_type": "clip_vision_model", **TINY_VISION_TOWER, "image_size": _LLAVA_CROP,
+                       "patch_size": 7, "projection_dim": 32},
+        text_config=_qwen2_text(len(tokenizer), initializer_range, layers),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        video_token_index=tokenizer.convert_tokens_to_ids("<video>"),
+        vision_feature_layer=-1,
+    )
+    return VideoLlavaForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
 @dataclass(frozen=True)
 class _Builder:
     processor: Callable[[], ProcessorMixin]
@@ -699,6 +762,17 @@ _BUILDERS = {
         _vipllava_processor,
         _vipllava_model,
         "as llava, with a CLIP tower (CLS token) and LlavaProcessor (as the VipLLaVA checkpoints ship)",
+    ),
+    "cohere2_vision": _Builder(
+        _cohere2_vision_processor,
+        _cohere2_vision_model,
+        "Qwen tokenizer + Cohere's image tokens and ChatML instead of Cohere's; real Cohere2VisionImageProcessor "
+        "(28-px tiles, up to 4 + a thumbnail) and Cohere2VisionProcessor; Cohere 2 text (window 4)",
+    ),
+    "video_llava": _Builder(
+        _video_llava_processor,
+        _video_llava_model,
+        "as vipllava, with VideoLlavaImageProcessor / VideoLlavaProcessor (images only: videos are refused)",
     ),
 }
 TINY_VLM_FAMILIES = tuple(_BUILDERS)

@@ -1,5 +1,5 @@
-"""Aya Vision (SigLIP tiles + Cohere 2) and its Cohere 2 language model: features placed by image-token id, 1-D
-positions per sample.
+"""Aya Vision and Cohere 2 Vision (Command A Vision; SigLIP tiles + Cohere 2) and their Cohere 2 language model:
+features placed by image-token id, 1-D positions per sample.
 
 Rules (proven in tests/test_vlm_families.py): like InternVL, the vision tower, pixel shuffle and projector run per
 tile (no text kwargs) and ``masked_scatter`` fills the ``<|IMG_PATCH|>`` tokens in order; ``pixel_values`` has one
@@ -19,4 +19,8 @@ AYA_VISION = register_family(FamilySpec(
     name="aya_vision", model_types=("aya_vision",), proof=_PROOF, layer_kinds=_LAYER_KINDS,
     vision_rows={"pixel_values": "image_token"},
     extra_checks=(text_backbone("cohere2"),),
+))
+COHERE2_VISION = register_family(FamilySpec(
+    name="cohere2_vision", model_types=("cohere2_vision",), proof=_PROOF, layer_kinds=_LAYER_KINDS,
+    vision_rows={"pixel_values": "image_token"}, extra_checks=(text_backbone("cohere2"),),
 ))

@@ -7,7 +7,8 @@ for NeXT each row holds the image's crops padded to the batch's largest count, a
 image) tells the model how many are real, so a sample's rows are the same packed or alone. The language model is
 a proven text family, causal over the packed row split at ``cu_seq_lens_q``, positions restarting per sample.
 LLaVA-NeXT-Video's videos are not proven (refused); its images follow LLaVA-NeXT's rules. VipLLaVA concatenates
-several vision layers' features per image before its projector: still per image, same rules as LLaVA.
+several vision layers' features per image before its projector: still per image, same rules as LLaVA. Video-LLaVA's
+images (``pixel_values_images``, one row per image) follow LLaVA's rules; its videos are not proven (refused).
 """
 
 from . import FamilySpec, register_family, text_backbone
@@ -28,4 +29,8 @@ LLAVA_NEXT_VIDEO = register_family(FamilySpec(
 ))
 VIPLLAVA = register_family(FamilySpec(
     name="vipllava", model_types=("vipllava",), proof=_PROOF, vision_rows={"pixel_values": "image"}, extra_checks=_TEXT,
+))
+VIDEO_LLAVA = register_family(FamilySpec(
+    name="video_llava", model_types=("video_llava",), proof=_PROOF, vision_rows={"pixel_values_images": "image", "pixel_values": "image"},
+    extra_checks=_TEXT,
 ))
