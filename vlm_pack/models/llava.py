@@ -31,6 +31,6 @@ VIPLLAVA = register_family(FamilySpec(
     name="vipllava", model_types=("vipllava",), proof=_PROOF, vision_rows={"pixel_values": "image"}, extra_checks=_TEXT,
 ))
 VIDEO_LLAVA = register_family(FamilySpec(
-    name="video_llava", model_types=("video_llava",), proof=_PROOF, vision_rows={"pixel_values_images": "image", "pixel_values": "image"},
-    extra_checks=_TEXT,
+    name="video_llava", model_types=("video_llava",), proof=_PROOF,
+    vision_rows={"pixel_values_images": "image", "pixel_values": "image"}, extra_checks=_TEXT,
 ))
