@@ -3,7 +3,10 @@ equals each sample run ALONE through the stock model (``attn_implementation="sdp
 
 Per family: max |dlogit| < 1e-4 and |dloss| < 1e-5 per sample (plain shifted cross entropy on that sample
 alone), parameter gradients of the summed per-sample losses within rtol 1e-4; one corruption per family rule
-must break the comparison; unsupported variants are refused.
+must break the comparison; unsupported variants are refused. The families registered later (EDGE_FAMILIES) are
+proven on edge_examples(): system prompts, a one-word answer, an image inside an assistant turn, text-only and
+multi-image samples, with context-parallel alignment slots where the family allows them. Mixture-of-experts
+families: routing is per token (covered by the logits); the router's auxiliary loss is refused (see its test).
 
 Substituted (no hub here): each processor is assembled from the real Qwen tokenizer files plus the family's
 image tokens, the family's own image-processor class built with tiny crop sizes, and a ChatML template (see
