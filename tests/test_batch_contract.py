@@ -54,9 +54,9 @@ def family_batch(family: str, processor, tokenizer, **kwargs) -> dict:
 
 
 def test_every_registered_family_is_covered():
-    # Families built by vlm_pack.tiny_families (and Mistral text) call model(**batch) with the metadata entry in
+    # Families built by vlm_pack.tiny_families (and Mistral, Cohere 2 text) call model(**batch) with the metadata entry in
     # tests/test_vlm_families.py (compare: logits and the model's own loss vs each sample alone).
-    covered = set(TINY_FAMILIES) | set(TINY_VLM_FAMILIES) | {"mistral"}
+    covered = set(TINY_FAMILIES) | set(TINY_VLM_FAMILIES) | {"mistral", "cohere2"}
     assert {spec.name for spec in registered_families().values()} <= covered
 
 

@@ -123,7 +123,8 @@ def test_supported_families_table_lists_every_registered_family_with_its_proof()
             if line.startswith("| ") and "(`" in line.split("|")[1] and "`model_type`" not in line]
     listed = set(re.findall(r"`([a-z0-9_]+)`", " ".join(row.split("|")[1] for row in rows)))
     registered = registered_families()
-    assert {t for spec in registered.values() for t in spec.model_types} >= listed
+    types = {t for spec in registered.values() for t in spec.model_types}
+    assert types == listed, f"registered, not in the table: {types - listed}; not registered: {listed - types}"
     assert set(registered) <= listed, f"families missing from the README table: {set(registered) - listed}"
     root = Path(__file__).resolve().parents[1]
     for spec in registered.values():

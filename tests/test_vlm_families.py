@@ -3,7 +3,10 @@ equals each sample run ALONE through the stock model (``attn_implementation="sdp
 
 Per family: max |dlogit| < 1e-4 and |dloss| < 1e-5 per sample (plain shifted cross entropy on that sample
 alone), parameter gradients of the summed per-sample losses within rtol 1e-4; one corruption per family rule
-must break the comparison; unsupported variants are refused.
+must break the comparison; unsupported variants are refused. The families registered later (EDGE_FAMILIES) are
+proven on edge_examples(): system prompts, a one-word answer, an image inside an assistant turn, text-only and
+multi-image samples, with context-parallel alignment slots where the family allows them. Mixture-of-experts
+families: routing is per token (covered by the logits); the router's auxiliary loss is refused (see its test).
 
 Substituted (no hub here): each processor is assembled from the real Qwen tokenizer files plus the family's
 image tokens, the family's own image-processor class built with tiny crop sizes, and a ChatML template (see
@@ -141,12 +144,15 @@ def compare(setup: Setup, examples: list[dict]) -> dict[str, float]:
     reference = dict(setup.stock.named_parameters())
     worst = 0.0
     with torch.no_grad():
+        largest = max(p.grad.abs().max() for p in reference.values() if p.grad is not None)
         for name, param in setup.packed.named_parameters():
             ref_grad = reference[name].grad
             if ref_grad is None:
                 assert param.grad is None or not param.grad.any(), name
                 continue
-            scale = ref_grad.abs().max().clamp_min(1e-12)
+            # A key bias shifts each query's scores by a constant, which softmax cancels: its exact gradient is 0
+            # and the float one rounding noise (~1e-8), so it is held to the largest gradient of the model.
+            scale = largest if name.endswith("k_proj.bias") else ref_grad.abs().max().clamp_min(1e-12)
             worst = max(worst, ((param.grad - ref_grad).abs().max() / scale).item())
     result["grad_rel"] = worst
     return result
@@ -168,7 +174,13 @@ EXACT_CASES = [
     ("llava_onevision", 4, 3), ("mistral3", 2, 1), ("internvl", 6, 2),
     ("idefics3", 3, 4), ("smolvlm", 5, 5), ("glm4v", 4, 6),
 ]
-FAMILIES = [family for family, _, _ in EXACT_CASES]
+# Families registered later are proven on edge_examples() (a superset of the mixed batch) instead.
+EDGE_FAMILIES = ["qwen3_vl_moe", "llava", "llava_next", "llava_next_video", "glm4v_moe", "qwen3_5_moe", "idefics2",
+                 "aya_vision", "glm46v", "vipllava", "cohere2_vision", "video_llava"]
+FAMILIES = [family for family, _, _ in EXACT_CASES] + EDGE_FAMILIES
+# Composite families whose language model is a separate registered text family (the others bring their own).
+TEXT_BACKBONE_FAMILIES = [f for f in FAMILIES if f not in ("glm4v", "glm4v_moe", "glm46v", "qwen3_vl_moe",
+                                                             "qwen3_5_moe")]
 
 
 @pytest.mark.parametrize(("family", "micro_batch", "seed"), EXACT_CASES)
@@ -178,6 +190,53 @@ def test_packed_family_equals_each_sample_alone(family, micro_batch, seed):
     result = compare(setup, examples)
     MEASURED.setdefault(family, {}).update({f"mb{micro_batch}_{k}": v for k, v in result.items()})
     print(family, micro_batch, result)
+    assert_exact(result)
+
+
+def edge_examples() -> list[dict]:
+    """What a real SFT micro-batch holds besides plain photo Q&A: a system prompt with a one-word answer, an image
+    inside an assistant turn (multi-turn), a text-only chat with a system prompt, and a sample with images of two
+    different sizes (so the samples' image-token counts and crop counts differ)."""
+    from vlm_pack.data import sample_photos
+
+    photos = sample_photos(84)
+    system = {"role": "system", "content": "You are a terse assistant."}
+
+    def image(name: str, size: tuple[int, int]) -> dict:
+        return {"type": "image", "image": photos[name].resize(size)}
+
+    return [
+        {"messages": [system, {"role": "user", "content": [image("astronaut", (56, 42)),
+                                                            {"type": "text", "text": "Person?"}]},
+                      {"role": "assistant", "content": "Yes"}]},
+        {"messages": [{"role": "user", "content": "Show me a cat."},
+                      {"role": "assistant", "content": [{"type": "text", "text": "Here:"}, image("chelsea", (42, 56))]},
+                      {"role": "user", "content": "Thanks. Its colour?"},
+                      {"role": "assistant", "content": "Tabby."}]},
+        {"messages": [system, *text_chat_examples(1, seed=3, max_turns=2)[0]["messages"]]},
+        {"messages": [{"role": "user", "content": [image("coffee", (84, 56)), image("rocket", (28, 70)),
+                                                    {"type": "text", "text": "Compare them."}]},
+                      {"role": "assistant", "content": "A cup of coffee; a rocket on its pad."}]},
+    ]
+
+
+@pytest.mark.parametrize("family", EDGE_FAMILIES)
+def test_edge_batch_equals_each_sample_alone(family):
+    """The edge batch (system prompts, one-word answer, an image inside an assistant turn, text-only, images of
+    different sizes) packed with context-parallel alignment (each sample padded to a multiple of 4, as cp=2
+    needs) where the family allows it, against each sample alone: logits, losses, the model's own loss, grads."""
+    setup = setup_for(family)
+    if setup.collator.family.context_parallel_refusal is None:
+        collator = VLMPackingCollator(setup.processor, max_length=2048, model_config=setup.packed.config,
+                                      context_parallel_size=2)
+        setup = dataclasses.replace(setup, collator=collator)
+    examples = edge_examples()
+    meta = packing_metadata(setup.collator(examples))
+    aligned = setup.collator.pad_to_multiple_of > 1
+    assert not aligned or not torch.equal(meta["cu_seqlens"], meta["cu_seqlens_padded"])  # alignment slots present
+    result = compare(setup, examples)
+    MEASURED.setdefault(family, {}).update({f"edge_{k}": v for k, v in result.items()})
+    print(family, "edge", result)
     assert_exact(result)
 
 
@@ -210,18 +269,21 @@ def test_corruptions_are_caught(family):
     sample), each rule dropped breaks the comparison that the clean batch passes:
     * vision rows given to the wrong sample (the two same-size images swapped: a well-formed batch);
     * positions not restarted per sample (stock sdpa, boundaries read from position ids as HF does when no
-      cu_seq_lens are passed: exact with per-sample positions, wrong with whole-row positions)."""
+      cu_seq_lens are passed: exact with per-sample positions, wrong with whole-row positions). Not for hybrid
+      DeltaNet families, whose stock linear layers cannot read boundaries from positions (their restart has its
+      own corruption test)."""
     setup = setup_for(family)
     examples = swap_examples()
     refs = references(setup, examples)
     batch = setup.collator(examples)
     assert_exact(errors(batch, packed_logits(setup.packed, batch), refs))
 
-    no_kwargs = dict.fromkeys(BOUNDARY_KWARGS)
-    assert logit_error(batch, packed_logits(setup.stock, batch, **no_kwargs), refs) < LOGIT_ATOL
-    whole_row = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["position_ids"])
-    not_restarted = packed_logits(setup.stock, batch, **no_kwargs, position_ids=whole_row)
-    assert logit_error(batch, not_restarted, refs) > 100 * LOGIT_ATOL
+    if "linear_attention" not in setup.collator.family.layer_kinds:
+        no_kwargs = dict.fromkeys(BOUNDARY_KWARGS)
+        assert logit_error(batch, packed_logits(setup.stock, batch, **no_kwargs), refs) < LOGIT_ATOL
+        whole_row = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["position_ids"])
+        not_restarted = packed_logits(setup.stock, batch, **no_kwargs, position_ids=whole_row)
+        assert logit_error(batch, not_restarted, refs) > 100 * LOGIT_ATOL
 
     # Give sample 0's vision rows to sample 2 and back (same-size images: the batch stays well-formed).
     samples = setup.collator._encode_all(examples)[0]
@@ -246,11 +308,13 @@ def test_corruption_llava_onevision_one_image_count_for_the_whole_row():
         packed_logits(setup.packed, batch, batch_num_images=batch["batch_num_images"].sum().reshape(1))
 
 
+@pytest.mark.parametrize("family", ["glm4v", "glm4v_moe", "glm46v", "qwen3_vl_moe", "qwen3_5_moe"])
 @torch.no_grad()
-def test_corruption_glm4v_one_dimensional_positions():
-    """GLM-4V's positions rule is "mrope": rows 1-3 from GLM's own get_rope_index, per sample. Treating it as a
-    1-D family (every row the per-sample text arange: restarted per sample, but no 3-D image grid) is caught."""
-    setup = setup_for("glm4v")
+def test_corruption_one_dimensional_positions(family):
+    """GLM-4V's (and the MoE families') positions rule is "mrope": rows 1-3 from the model's own get_rope_index,
+    per sample. Treating it as a 1-D family (every row the per-sample text arange: restarted per sample, but no
+    3-D image grid) is caught."""
+    setup = setup_for(family)
     examples = swap_examples()
     refs = references(setup, examples)
     batch = setup.collator(examples)
@@ -258,6 +322,48 @@ def test_corruption_glm4v_one_dimensional_positions():
     flat = batch["position_ids"][:1].expand_as(batch["position_ids"])
     assert not torch.equal(flat, batch["position_ids"])
     assert logit_error(batch, packed_logits(setup.packed, batch, position_ids=flat), refs) > 100 * LOGIT_ATOL
+
+
+@pytest.mark.parametrize("family", ["llava_next", "llava_next_video"])
+@torch.no_grad()
+def test_corruption_llava_next_image_sizes_follow_their_image(family):
+    """LLaVA-NeXT: each image's row of pixel_values holds its anyres crops padded to the batch's largest count
+    (the edge batch's 28x70 image has 3 real crops of 5) and its image_sizes row says how to unpad them. Sizes
+    given to the wrong image (the two mirror-shaped images swapped: same crop count, same token count, so the
+    batch stays well-formed) are caught."""
+    setup = setup_for(family)
+    examples = edge_examples()
+    refs = references(setup, examples)
+    batch = setup.collator(examples)
+    real_crops = (batch["pixel_values"].flatten(2).abs().sum(-1) > 0).sum(1)
+    assert real_crops.tolist() == [5, 5, 5, 3]  # one row per image, padded crops at the end of the last
+    assert logit_error(batch, packed_logits(setup.packed, batch), refs) < LOGIT_ATOL
+    swapped = batch["image_sizes"][[1, 0, 2, 3]]
+    assert swapped[0].tolist() == batch["image_sizes"][0].flip(0).tolist()
+    assert logit_error(batch, packed_logits(setup.packed, batch, image_sizes=swapped), refs) > 100 * LOGIT_ATOL
+
+
+@torch.no_grad()
+def test_corruption_qwen3_5_moe_deltanet_state_carried_across_samples(monkeypatch):
+    """Qwen3.5-MoE's DeltaNet layers must restart per sample: enable_packing installs the boundary-aware forward
+    on its own MoE-model class, and the state carried over the whole row (boundaries ignored) is caught."""
+    from vlm_pack import linear_attention as la
+
+    setup = setup_for("qwen3_5_moe")
+    deltanets = [m for m in setup.packed.modules() if type(m).__name__ == "Qwen3_5MoeGatedDeltaNet"]
+    assert deltanets and all(getattr(m.forward, "__vlm_pack_linear__", False) for m in deltanets)
+    examples = edge_examples()
+    refs = references(setup, examples)
+    batch = setup.collator(examples)
+    assert logit_error(batch, packed_logits(setup.packed, batch), refs) < LOGIT_ATOL
+    exact, total = la.segmented_gated_delta_rule, batch["input_ids"].shape[1]
+    whole_row = la.SegmentLayout.from_cu_seqlens(torch.tensor([0, total]), total)
+
+    def carried(reference_fn, q, k, v, g, beta, layout, l2norm):
+        return exact(reference_fn, q, k, v, g, beta, whole_row, l2norm)
+
+    monkeypatch.setattr(la, "segmented_gated_delta_rule", carried)
+    assert logit_error(batch, packed_logits(setup.packed, batch), refs) > 100 * LOGIT_ATOL
 
 
 def test_internvl_tiles_split_by_image_tokens_or_refused(monkeypatch):
@@ -273,7 +379,7 @@ def test_internvl_tiles_split_by_image_tokens_or_refused(monkeypatch):
 # ------------------------------------------------------------------ refusals
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "glm4v"])  # GLM-4V's language model is its own
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f in TEXT_BACKBONE_FAMILIES])
 def test_unproven_language_model_is_refused(family):
     """The composite rule is proven with the family's proven text models only; any other language model, or a
     proven one with an unhandled feature (sliding layers), is refused by name."""
@@ -282,11 +388,29 @@ def test_unproven_language_model_is_refused(family):
     config.text_config = GPT2Config()
     with pytest.raises(UnsupportedModelError, match=rf"{family} model with language model 'gpt2' \(proven"):
         get_family(config)
-    if family != "mistral3":
+    if family not in ("mistral3", "aya_vision", "cohere2_vision"):
         config.text_config = tiny_config("qwen2")
         config.text_config.layer_types = ["sliding_attention", "full_attention"]
         with pytest.raises(UnsupportedModelError, match=r"language model 'qwen2' with layer types"):
             get_family(config)
+
+
+@pytest.mark.parametrize(("config_class", "rule", "wrong"), [
+    ("PaliGemmaConfig", "prefix-LM attention over packed rows is not implemented", "the prefix would attend causally"),
+    ("Llama4Config", "chunked attention over packed rows is not implemented", "attend across chunk borders"),
+    ("MllamaConfig", "cross-attention isolation over packed rows is not implemented", "another sample's image"),
+    ("Qwen2_5OmniThinkerConfig", "the Omni thinker.s time-aligned mRoPE", "wrong position"),
+])
+def test_known_unproven_families_are_refused_with_the_missing_rule(config_class, rule, wrong):
+    """Families whose exact packing needs a rule vlm_pack lacks: the refusal names the rule and what
+    allow_unproven=True (causal, 1-D positions) would get wrong; with allow_unproven the warning says the same."""
+    import transformers
+
+    config = getattr(transformers, config_class)()
+    with pytest.raises(UnsupportedModelError, match=rf"model_type '{config.model_type}': {rule}.*{wrong}"):
+        get_family(config)
+    with pytest.warns(UserWarning, match=rule):
+        assert get_family(config, allow_unproven=True).name == f"unproven:{config.model_type}"
 
 
 def test_mistral3_with_an_unproven_language_model_is_refused():
@@ -301,32 +425,37 @@ def test_mistral3_with_an_unproven_language_model_is_refused():
 # ------------------------------------------------------------------ Mistral text: sliding window inside each sample
 
 
-def _mistral(window: int | None, vocab_size: int):
-    from transformers import MistralForCausalLM
+def _windowed(kind: str, window: int | None, vocab_size: int):
+    from transformers import Cohere2ForCausalLM, MistralForCausalLM
 
-    from vlm_pack.tiny_families import mistral_text_config
+    from vlm_pack.tiny_families import cohere2_text_config, mistral_text_config
 
+    build = {"mistral": (mistral_text_config, MistralForCausalLM), "cohere2": (cohere2_text_config, Cohere2ForCausalLM)}
+    config_fn, model_cls = build[kind]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        config = mistral_text_config(vocab_size, sliding_window=window)
-        return MistralForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+        config = config_fn(vocab_size, sliding_window=window)
+        return model_cls._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
 
 
-def test_mistral_sliding_window_packed_equals_each_sample_alone():
-    """Mistral text with a window (4) shorter than every sample: the packed path applies it inside each sample
+@pytest.mark.parametrize("kind", ["mistral", "cohere2"])
+def test_sliding_window_packed_equals_each_sample_alone(kind):
+    """Mistral text, and Cohere 2 (Aya Vision's language model: windowed RoPE layers alternating with full layers
+    without positions), with a window (4) shorter than every sample: the packed path applies it inside each sample
     like HF does (logits, losses, the model's own loss, gradients); without the window it would not match."""
     tokenizer = qwen_tokenizer()
-    packed = enable_packing(_mistral(4, len(tokenizer)))
+    packed = enable_packing(_windowed(kind, 4, len(tokenizer)))
     collator = VLMPackingCollator(tokenizer, max_length=1024, model_config=packed.config)
-    setup = Setup("mistral", tokenizer, _mistral(4, len(tokenizer)), packed, collator)
+    setup = Setup(kind, tokenizer, _windowed(kind, 4, len(tokenizer)), packed, collator)
     examples = text_chat_examples(3, seed=1, max_turns=2)
     result = compare(setup, examples)
-    MEASURED["mistral"] = result
-    print("mistral", 3, result)
+    MEASURED[kind] = result
+    print(kind, 3, result)
     assert_exact(result)
-    with torch.no_grad():  # corruption: the same weights without the window
+    with torch.no_grad():  # corruption: the same weights without the window (Cohere 2 needs one: never binding)
         batch = collator(examples)
-        unwindowed = packed_logits(enable_packing(_mistral(None, len(tokenizer))), batch)
+        unwindowed = packed_logits(enable_packing(_windowed(kind, None if kind == "mistral" else 4096, len(tokenizer))),
+                                   batch)
         assert logit_error(batch, unwindowed, references(setup, examples)) > 100 * LOGIT_ATOL
 
 
@@ -343,3 +472,36 @@ def test_collator_stats_count_every_familys_images(family):
     want = sum(int((setup.collator([e])["input_ids"] == image_id).sum()) for e in examples[:3])  # each alone
     assert stats.image_tokens == want > 0
     assert setup.collator(text_chat_examples(2, seed=2))["vlm_pack"]["stats"].image_tokens == 0
+
+
+# ------------------------------------------------------------------ mixture of experts: the router's auxiliary loss
+
+
+@torch.no_grad()
+def test_moe_router_aux_loss_is_a_batch_statistic_and_refused():
+    """Routing is per token (the exact logits above cover it); the load-balancing loss is not: it is computed from
+    expert counts over every token of the forward. Measured on the edge batch: packed it equals the padded
+    micro-batch's (attention mask excludes pads) only when the row has no alignment slots; with cp=2 alignment the
+    slots are counted and it moves; it is never a per-sample quantity. So output_router_logits is refused."""
+    setup = setup_for("qwen3_vl_moe")
+    examples = edge_examples()
+    padded = VLMPackingCollator(setup.processor, max_length=2048, model_config=setup.stock.config,
+                                pack_sequences_in_batch=False)(examples)
+    want = setup.stock(**model_inputs(padded), use_cache=False, output_router_logits=True).aux_loss
+    per_sample = [setup.stock(**inputs, use_cache=False, output_router_logits=True).aux_loss
+                  for inputs, _ in (alone(setup, example) for example in examples)]
+    got = {}
+    for cp in (1, 2):
+        collator = VLMPackingCollator(setup.processor, max_length=2048, model_config=setup.packed.config,
+                                      context_parallel_size=cp)
+        got[cp] = setup.packed(**model_inputs(collator(examples)), use_cache=False, output_router_logits=True).aux_loss
+    assert abs(got[1] - want) < LOSS_ATOL
+    assert abs(got[2] - want) > 100 * LOSS_ATOL
+    assert abs(torch.stack(per_sample).mean() - want) > 100 * LOSS_ATOL
+
+    config = setup.packed.config.__class__.from_dict(setup.packed.config.to_dict())
+    config.text_config.output_router_logits = True
+    with pytest.raises(UnsupportedModelError, match=r"qwen3_vl_moe model with output_router_logits=True \(the router"):
+        get_family(config)
+    with pytest.raises(UnsupportedModelError, match="output_router_logits"):
+        VLMPackingCollator(setup.processor, max_length=2048, model_config=config)

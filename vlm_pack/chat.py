@@ -368,10 +368,11 @@ def _is_tensor_list(value: Any) -> bool:
 
 def _apply_template(processor: Any, conversations: list[list[dict]], chat_template: str) -> Mapping[str, Any]:
     # Vision outputs as tensors (some image processors return lists by default); token ids stay per-sample lists
-    # (some processors default to tensors for text too, which fails on samples of different lengths). The
-    # top-level return_tensors stays "auto" (no global override; SmolVLM's own default would clash).
+    # (some processors default to tensors for text too, which fails on samples of different lengths) and unpadded
+    # (Aya Vision's processor left-pads by default: pad tokens would enter the packed row). The top-level
+    # return_tensors stays "auto" (no global override; SmolVLM's own default would clash).
     images = hasattr(processor, "image_processor")
-    per_kind = {"images_kwargs": {"return_tensors": "pt"}, "text_kwargs": {"return_tensors": None}}
+    per_kind = {"images_kwargs": {"return_tensors": "pt"}, "text_kwargs": {"return_tensors": None, "padding": False}}
     tensors = {"processor_kwargs": per_kind, "return_tensors": "auto"} if images else {}
     return processor.apply_chat_template(
         conversations,

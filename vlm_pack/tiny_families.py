@@ -305,14 +305,13 @@ def _glm4v_processor() -> ProcessorMixin:
     )
 
 
-def _glm4v_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
-    from transformers import Glm4vConfig, Glm4vForConditionalGeneration
-
+def _glm4v_parts(processor, initializer_range: float, layers: int) -> dict:
+    """Config arguments shared by GLM-4V and GLM-4V-MoE."""
     tokenizer = processor.tokenizer
     text = _qwen2_text(len(tokenizer), initializer_range, layers)
     del text["model_type"]
     ids = {f"{name}_id": tokenizer.convert_tokens_to_ids(token) for name, token in _GLM4V_TOKENS.items()}
-    config = Glm4vConfig(
+    return dict(
         text_config={
             **text,
             "head_dim": _HIDDEN // 4,
@@ -334,7 +333,337 @@ def _glm4v_model(processor, initializer_range: float, layers: int, attn: str) ->
         },
         **ids,
     )
+
+
+def _glm4v_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import Glm4vConfig, Glm4vForConditionalGeneration
+
+    config = Glm4vConfig(**_glm4v_parts(processor, initializer_range, layers))
     return Glm4vForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+def _glm4v_moe_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    """GLM-4V's tiny config with GLM-4.5V's mixture of experts from the second layer on (the first stays dense):
+    4 routed experts (sigmoid scores, 2 per token) plus a shared one."""
+    from transformers import Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
+
+    parts = _glm4v_parts(processor, initializer_range, layers)
+    parts["text_config"].update(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                moe_intermediate_size=32, first_k_dense_replace=1)
+    config = Glm4vMoeConfig(**parts)
+    return Glm4vMoeForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- Qwen3-VL-MoE (Qwen3-VL with mixture-of-experts MLPs)
+
+
+def _qwen3_vl_moe_processor() -> ProcessorMixin:
+    from .tiny_models import offline_qwen2vl_processor
+
+    return offline_qwen2vl_processor()
+
+
+def _qwen3_vl_moe_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    """Qwen3-VL's tiny config (vlm_pack.tiny_models) with 4 experts, 2 per token, in every decoder layer."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    from .tiny_models import tiny_config
+
+    base = tiny_config("qwen3_vl", initializer_range=initializer_range, layers=layers)
+    text = {k: v for k, v in base.text_config.to_dict().items() if k not in ("model_type", "architectures")}
+    config = Qwen3VLMoeConfig(
+        text_config={**text, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                     "decoder_sparse_step": 1},
+        vision_config={k: v for k, v in base.vision_config.to_dict().items() if k != "model_type"},
+    )
+    return Qwen3VLMoeForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- Qwen3.5-MoE (hybrid DeltaNet + full attention, MoE)
+
+
+def _qwen3_5_moe_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    """Qwen3.5's tiny config (vlm_pack.tiny_models: DeltaNet and full-attention layers alternating, linear first)
+    with 4 experts, 2 per token, plus the shared expert."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    from .tiny_models import tiny_config
+
+    base = tiny_config("qwen3_5", initializer_range=initializer_range, layers=layers)
+    text = {k: v for k, v in base.text_config.to_dict().items() if k not in ("model_type", "architectures")}
+    config = Qwen3_5MoeConfig(
+        text_config={**text, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                     "shared_expert_intermediate_size": 32},
+        vision_config={k: v for k, v in base.vision_config.to_dict().items() if k != "model_type"},
+        **{key: getattr(base, key) for key in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                               "vision_end_token_id")},
+    )
+    return Qwen3_5MoeForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- LLaVA, LLaVA-NeXT, LLaVA-NeXT-Video
+
+# 28-px images (CLIP-style resize + center crop) of 7-px patches: 16 <image> tokens each. LLaVA-NeXT adds anyres
+# crops of 28 px (pinpoints up to 2x2 crops), each image's patches padded to the batch's largest count.
+_LLAVA_CROP = 28
+_LLAVA_PINPOINTS = [[28, 28], [28, 56], [56, 28], [56, 56]]
+
+
+def _llava_sizes() -> dict:
+    return {"size": {"shortest_edge": _LLAVA_CROP}, "crop_size": {"height": _LLAVA_CROP, "width": _LLAVA_CROP}}
+
+
+def _llava_processor() -> ProcessorMixin:
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    return LlavaProcessor(
+        image_processor=CLIPImageProcessor(**_llava_sizes()), tokenizer=_tokenizer(["<image>"]), patch_size=7,
+        vision_feature_select_strategy="full", chat_template=chatml_template("<image>"),
+    )
+
+
+def _llava_next_processor() -> ProcessorMixin:
+    from transformers import LlavaNextImageProcessor, LlavaNextProcessor
+
+    return LlavaNextProcessor(
+        image_processor=LlavaNextImageProcessor(**_llava_sizes(), image_grid_pinpoints=_LLAVA_PINPOINTS),
+        tokenizer=_tokenizer(["<image>"]), patch_size=7, vision_feature_select_strategy="full",
+        chat_template=chatml_template("<image>"),
+    )
+
+
+def _llava_next_video_processor() -> ProcessorMixin:
+    from transformers import LlavaNextImageProcessor, LlavaNextVideoProcessor, LlavaNextVideoVideoProcessor
+
+    return LlavaNextVideoProcessor(
+        image_processor=LlavaNextImageProcessor(**_llava_sizes(), image_grid_pinpoints=_LLAVA_PINPOINTS),
+        video_processor=LlavaNextVideoVideoProcessor(**_llava_sizes()),
+        tokenizer=_tokenizer(["<image>", "<video>"]), patch_size=7, vision_feature_select_strategy="full",
+        chat_template=chatml_template("<image>"),
+    )
+
+
+def _llava_config(processor, initializer_range: float, layers: int) -> dict:
+    """Config arguments shared by the LLaVA family: a SigLIP tower (no CLS: strategy "full"), a Qwen2 text model."""
+    tokenizer = processor.tokenizer
+    return {
+        "vision_config": {"model_type": "siglip_vision_model", **TINY_VISION_TOWER, "image_size": _LLAVA_CROP,
+                          "patch_size": 7},
+        "text_config": _qwen2_text(len(tokenizer), initializer_range, layers),
+        "image_token_index": tokenizer.convert_tokens_to_ids("<image>"),
+        "vision_feature_layer": -1,
+        "vision_feature_select_strategy": "full",
+        "initializer_range": initializer_range,
+    }
+
+
+def _llava_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    config = LlavaConfig(**_llava_config(processor, initializer_range, layers))
+    return LlavaForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+def _llava_next_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    config = LlavaNextConfig(**_llava_config(processor, initializer_range, layers),
+                             image_grid_pinpoints=_LLAVA_PINPOINTS)
+    return LlavaNextForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+def _llava_next_video_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import LlavaNextVideoConfig, LlavaNextVideoForConditionalGeneration
+
+    config = LlavaNextVideoConfig(
+        **_llava_config(processor, initializer_range, layers), image_grid_pinpoints=_LLAVA_PINPOINTS,
+        video_token_index=processor.tokenizer.convert_tokens_to_ids("<video>"),
+    )
+    return LlavaNextVideoForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- Idefics2 (perceiver resampler, Mistral text)
+
+# Images resized to 28-56 px (7-px patches; the processor pads each batch's images to its largest and returns the
+# pixel mask); a 1-layer perceiver resamples every image to 4 latents: 4 <image> tokens per image.
+_IDEFICS2_LATENTS = 4
+
+
+def _idefics2_processor() -> ProcessorMixin:
+    from transformers import Idefics2ImageProcessor, Idefics2Processor
+
+    return Idefics2Processor(
+        image_processor=Idefics2ImageProcessor(size={"shortest_edge": 28, "longest_edge": 56},
+                                               do_image_splitting=False),
+        tokenizer=_tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>"]),
+        image_seq_len=_IDEFICS2_LATENTS,
+        chat_template=chatml_template("<image>"),
+    )
+
+
+def _idefics2_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import Idefics2Config, Idefics2ForConditionalGeneration
+
+    config = Idefics2Config(
+        vision_config={**TINY_VISION_TOWER, "image_size": 56, "patch_size": 7, "initializer_range": initializer_range},
+        perceiver_config={"resampler_n_latents": _IDEFICS2_LATENTS, "resampler_depth": 1, "resampler_n_heads": 2,
+                          "resampler_head_dim": 16, "num_key_value_heads": 1, "initializer_range": initializer_range,
+                          "hidden_size": _HIDDEN, "rms_norm_eps": 1e-6},
+        text_config=mistral_text_config(len(processor.tokenizer), initializer_range, layers).to_dict(),
+        image_token_id=processor.image_token_id,
+    )
+    return Idefics2ForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- Aya Vision (SigLIP tiles, Cohere 2 text)
+
+# 28-px tiles (up to 4 + a global view) of 7-px patches, pixel-shuffled by 2: 4 <|IMG_PATCH|> tokens per tile.
+_AYA_TOKENS = ["<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>"]
+
+
+def cohere2_text_config(vocab_size: int, initializer_range: float = 0.2, layers: int = 2, sliding_window: int = 4):
+    """A fresh tiny ``Cohere2Config``: sliding-window layers with RoPE and full layers without (alternating)."""
+    from transformers import Cohere2Config
+
+    text = _qwen2_text(vocab_size, initializer_range, layers)
+    del text["model_type"]
+    return Cohere2Config(**text, sliding_window=sliding_window, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
+
+
+def _aya_vision_processor() -> ProcessorMixin:
+    from transformers import AyaVisionProcessor, GotOcr2ImageProcessor
+
+    return AyaVisionProcessor(
+        image_processor=GotOcr2ImageProcessor(size={"height": 28, "width": 28}, crop_to_patches=True,
+                                              min_patches=1, max_patches=4),
+        tokenizer=_tokenizer(_AYA_TOKENS), patch_size=7, img_size=28, downsample_factor=2,
+        chat_template=chatml_template("<image>"),
+    )
+
+
+def _aya_vision_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import AyaVisionConfig, AyaVisionForConditionalGeneration
+
+    config = AyaVisionConfig(
+        vision_config={"model_type": "siglip_vision_model", **TINY_VISION_TOWER, "image_size": 28, "patch_size": 7},
+        text_config=cohere2_text_config(len(processor.tokenizer), initializer_range, layers).to_dict(),
+        image_token_index=processor.image_token_id,
+        downsample_factor=2,
+    )
+    return AyaVisionForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- GLM-4.6V, VipLLaVA
+
+
+def _glm46v_processor() -> ProcessorMixin:
+    from transformers import Glm46VImageProcessor, Glm46VProcessor, Glm46VVideoProcessor
+
+    size = {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}  # as glm4v: 4-16 merged tokens per image
+    return Glm46VProcessor(
+        image_processor=Glm46VImageProcessor(size=size, patch_size=14, merge_size=2, temporal_patch_size=2),
+        video_processor=Glm46VVideoProcessor(),
+        tokenizer=_tokenizer(_GLM4V_TOKENS),
+        chat_template=chatml_template("<|begin_of_image|><|image|><|end_of_image|>"),
+    )
+
+
+def _glm46v_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import Glm46VConfig, Glm46VForConditionalGeneration
+
+    config = Glm46VConfig(**_glm4v_parts(processor, initializer_range, layers))
+    return Glm46VForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+def _vipllava_processor() -> ProcessorMixin:
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    # A CLIP tower (CLS token first, dropped by the model): 16 patch features per 28-px image.
+    return LlavaProcessor(
+        image_processor=CLIPImageProcessor(**_llava_sizes()), tokenizer=_tokenizer(["<image>"]), patch_size=7,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        chat_template=chatml_template("<image>"),
+    )
+
+
+def _vipllava_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    """VipLLaVA: features of several vision layers (here the embeddings and the last of a 2-layer CLIP tower)
+    concatenated and projected."""
+    from transformers import VipLlavaConfig, VipLlavaForConditionalGeneration
+
+    tokenizer = processor.tokenizer
+    config = VipLlavaConfig(
+        vision_config={"model_type": "clip_vision_model", **TINY_VISION_TOWER, "num_hidden_layers": 2,
+                       "image_size": _LLAVA_CROP, "patch_size": 7, "projection_dim": 32},
+        text_config=_qwen2_text(len(tokenizer), initializer_range, layers),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=[0, -1],
+    )
+    return VipLlavaForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- Cohere 2 Vision (Command A Vision)
+
+# 28-px tiles (up to 4 + a thumbnail) of 7-px SigLIP patches, pixel-shuffled by 2: 2x2 = 4 image tokens per tile.
+_COHERE2_VISION_TOKENS = {
+    "boi_token": "<|START_OF_IMG|>",
+    "eoi_token": "<|END_OF_IMG|>",
+    "image_token": "<|IMG_PATCH|>",
+    "img_line_break_token": "<|IMG_LINE_BREAK|>",
+}
+
+
+def _cohere2_vision_processor() -> ProcessorMixin:
+    from transformers import Cohere2VisionImageProcessor, Cohere2VisionProcessor
+
+    return Cohere2VisionProcessor(
+        image_processor=Cohere2VisionImageProcessor(size={"height": 28, "width": 28}, patch_size=2, max_patches=4),
+        tokenizer=_tokenizer(_COHERE2_VISION_TOKENS),
+        chat_template=chatml_template("<|IMG_PATCH|>"),
+    )
+
+
+def _cohere2_vision_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import Cohere2VisionConfig, Cohere2VisionForConditionalGeneration
+
+    config = Cohere2VisionConfig(
+        vision_config={"model_type": "siglip_vision_model", **TINY_VISION_TOWER, "image_size": 28, "patch_size": 7},
+        text_config=cohere2_text_config(len(processor.tokenizer), initializer_range, layers).to_dict(),
+        image_token_id=processor.image_token_id,
+        downsample_factor=2,
+        alignment_intermediate_size=64,
+    )
+    return Cohere2VisionForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- Video-LLaVA (images; videos refused)
+
+
+def _video_llava_processor() -> ProcessorMixin:
+    from transformers import VideoLlavaImageProcessor, VideoLlavaProcessor, VideoLlavaVideoProcessor
+
+    return VideoLlavaProcessor(
+        image_processor=VideoLlavaImageProcessor(**_llava_sizes()),
+        video_processor=VideoLlavaVideoProcessor(**_llava_sizes()),
+        tokenizer=_tokenizer(["<image>", "<video>"]), patch_size=7, vision_feature_select_strategy="default",
+        num_additional_image_tokens=1, chat_template=chatml_template("<image>"),
+    )
+
+
+def _video_llava_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import VideoLlavaConfig, VideoLlavaForConditionalGeneration
+
+    tokenizer = processor.tokenizer
+    config = VideoLlavaConfig(
+        vision_config={"model_type": "clip_vision_model", **TINY_VISION_TOWER, "image_size": _LLAVA_CROP,
+                       "patch_size": 7, "projection_dim": 32},
+        text_config=_qwen2_text(len(tokenizer), initializer_range, layers),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        video_token_index=tokenizer.convert_tokens_to_ids("<video>"),
+        vision_feature_layer=-1,
+    )
+    return VideoLlavaForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
 @dataclass(frozen=True)
@@ -380,6 +709,70 @@ _BUILDERS = {
         _glm4v_model,
         "Qwen tokenizer + GLM's <|begin_of_image|>/<|image|>/<|end_of_image|> (and video) tokens and ChatML "
         "instead of GLM's; real Glm4vImageProcessor (56-112 px images) and Glm4vProcessor",
+    ),
+    "glm4v_moe": _Builder(
+        _glm4v_processor,
+        _glm4v_moe_model,
+        "as glm4v (GLM-4.5V ships Glm4vProcessor)",
+    ),
+    "qwen3_vl_moe": _Builder(
+        _qwen3_vl_moe_processor,
+        _qwen3_vl_moe_model,
+        "the offline Qwen2-VL processor of vlm_pack.tiny_models (14-px patches), as the tiny Qwen3-VL uses",
+    ),
+    "qwen3_5_moe": _Builder(
+        _qwen3_vl_moe_processor,
+        _qwen3_5_moe_model,
+        "the offline Qwen2-VL processor of vlm_pack.tiny_models (14-px patches), as the tiny Qwen3.5 uses",
+    ),
+    "llava": _Builder(
+        _llava_processor,
+        _llava_model,
+        "Qwen tokenizer + '<image>' and ChatML instead of the checkpoint's; real CLIPImageProcessor (28-px crops) "
+        "and LlavaProcessor; SigLIP tower (no CLS token) and Qwen2 language model",
+    ),
+    "llava_next": _Builder(
+        _llava_next_processor,
+        _llava_next_model,
+        "as llava, with LlavaNextImageProcessor (anyres 28-px crops, up to 2x2) and LlavaNextProcessor",
+    ),
+    "llava_next_video": _Builder(
+        _llava_next_video_processor,
+        _llava_next_video_model,
+        "as llava_next, with LlavaNextVideoProcessor (images only: videos are refused by the family)",
+    ),
+    "idefics2": _Builder(
+        _idefics2_processor,
+        _idefics2_model,
+        "Qwen tokenizer + '<image>', '<fake_token_around_image>', '<end_of_utterance>' and ChatML instead of the "
+        "checkpoint's; real Idefics2ImageProcessor (28-56 px, no splitting) and Idefics2Processor; Mistral text",
+    ),
+    "aya_vision": _Builder(
+        _aya_vision_processor,
+        _aya_vision_model,
+        "Qwen tokenizer + Aya's image tokens and ChatML instead of Cohere's; real GotOcr2ImageProcessor (28-px "
+        "tiles, up to 4 + a global view) and AyaVisionProcessor; Cohere 2 text (window 4)",
+    ),
+    "glm46v": _Builder(
+        _glm46v_processor,
+        _glm46v_model,
+        "as glm4v, with Glm46VImageProcessor / Glm46VProcessor",
+    ),
+    "vipllava": _Builder(
+        _vipllava_processor,
+        _vipllava_model,
+        "as llava, with a CLIP tower (CLS token) and LlavaProcessor (as the VipLLaVA checkpoints ship)",
+    ),
+    "cohere2_vision": _Builder(
+        _cohere2_vision_processor,
+        _cohere2_vision_model,
+        "Qwen tokenizer + Cohere's image tokens and ChatML instead of Cohere's; real Cohere2VisionImageProcessor "
+        "(28-px tiles, up to 4 + a thumbnail) and Cohere2VisionProcessor; Cohere 2 text (window 4)",
+    ),
+    "video_llava": _Builder(
+        _video_llava_processor,
+        _video_llava_model,
+        "as vipllava, with VideoLlavaImageProcessor / VideoLlavaProcessor (images only: videos are refused)",
     ),
 }
 TINY_VLM_FAMILIES = tuple(_BUILDERS)

@@ -33,6 +33,7 @@ __all__ = [
     "get_family",
     "register_family",
     "registered_families",
+    "router_aux_loss_refused",
     "text_backbone",
     "text_config",
 ]
@@ -205,6 +206,17 @@ def text_backbone(*model_types: str) -> Callable[[Any], str | None]:
     return check
 
 
+def router_aux_loss_refused(config: Any) -> str | None:
+    """An ``extra_checks`` entry for mixture-of-experts families. Routing is per token (exact under packing), but
+    the load-balancing auxiliary loss is a statistic of the whole batch (expert counts and mean router
+    probabilities over every token of the forward, alignment slots included): packed, it is neither the per-sample
+    value nor a padded batch's. Refused when ``output_router_logits`` would add it to the loss."""
+    if getattr(text_config(config), "output_router_logits", False) or getattr(config, "output_router_logits", False):
+        return ("output_router_logits=True (the router load-balancing loss is a whole-batch statistic, which "
+                "packing changes; set output_router_logits=False)")
+    return None
+
+
 def get_family(config: Any, *, allow_unproven: bool = False) -> FamilySpec:
     """The spec for ``config`` (``model.config``), or :class:`UnsupportedModelError` naming what is missing.
 
@@ -215,11 +227,20 @@ def get_family(config: Any, *, allow_unproven: bool = False) -> FamilySpec:
     model_type = _model_type(config)
     spec = _REGISTRY.get(model_type)
     if spec is None:
-        message = (
-            f"model_type {model_type!r} is not a family vlm_pack has proven exact under packing (supported: "
-            f"{', '.join(sorted(_REGISTRY))}). Pass the composite model.config of a VLM (not its text_config), "
-            "or allow_unproven=True to pack it as a causal 1-D-position model at your own risk."
-        )
+        from .missing import MISSING_RULES
+
+        missing = MISSING_RULES.get(model_type)
+        if missing is not None:
+            message = (
+                f"model_type {model_type!r}: {missing.rule}. allow_unproven=True would pack it as a causal "
+                f"1-D-position model, and then {missing.unproven}."
+            )
+        else:
+            message = (
+                f"model_type {model_type!r} is not a family vlm_pack has proven exact under packing (supported: "
+                f"{', '.join(sorted(_REGISTRY))}). Pass the composite model.config of a VLM (not its text_config), "
+                "or allow_unproven=True to pack it as a causal 1-D-position model at your own risk."
+            )
         if not allow_unproven:
             raise UnsupportedModelError(message)
         warnings.warn(message, stacklevel=2)
@@ -248,5 +269,6 @@ def _load_builtin() -> None:
         return
     _loaded = True
     from . import (  # noqa: F401
-        gemma3, gemma4, glm4v, idefics3, internvl, llama, llava_onevision, mistral, qwen3_5, qwen_vl,
+        aya_vision, gemma3, gemma4, glm4v, glm4v_moe, glm46v, idefics2, idefics3, internvl, llama, llava,
+        llava_onevision, mistral, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
     )

@@ -1,0 +1,26 @@
+"""Aya Vision and Cohere 2 Vision (Command A Vision; SigLIP tiles + Cohere 2) and their Cohere 2 language model:
+features placed by image-token id, 1-D positions per sample.
+
+Rules (proven in tests/test_vlm_families.py): like InternVL, the vision tower, pixel shuffle and projector run per
+tile (no text kwargs) and ``masked_scatter`` fills the ``<|IMG_PATCH|>`` tokens in order; ``pixel_values`` has one
+row per tile and the processor drops the per-image tile counts, so the collator splits its rows in proportion to
+each sample's image tokens. Cohere 2 (Command R7B) alternates sliding-window layers (RoPE) with full-attention
+layers (no positional encoding): the packed path applies the window inside each sample, causal over the row split
+at ``cu_seq_lens_q``, positions restarting per sample.
+"""
+
+from . import FamilySpec, register_family, text_backbone
+
+_PROOF = "tests/test_vlm_families.py"
+_LAYER_KINDS = frozenset({"full_attention", "sliding_attention"})
+
+COHERE2 = register_family(FamilySpec(name="cohere2", model_types=("cohere2",), proof=_PROOF, layer_kinds=_LAYER_KINDS))
+AYA_VISION = register_family(FamilySpec(
+    name="aya_vision", model_types=("aya_vision",), proof=_PROOF, layer_kinds=_LAYER_KINDS,
+    vision_rows={"pixel_values": "image_token"},
+    extra_checks=(text_backbone("cohere2"),),
+))
+COHERE2_VISION = register_family(FamilySpec(
+    name="cohere2_vision", model_types=("cohere2_vision",), proof=_PROOF, layer_kinds=_LAYER_KINDS,
+    vision_rows={"pixel_values": "image_token"}, extra_checks=(text_backbone("cohere2"),),
+))

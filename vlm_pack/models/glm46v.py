@@ -1,0 +1,13 @@
+"""GLM-4.6V: GLM-4V's rules with the 3-D RoPE of its own ``Glm46VModel.get_rope_index``, per sample.
+
+Rules (proven in tests/test_vlm_families.py): as GLM-4V (vlm_pack/models/glm4v.py): ``[4, 1, T]`` positions
+computed per sample by the model's own rope index, ``mm_token_type_ids`` per token, the vision tower per image on
+its own ``cu_seqlens``, features on the ``<|image|>`` tokens in order. Videos are not proven (refused).
+"""
+
+from . import FamilySpec, register_family
+
+GLM46V = register_family(FamilySpec(
+    name="glm46v", model_types=("glm46v",), proof="tests/test_vlm_families.py",
+    positions="mrope", rope_index_model="Glm46VModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
+))

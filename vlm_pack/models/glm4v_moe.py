@@ -1,0 +1,17 @@
+"""GLM-4V-MoE (GLM-4.5V): GLM-4V's rules with the 3-D RoPE of its own ``Glm4vMoeModel.get_rope_index`` and
+mixture-of-experts MLPs.
+
+Rules (proven in tests/test_vlm_families.py): as GLM-4V (vlm_pack/models/glm4v.py): ``[4, 1, T]`` positions
+computed per sample by the model's own rope index, ``mm_token_type_ids`` per token, vision tower per image on its
+own ``cu_seqlens``. The router (sigmoid scores with a correction bias, group-limited top-k) picks experts per
+token, so expert outputs are those of each sample alone. The load-balancing loss is a whole-batch statistic
+(see ``router_aux_loss_refused``): ``output_router_logits`` is refused. Videos are not proven (refused).
+"""
+
+from . import FamilySpec, register_family, router_aux_loss_refused
+
+GLM4V_MOE = register_family(FamilySpec(
+    name="glm4v_moe", model_types=("glm4v_moe",), proof="tests/test_vlm_families.py",
+    positions="mrope", rope_index_model="Glm4vMoeModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
+    extra_checks=(router_aux_loss_refused,),
+))

@@ -1,0 +1,62 @@
+"""What packing would need, and get wrong without, for model types vlm_pack knows but has not proven.
+
+``get_family`` names these in its refusal ("prefix-LM attention over packed rows is not implemented"), so a user
+learns which rule is missing and what ``allow_unproven=True`` (causal attention, 1-D positions restarting per
+sample) would get wrong, instead of only "not registered". The errors quoted were measured when issue 22 was filed
+(tiny models built from config objects, transformers 5.24, packed with ``allow_unproven=True`` against each sample
+alone).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MISSING_RULES", "MissingRule"]
+
+
+@dataclass(frozen=True)
+class MissingRule:
+    """``rule``: what exact packing of the family needs that vlm_pack does not implement; ``unproven``: what the
+    plain causal 1-D-position packing of ``allow_unproven=True`` gets wrong for it."""
+
+    rule: str
+    unproven: str
+
+
+_PREFIX_LM = MissingRule(
+    "prefix-LM attention over packed rows is not implemented (the image + prompt prefix of each sample attends both "
+    "ways; Gemma 2 language models add attention-logit softcapping, which the packed attention refuses)",
+    "the prefix would attend causally (max |dlogit| 5.97 measured on a tiny PaliGemma)",
+)
+_OMNI = MissingRule(
+    "the Omni thinker's time-aligned mRoPE (audio and video positions interleaved in time) is not computed per "
+    "sample, and audio inputs are not packed",
+    "positions would be 1-D instead of the model's 3-D rope: every image, video and audio token gets a wrong position",
+)
+
+MISSING_RULES: dict[str, MissingRule] = {
+    "paligemma": _PREFIX_LM,
+    "llama4": MissingRule(
+        "chunked attention over packed rows is not implemented (chunked layers split each sample at every "
+        "attention_chunk_size tokens counted from the sample's start); its NoPE layers and MoE router are not proven",
+        "chunked layers would attend across chunk borders (max |dlogit| 7.48 measured on a tiny Llama 4)",
+    ),
+    "mllama": MissingRule(
+        "cross-attention isolation over packed rows is not implemented (each sample's text must attend only to its "
+        "own images' tiles through cross_attention_mask, with per-sample image rows)",
+        "the cross-attention layers would get one mask for the whole row: text may attend to another sample's image",
+    ),
+    "gemma3n": MissingRule(
+        "Gemma 3n's audio tower and per-layer inputs (AltUp, KV sharing across layers) are not proven under packing",
+        "untested: KV-shared layers and audio features could mix samples; nothing here measures it",
+    ),
+    "qwen2_5_omni": _OMNI,
+    "qwen2_5_omni_thinker": _OMNI,
+    "qwen3_omni_moe": _OMNI,
+    "qwen3_omni_moe_thinker": _OMNI,
+    "phi4_multimodal": MissingRule(
+        "audio inputs are not packed and Phi-4-multimodal's image embedding (per-sample crops with its own "
+        "attention mask) is not proven",
+        "untested: audio and image features are placed per row, not per sample",
+    ),
+}

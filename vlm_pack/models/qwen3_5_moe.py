@@ -1,0 +1,35 @@
+"""Qwen3.5-MoE (VLM): Qwen3.5's rules (Gated DeltaNet restarted per sample, mRoPE per sample) with
+mixture-of-experts MLPs.
+
+Rules (proven in tests/test_vlm_families.py against each sample alone through the stock sdpa model): as Qwen3.5
+(vlm_pack/models/qwen3_5.py) on the MoE model's own classes: ``enable_packing`` installs the boundary-aware
+forward of ``vlm_pack.linear_attention`` on every ``Qwen3_5MoeGatedDeltaNet`` (causal-conv window and recurrent
+state restart at each sample boundary); ``full_attention`` layers are causal over the packed row split at
+``cu_seq_lens_q``; positions are ``[4, 1, T]`` from ``Qwen3_5MoeModel.get_rope_index`` per sample. Experts are
+picked per token. Refused: context parallelism (the DeltaNet state would have to pass between ranks) and
+``output_router_logits`` (the load-balancing loss is a whole-batch statistic, see ``router_aux_loss_refused``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..linear_attention import CONTEXT_PARALLEL_REFUSAL, install_linear_attention_packing
+from . import FamilySpec, register_family, router_aux_loss_refused
+
+DELTANET_CLASS = "Qwen3_5MoeGatedDeltaNet"
+
+
+def _restart_deltanet(model: Any) -> None:
+    """Boundary-aware forward on every Qwen3_5MoeGatedDeltaNet of the model (vlm_pack.linear_attention)."""
+    install_linear_attention_packing(model, (DELTANET_CLASS,))
+
+
+QWEN3_5_MOE = register_family(FamilySpec(
+    name="qwen3_5_moe", model_types=("qwen3_5_moe",), proof="tests/test_vlm_families.py",
+    positions="mrope", rope_index_model="Qwen3_5MoeModel",
+    layer_kinds=frozenset({"full_attention", "linear_attention"}),
+    token_keys=("input_ids", "labels", "mm_token_type_ids"),
+    prepare_model=_restart_deltanet, context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
+    extra_checks=(router_aux_loss_refused,),
+))
