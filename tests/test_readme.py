@@ -91,30 +91,6 @@ def test_the_only_skipped_block_is_the_set_up_one_and_its_commands_hold():
     assert demo.returncode == 0 and "usage: vlm-pack demo" in demo.stdout, demo.stderr
 
 
-def test_balanced_sampler_recipe_trains(processor, tmp_path, monkeypatch):
-    """Single process: the recipe plugs the sampler into Trainer as its batch sampler (the 2-rank behaviour is
-    tests/test_multiprocess.py's)."""
-    from transformers import TrainingArguments
-
-    from vlm_pack import BalancedBatchSampler, VLMPackingCollator
-
-    monkeypatch.chdir(tmp_path)
-    namespace = _trainer_namespace(processor)
-    model = namespace["model"]
-    namespace["collator"] = VLMPackingCollator(processor, max_length=512, model_config=model.config)
-    namespace["args"] = TrainingArguments(output_dir="out", per_device_train_batch_size=2, max_steps=1,
-                                          remove_unused_columns=False, report_to="none", use_cpu=True,
-                                          save_strategy="no")
-    before = _weights(model)
-    exec(block("BalancedBatchSampler.for_trainer"), namespace)
-    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    trainer_cls = namespace["BalancedTrainer"]
-    trainer = trainer_cls(model=model, args=namespace["args"], train_dataset=namespace["examples"],
-                          data_collator=namespace["collator"])
-    batch_sampler = trainer.get_train_dataloader().batch_sampler
-    assert isinstance(getattr(batch_sampler, "batch_sampler", batch_sampler), BalancedBatchSampler)
-
-
 def test_supported_families_table_lists_every_registered_family_with_its_proof():
     from vlm_pack.models import registered_families
 
@@ -130,30 +106,3 @@ def test_supported_families_table_lists_every_registered_family_with_its_proof()
     for spec in registered.values():
         assert (root / spec.proof).is_file(), spec.proof
         assert any(spec.proof in row for row in rows if f"`{spec.name}`" in row), f"{spec.name}: proof not linked"
-
-
-def _small_vlm_namespace(processor) -> dict:
-    from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
-    from vlm_pack.tiny_models import tiny_model
-
-    examples = photo_examples(2, seed=2, max_side=56) + easy_vqa_examples(1, seed=2) + text_chat_examples(1, seed=2)
-    return {"model": tiny_model("qwen2_vl", layers=1), "processor": processor, "examples": examples}
-
-
-def test_streaming_section_trains(processor, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    namespace = _small_vlm_namespace(processor)
-    before = _weights(namespace["model"])
-    exec(block("to_iterable_dataset(num_shards=2)"), namespace)
-    assert any(not torch.equal(a, b) for a, b in zip(before, namespace["model"].parameters()))
-
-
-def test_evaluation_section_splits_per_sample(processor, tmp_path, monkeypatch):
-    import math
-
-    monkeypatch.chdir(tmp_path)
-    namespace = _small_vlm_namespace(processor)
-    exec(block("split_predictions(trainer.predict"), namespace)
-    assert math.isfinite(namespace["metrics"]["eval_loss"]) and "eval_token_accuracy" in namespace["metrics"]
-    assert len(namespace["samples"]) == len(namespace["examples"])
-    assert isinstance(namespace["first_answer"], str)
