@@ -327,3 +327,32 @@ def test_dataset_open_skips_the_full_scan_when_metadata_proves_the_fit(written, 
     ds = PackedSFTDataset(index, 1024)  # O(1) open cannot see it ...
     with pytest.raises(ValueError, match=rf"pack {k} holds more than pack_size=1024 tokens"):
         ds[k]  # ... reading the pack does
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_samples_per_bin", 99), ("packing_factor", 1.0), ("packing_efficiency", 12.5),
+    ("dataset_max_seqlen", 7), ("min_packed_seqlen", 1), ("num_tokens", 3), ("num_samples", 2),
+])
+def test_verify_recomputes_every_metadata_statistic(written, field, value, capsys):
+    """An edited statistic is caught by `verify` even though the files (and their checksums) are untouched."""
+    out_dir, _ = written
+    meta = metadata_path(out_dir, 1024)
+    entries = read_metadata(meta)
+    entries[0][field] = value
+    storage.write_metadata(meta, entries)
+    problems = [p for r in verify_packed(out_dir) for p in r.problems]
+    # counts the O(1) open already checks are named there; the rest by the recomputation
+    assert any(f"field {field!r} is {value!r} but the packs give" in p or f"{field} {value} in the metadata" in p
+               for p in problems), problems
+    assert main(["verify", str(out_dir)]) == 1
+
+
+def test_verify_checks_aligned_pack_loads(written):
+    """Packs written without alignment but recorded as aligned to 64: some pack overflows once aligned."""
+    out_dir, _ = written
+    meta = metadata_path(out_dir, 1024)
+    entries = read_metadata(meta)
+    entries[0]["pad_seq_to_mult"] = 512
+    storage.write_metadata(meta, entries)
+    problems = [p for r in verify_packed(out_dir) for p in r.problems]
+    assert any("aligned to 512, more than the pack size 1024" in p for p in problems), problems
