@@ -48,7 +48,7 @@ from .encoding import (
     check_records,
     tokenize_records,
 )
-from .output import RunOutput
+from .output import RunOutput, check_output_name
 from .records import Records, read_dataset_dir, read_jsonl
 from .storage import (
     FORMAT,
@@ -313,6 +313,8 @@ def prepare_packed_sequence_data(
         if source is not None and not Path(source).exists():
             raise FileNotFoundError(f"input {source} not found; check the path (--input / --validation)")
     fmt = SampleFormat(template, prompt_field, response_field, messages_field)
+    if tokenizer_name is not None:
+        check_output_name(tokenizer_name, "tokenizer_name (--tokenizer-name)")
     if Path(train_path).suffix == ".npy":
         out_dir = Path(output_root) / "packed" / (tokenizer_name or _plain_name(tokenizer))
         inputs = {"training": train_path, "validation": validation_path}

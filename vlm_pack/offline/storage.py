@@ -174,12 +174,20 @@ def write_packed(index_path: str | Path, arrays: PackedArrays) -> Path:
     index_path.parent.mkdir(parents=True, exist_ok=True)
     arrays.validate(str(index_path))
     files = sibling_paths(index_path)
-    np.save(files["tokens"], np.asarray(arrays.tokens, dtype=np.int32), allow_pickle=False)
-    np.save(files["loss_mask"], np.asarray(arrays.loss_mask, dtype=np.uint8), allow_pickle=False)
-    np.save(files["seq_offsets"], np.asarray(arrays.seq_offsets, dtype=np.int64), allow_pickle=False)
-    np.save(files["source_index"], np.asarray(arrays.source_index, dtype=np.int64), allow_pickle=False)
-    np.save(index_path, np.asarray(arrays.index, dtype=PACK_INDEX_DTYPE), allow_pickle=False)  # last: marks done
+    save_array(files["tokens"], np.asarray(arrays.tokens, dtype=np.int32))
+    save_array(files["loss_mask"], np.asarray(arrays.loss_mask, dtype=np.uint8))
+    save_array(files["seq_offsets"], np.asarray(arrays.seq_offsets, dtype=np.int64))
+    save_array(files["source_index"], np.asarray(arrays.source_index, dtype=np.int64))
+    save_array(index_path, np.asarray(arrays.index, dtype=PACK_INDEX_DTYPE))  # last: marks done
     return index_path
+
+
+def save_array(path: Path, array: np.ndarray) -> None:
+    """``np.save`` without pickle; a failed write (full disk: "N requested and M written") names the file."""
+    try:
+        np.save(path, array, allow_pickle=False)
+    except OSError as err:
+        raise OSError(f"{path}: cannot write it ({err}); free disk space or write elsewhere") from None
 
 
 @dataclass(frozen=True)
@@ -407,10 +415,13 @@ def build_index(samples_per_pack: np.ndarray, seq_offsets: np.ndarray) -> np.nda
 
 
 def write_metadata(path: str | Path, entries: list[dict]) -> None:
-    """Write metadata as JSON Lines (one object per split)."""
-    with open(path, "w", encoding="utf-8") as f:
-        for entry in entries:
-            f.write(json.dumps(entry, sort_keys=True) + "\n")
+    """Write metadata as JSON Lines (one object per split); a failed write names the file."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            for entry in entries:
+                f.write(json.dumps(entry, sort_keys=True) + "\n")
+    except OSError as err:
+        raise OSError(f"{path}: cannot write it ({err}); free disk space or write elsewhere") from None
 
 
 def read_metadata(path: str | Path) -> list[dict]:
