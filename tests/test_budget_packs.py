@@ -331,3 +331,12 @@ def test_a_failure_while_materialising_names_the_dataset_index(collator, mix):
                                 {"role": "assistant", "content": "?"}]}
     with pytest.raises(ValueError, match=f"pack {k}: dataset sample {bad}: "):
         TokenBudgetPackDataset(broken, plan, collator)[k]
+
+
+def test_pack_block_order_follows_the_seed():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(20, 400, size=300)
+    lengths = SampleLengths(tokens, rng.integers(0, 64, size=300), np.ones(300, np.int64))
+    plans = [plan_token_budget_packs(lengths, 1024, data_parallel_size=2, seed=seed) for seed in (0, 1, 1)]
+    assert np.array_equal(plans[1].order, plans[2].order) and not np.array_equal(plans[0].order, plans[1].order)
+    assert sorted(plans[0].order.tolist()) == sorted(plans[1].order.tolist())  # the same samples, other pack order

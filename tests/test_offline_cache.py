@@ -194,3 +194,19 @@ def test_a_corrupted_pack_assignment_cache_is_named_and_repacked(tmp_path, damag
     assert lines == [f"pack-assignment cache {cached} is corrupt (sha256 or packing check failed); packing again"]
     for name in ("index", "tokens", "seq_offsets", "source_index"):
         assert np.array_equal(getattr(fresh, name), getattr(again, name))
+
+
+def test_an_inconsistent_token_cache_entry_is_not_trusted(tmp_path):
+    """An entry whose arrays disagree (offsets past the tokens) but whose checksums match what was written."""
+    from vlm_pack.offline.cache import TokenCache
+    from vlm_pack.offline.encoding import TokenizedSplit
+
+    store = TokenCache(tmp_path)
+    good = TokenizedSplit(np.arange(10, dtype=np.int32), np.ones(10, np.uint8), np.array([0, 4, 10]), np.arange(2))
+    bad = TokenizedSplit(np.arange(10, dtype=np.int32), np.ones(10, np.uint8), np.array([0, 4, 12]), np.arange(2))
+    store.store("good", good, {"template": "chat"})
+    store.store("bad", bad, {"template": "chat"})
+    lines = []
+    assert store.load("good", lines.append) is not None and not lines
+    assert store.load("bad", lines.append) is None
+    assert lines and "offsets.npy: offsets do not tile the tokens" in lines[0]

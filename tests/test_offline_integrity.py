@@ -356,3 +356,24 @@ def test_verify_checks_aligned_pack_loads(written):
     storage.write_metadata(meta, entries)
     problems = [p for r in verify_packed(out_dir) for p in r.problems]
     assert any("aligned to 512, more than the pack size 1024" in p for p in problems), problems
+
+
+def test_a_file_longer_than_its_header_is_refused_without_metadata(written):
+    """Bytes appended to a companion file: refused by the O(1) open even when no metadata sits next to it."""
+    out_dir, index = written
+    metadata_path(out_dir, 1024).unlink()
+    tokens = sibling_paths(index)["tokens"]
+    tokens.write_bytes(tokens.read_bytes() + b"\0" * 8)
+    with pytest.raises(ValueError, match=r"tokens.npy is longer than its header says \(\d+ bytes on disk"):
+        open_packed(index)
+
+
+def test_recorded_file_sizes_are_compared_with_the_files(written):
+    out_dir, index = written
+    meta = metadata_path(out_dir, 1024)
+    entries = read_metadata(meta)
+    recorded = entries[0]["files"]["loss_mask"]["bytes"]
+    entries[0]["files"]["loss_mask"]["bytes"] = recorded + 1
+    storage.write_metadata(meta, entries)
+    with pytest.raises(ValueError, match=rf"loss_mask.npy has {recorded} bytes, the metadata records {recorded + 1}"):
+        open_packed(index)

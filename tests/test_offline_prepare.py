@@ -257,3 +257,14 @@ def test_cli(tmp_path, capsys):
     assert "is up to date" in capsys.readouterr().out
     assert main([*args, "--seed", "1"]) == 2  # other settings: the output exists
     assert "already exists" in capsys.readouterr().err
+
+
+def test_validation_split_follows_the_seed(tmp_path, tokenizer):
+    picked = {}
+    for run, seed in enumerate((0, 1, 1)):
+        written = prepare_packed_sequence_data(
+            SAMPLE, tokenizer, tmp_path / str(run), [4096], validation_fraction=0.3, seed=seed, tokenizer_name="t",
+            cache_dir=str(tmp_path / "cache"), progress=False, log=lambda _: None)
+        val = next(w for w in written if w.split == "validation")
+        picked[run] = sorted(np.asarray(open_packed(val.path).source_index).tolist())
+    assert picked[1] == picked[2] and picked[0] != picked[1]
