@@ -185,10 +185,6 @@ def test_broken_plan_json_is_one_line_naming_the_file(plan_dir, tmp_path, edit, 
     assert len(str(info.value).splitlines()) == 1
 
 
-def test_a_dict_given_to_the_collator_is_a_clear_type_error():
-    from vlm_pack.collator import VLMPackingCollator
-    from vlm_pack.tiny_models import qwen_tokenizer
-
-    collator = VLMPackingCollator(qwen_tokenizer(), max_length=64)
+def test_a_dict_given_to_the_collator_is_a_clear_type_error(collator):
     with pytest.raises(TypeError, match=r"takes a list of examples \(a batch\), got a dict.*collator\(\[example\]\)"):
         collator({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
