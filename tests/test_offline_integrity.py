@@ -4,6 +4,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import shutil
 import signal
 import time
@@ -377,3 +378,16 @@ def test_recorded_file_sizes_are_compared_with_the_files(written):
     storage.write_metadata(meta, entries)
     with pytest.raises(ValueError, match=rf"loss_mask.npy has {recorded} bytes, the metadata records {recorded + 1}"):
         open_packed(index)
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ('[{"split": "training"', "not valid JSON"),
+    ('{"split": "training", "files": 5}', "field 'files' must map each file role"),
+])
+def test_malformed_metadata_is_one_line_naming_the_file(written, capsys, text, match):
+    out_dir, index = written
+    metadata_path(out_dir, 1024).write_text(text + "\n")
+    with pytest.raises(ValueError, match=re.escape(str(metadata_path(out_dir, 1024))) + ".*" + match):
+        open_packed(index)
+    assert main(["verify", str(out_dir)]) == 1
+    assert "Traceback" not in capsys.readouterr().err

@@ -430,7 +430,11 @@ def read_metadata(path: str | Path) -> list[dict]:
     if not text:
         raise ValueError(f"{path}: metadata file is empty; re-run `vlm-pack prepare`")
     if text.startswith("["):
-        entries = json.loads(text)
+        try:
+            entries = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}); re-run `vlm-pack prepare`") \
+                from None
     else:
         entries = []
         for number, line in enumerate(text.splitlines(), start=1):
@@ -442,6 +446,10 @@ def read_metadata(path: str | Path) -> list[dict]:
     if not all(isinstance(e, dict) for e in entries):
         raise ValueError(f"{path}: every metadata entry must be a JSON object")
     for number, entry in enumerate(entries, start=1):
+        files = entry.get("files", {})
+        if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
+            raise ValueError(f"{path}: entry {number}: field 'files' must map each file role to its bytes and sha256; "
+                             "re-run `vlm-pack prepare`")
         for field in NUMERIC_METADATA:
             value = entry.get(field, 0)
             if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
