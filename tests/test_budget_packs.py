@@ -122,7 +122,7 @@ def test_stale_plan_is_an_error_naming_the_sample(collator, mix):
     stale.tokens[3] += 1
     plan = plan_token_budget_packs(stale, 512)
     k = next(k for k in range(plan.num_packs) if 3 in plan.pack(k))
-    with pytest.raises(ValueError, match=f"pack {k}: dataset sample 3 has {lengths.tokens[3]} tokens but the plan says"):
+    with pytest.raises(ValueError, match=f"pack {k}: dataset sample 3 has {lengths.tokens[3]} tokens but the plan"):
         TokenBudgetPackDataset(mix, plan, collator)[k]
 
 

@@ -6,8 +6,9 @@ comes from the processor's own rule (``processor._get_num_multimodal_tokens``, t
 pixels, patch and merge size) applied to the image size read from the file header. Families whose processor
 adds text around an image (Gemma 3's newlines and markers, Gemma 4's markers), counts multi-image samples
 differently (LLaVA-OneVision) or has no such hook (SmolVLM) declare ``FamilySpec.image_text``: the placeholder
-is replaced by that text and tokenised in context, as the processor does. ``TokenBudgetPackDataset`` checks every planned length against the
-materialised one, so a family whose processor expands differently fails loudly, never silently.
+is replaced by that text and tokenised in context, as the processor does. ``TokenBudgetPackDataset`` checks
+every planned length against the materialised one, so a family whose processor expands differently fails
+loudly, never silently.
 """
 
 from __future__ import annotations
@@ -124,8 +125,10 @@ def _measure_chunk(collator: Any, examples: Sequence[Any], first: int) -> tuple[
     tokens, image_tokens, images = (np.zeros(len(examples), dtype=np.int64) for _ in range(3))
     for row, conversation in enumerate(conversations):
         where = f"sample {first + row}"
-        parts = [part for message in conversation for part in message["content"] if part["type"] != "text"]
-        sizes = [_vision_size(part, where) for part in parts]
+        turns = [(turn, part) for turn, message in enumerate(conversation) for part in message["content"]
+                 if part["type"] != "text"]
+        parts = [part for _, part in turns]
+        sizes = [_vision_size(part, f"{where}, turn {turn}") for turn, part in turns]
         if image_text is not None and any(part["type"] == "image" for part in parts):
             image_sizes = [size for size, part in zip(sizes, parts) if part["type"] == "image"]
             expanded = image_text(processor, image_sizes)

@@ -45,7 +45,7 @@ def _proven_features(config: Any) -> str | None:
 
 
 def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str, int]]:
-    """``Gemma4Processor`` wraps each image's soft tokens (the processor's own per-size count) in ``<boi>``/``<eoi>``."""
+    """``Gemma4Processor`` wraps each image's soft tokens (its own per-size count) in ``<boi>`` / ``<eoi>``."""
     counts = processor._get_num_multimodal_tokens(image_sizes=[list(size) for size in sizes])["num_image_tokens"]
     return [(f"{processor.boi_token}{processor.image_token * int(n)}{processor.eoi_token}", int(n)) for n in counts]
 
