@@ -122,7 +122,7 @@ def test_stale_plan_is_an_error_naming_the_sample(collator, mix):
     stale.tokens[3] += 1
     plan = plan_token_budget_packs(stale, 512)
     k = next(k for k in range(plan.num_packs) if 3 in plan.pack(k))
-    with pytest.raises(ValueError, match=f"pack {k}: sample 3 has {lengths.tokens[3]} tokens but the plan says"):
+    with pytest.raises(ValueError, match=f"pack {k}: dataset sample 3 has {lengths.tokens[3]} tokens but the plan"):
         TokenBudgetPackDataset(mix, plan, collator)[k]
 
 
@@ -251,3 +251,92 @@ def test_token_budget_packs_train_exactly_in_the_hf_trainer(processor, mix, tmp_
     reference = {n: p.grad for n, p in stock.named_parameters() if p.grad is not None}
     diff = torch.cat([(capture.grads[n] - reference[n]).flatten() for n in reference]).norm()
     assert diff / torch.cat([g.flatten() for g in reference.values()]).norm() < 1e-4
+
+
+# --- every registered family's planned length equals its processor's real one (issue 20) -----------------------
+
+# Heights x widths from tiny to large, square to 10:1 either way (the tiny processors' crop, tile and pinpoint
+# grids all change within this range); 20 sizes per family, singly and 2-3 per sample (LLaVA-OneVision counts a
+# multi-image sample's images differently).
+_SIZES = [(8, 8), (28, 28), (56, 56), (57, 113), (100, 200), (200, 100), (30, 300), (300, 30), (64, 65),
+          (90, 50), (113, 57), (224, 224), (17, 400), (400, 17), (333, 250), (250, 333), (84, 28), (28, 84),
+          (500, 700), (701, 499)]
+_GROUPS = [[s] for s in _SIZES[:8]] + [_SIZES[8:10], _SIZES[10:13], _SIZES[13:15], _SIZES[15:18], _SIZES[18:]]
+
+
+def _images_example(sizes: list[tuple[int, int]]) -> dict:
+    content = [{"type": "image", "image": Image.new("RGB", (w, h), (40 * i, 90, 200))} for i, (h, w) in
+               enumerate(sizes)]
+    return {"messages": [
+        {"role": "user", "content": [*content, {"type": "text", "text": "What is shown?\n"}]},
+        {"role": "assistant", "content": "Flat colours."},
+    ]}
+
+
+def _gemma4_processor():
+    """A ``Gemma4Processor`` assembled offline (the Gemma 3 stand-in tokenizer, transformers' own Gemma 4 image
+    processor). Its ``validate_inputs`` wants audio markers even without audio, so two unused ids stand in."""
+    from transformers.models.gemma4 import Gemma4Processor, Gemma4VideoProcessor
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+
+    from vlm_pack.chat_template import GEMMA_TEMPLATE
+    from vlm_pack.tiny_models import gemma3_tokenizer, gemma4_image_processor
+
+    processor = Gemma4Processor(Gemma4AudioFeatureExtractor(), gemma4_image_processor(), gemma3_tokenizer(),
+                                Gemma4VideoProcessor(),
+                                chat_template=GEMMA_TEMPLATE.replace("<start_of_image>", "<image_soft_token>"))
+    processor.boa_token, processor.eoa_token = "<|vision_start|>", "<|vision_end|>"
+    return processor
+
+
+def _family_collator(family: str) -> VLMPackingCollator:
+    from vlm_pack.tiny_families import tiny_vlm, tiny_vlm_processor
+    from vlm_pack.tiny_models import offline_gemma3_processor, tiny_config
+
+    if family in ("gemma3", "gemma4"):
+        processor = offline_gemma3_processor() if family == "gemma3" else _gemma4_processor()
+        config = tiny_config(family)
+    else:
+        processor = tiny_vlm_processor(family)
+        config = tiny_vlm(family, processor, layers=1).config
+    return VLMPackingCollator(processor, max_length=1 << 16, model_config=config)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4", "llava_onevision", "smolvlm", "idefics3", "mistral3",
+                                    "internvl", "glm4v"])
+def test_planned_length_equals_the_real_processor_for_every_family(family):
+    collator = _family_collator(family)
+    examples = [_images_example(group) for group in _GROUPS]
+    planned = measure_lengths(examples, collator, progress=False)
+    assert planned.tokens.tolist() == _materialised_lengths(collator, examples)
+    assert planned.images.tolist() == [len(group) for group in _GROUPS]
+
+
+def test_fixed_width_overflow_names_the_dataset_sample(collator, mix):
+    lengths = measure_lengths(mix, collator, progress=False)
+    stale = SampleLengths(lengths.tokens.copy(), lengths.image_tokens, lengths.images)
+    stale.tokens[7] -= 5  # planned shorter than it is: its pack can overflow the fixed width
+    plan = plan_token_budget_packs(stale, 512)
+    k = next(k for k in range(plan.num_packs) if 7 in plan.pack(k))
+    with pytest.raises(ValueError, match=f"pack {k}: dataset sample 7 has {lengths.tokens[7]} tokens but the plan"):
+        TokenBudgetPackDataset(mix, plan, collator, fixed_width=True)[k]
+
+
+def test_a_failure_while_materialising_names_the_dataset_index(collator, mix):
+    plan = plan_token_budget_packs(measure_lengths(mix, collator, progress=False), 512)
+    k = next(k for k in range(plan.num_packs) if len(plan.pack(k)) > 1 and int(plan.pack(k)[-1]) >= 20)
+    bad = int(plan.pack(k)[-1])  # a text-only sample, last in its pack (position != dataset index)
+    broken = list(mix)
+    broken[bad] = {"messages": [{"role": "user", "content": [{"type": "image", "image": "/nonexistent.png"}]},
+                                {"role": "assistant", "content": "?"}]}
+    with pytest.raises(ValueError, match=f"pack {k}: dataset sample {bad}: "):
+        TokenBudgetPackDataset(broken, plan, collator)[k]
+
+
+def test_pack_block_order_follows_the_seed():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(20, 400, size=300)
+    lengths = SampleLengths(tokens, rng.integers(0, 64, size=300), np.ones(300, np.int64))
+    plans = [plan_token_budget_packs(lengths, 1024, data_parallel_size=2, seed=seed) for seed in (0, 1, 1)]
+    assert np.array_equal(plans[1].order, plans[2].order) and not np.array_equal(plans[0].order, plans[1].order)
+    assert sorted(plans[0].order.tolist()) == sorted(plans[1].order.tolist())  # the same samples, other pack order

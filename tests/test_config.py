@@ -1,6 +1,7 @@
 """Every validation rule has a passing and a failing case; YAML recipes load and validate."""
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -270,3 +271,23 @@ def test_every_yaml_key_is_read_by_its_example(monkeypatch, tmp_path, name):
     path.write_text(yaml.safe_dump(raw))
     argv = ["--config", str(path)] + (["--prepared-root", str(tmp_path)] if "offline" in name else [])
     assert (keys | {planted}) - keys_the_example_reads(monkeypatch, EXAMPLES[name], argv) == {planted}
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("packing:\n  seq_length: 1024\n  seq_length: 2048\n", r"line 3: invalid YAML \(duplicate key 'seq_length'"),
+    ("packing:\n  seq_length: [1024\n", r"line \d+: invalid YAML"),
+    ("packing: !!python/object/apply:os.system ['true']\n", r"line 1: invalid YAML"),
+])
+def test_yaml_duplicates_syntax_errors_and_unsafe_tags_are_one_line(tmp_path, text, match):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    for load in (PackingConfig.from_yaml, Recipe.from_yaml):
+        with pytest.raises(ValueError, match=re.escape(str(path)) + ", " + match) as info:
+            load(path)
+        assert len(str(info.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", ["../x", "/abs/path", "a/b", "..", ""])
+def test_tokenizer_model_name_cannot_leave_the_output_folder(name):
+    with pytest.raises(ValueError, match=r"packed_sequence_specs.tokenizer_model_name=.* must be a plain folder name"):
+        PackingConfig.from_dict({"packed_sequence_specs": {"tokenizer_model_name": name}})

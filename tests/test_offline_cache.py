@@ -132,3 +132,81 @@ def test_pack_assignments_are_cached_per_lengths_settings_and_code(tmp_path, mon
             getattr(first, name), getattr(again, name))
     monkeypatch.setattr(cache_module, "CACHE_VERSION", "other")  # stands for any change of the packing code
     assert packs_key(lengths, 10, "best_fit_decreasing", 0, 1) != base
+
+
+def _cache_entries(root):
+    return [p for p in (root / "cache" / "prepare").iterdir() if p.is_dir() and p.name != "packs"]
+
+
+@pytest.mark.parametrize("target", ["tokens", "loss_mask", "info"])
+def test_a_corrupted_token_cache_entry_is_named_and_rebuilt(tmp_path, target):
+    """One flipped byte in a cached array (or a key missing from info.json) must not reach new packs: the entry
+    is named in the log, tokenised again, and the packs equal a cache-less run's."""
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS[:12]))
+    expected = _tokens(_run(path, tmp_path / "clean"))
+    mask_expected = np.asarray(open_packed(tmp_path / "clean" / "packed" / "t" / "training_2048.npy").loss_mask)
+    _run(path, tmp_path)
+    (entry,) = _cache_entries(tmp_path)
+    if target == "info":
+        info = json.loads((entry / "info.json").read_text())
+        del info["num_dropped"]
+        (entry / "info.json").write_text(json.dumps(info))
+    else:
+        raw = bytearray((entry / f"{target}.npy").read_bytes())
+        raw[-3] ^= 0x01  # one bit of one value (a token id; a 0/1 mask value becomes 1/0)
+        (entry / f"{target}.npy").write_bytes(bytes(raw))
+    lines = []
+    written = prepare_packed_sequence_data(path, TOKENIZER, tmp_path / "new", [2048], tokenizer_name="t",
+                                           cache_dir=str(tmp_path / "cache"), progress=False, log=lines.append)
+    assert any(f"token cache entry {entry} is unusable" in line for line in lines), lines
+    assert _tokens(written) == expected
+    assert np.array_equal(np.asarray(open_packed(written[0].path).loss_mask), mask_expected)
+    assert main_verify(written[0].path.parent) == 0
+
+
+def main_verify(folder) -> int:
+    from vlm_pack.cli import main
+
+    return main(["verify", str(folder)])
+
+
+@pytest.mark.parametrize("damage", ["zeroed", "flipped"])
+def test_a_corrupted_pack_assignment_cache_is_named_and_repacked(tmp_path, damage):
+    from vlm_pack.offline.cache import TokenCache
+    from vlm_pack.offline.encoding import TokenizedSplit
+
+    lengths = np.array([5, 3, 7, 2, 6, 4], dtype=np.int64)
+    samples = TokenizedSplit(np.arange(lengths.sum(), dtype=np.int32), np.ones(lengths.sum(), np.uint8),
+                             np.concatenate(([0], np.cumsum(lengths))), np.arange(6))
+    store = TokenCache(tmp_path)
+    fresh, _ = prepare.pack_split(samples, 10)
+    prepare.pack_split(samples, 10, cache=store)
+    (cached,) = (tmp_path / "prepare" / "packs").glob("*.npy")
+    bins = np.load(cached)
+    if damage == "zeroed":
+        bins[:] = 0  # every sample in pack 0: a pack of 27 tokens for size 10
+    else:
+        bins[[0, 1]] = bins[[1, 0]]  # still a valid-looking assignment: only the checksum tells
+    np.save(cached, bins)
+    lines = []
+    again, _ = prepare.pack_split(samples, 10, cache=store, log=lines.append)
+    assert lines == [f"pack-assignment cache {cached} is corrupt (sha256 or packing check failed); packing again"]
+    for name in ("index", "tokens", "seq_offsets", "source_index"):
+        assert np.array_equal(getattr(fresh, name), getattr(again, name))
+
+
+def test_an_inconsistent_token_cache_entry_is_not_trusted(tmp_path):
+    """An entry whose arrays disagree (offsets past the tokens) but whose checksums match what was written."""
+    from vlm_pack.offline.cache import TokenCache
+    from vlm_pack.offline.encoding import TokenizedSplit
+
+    store = TokenCache(tmp_path)
+    good = TokenizedSplit(np.arange(10, dtype=np.int32), np.ones(10, np.uint8), np.array([0, 4, 10]), np.arange(2))
+    bad = TokenizedSplit(np.arange(10, dtype=np.int32), np.ones(10, np.uint8), np.array([0, 4, 12]), np.arange(2))
+    store.store("good", good, {"template": "chat"})
+    store.store("bad", bad, {"template": "chat"})
+    lines = []
+    assert store.load("good", lines.append) is not None and not lines
+    assert store.load("bad", lines.append) is None
+    assert lines and "offsets.npy: offsets do not tile the tokens" in lines[0]

@@ -100,3 +100,91 @@ def test_stats_options_are_checked_before_work(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     assert main(["stats", str(SAMPLE), "--plot", str(tmp_path / "file" / "p.png")]) == 2
     assert "cannot write there" in _error(capsys) and not (tmp_path / "p.png").exists()
+
+
+# ------------------------------------------------------------- issue 20: names, lock, plan.json, full disk, collator
+
+
+@pytest.mark.parametrize("name", ["../x", "/abs/path", "a/../../b", ".."])
+def test_tokenizer_name_cannot_leave_the_output_folder(tmp_path, capsys, name):
+    data = _lines(tmp_path / "d.jsonl", *(_json(r) for r in GOOD))
+    out = tmp_path / "out"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert _prepare(tmp_path, data, "--tokenizer-name", name, out=out) == 2
+    err = _error(capsys)
+    assert "tokenizer_name (--tokenizer-name)" in err and "must be a plain folder name" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written anywhere
+
+
+def _lock_target(tmp_path, link: str):
+    out = tmp_path / "out" / "packed" / "t"
+    out.mkdir(parents=True)
+    victim = tmp_path / "precious.txt"
+    victim.write_text("user data\n")
+    if link == "symlink":
+        (out / ".vlm_pack.lock").symlink_to(victim)
+    else:
+        os.link(victim, out / ".vlm_pack.lock")
+    return victim
+
+
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+def test_lock_never_follows_a_link_or_truncates_a_foreign_file(tmp_path, capsys, link):
+    victim = _lock_target(tmp_path, link)
+    data = _lines(tmp_path / "d.jsonl", *(_json(r) for r in GOOD))
+    assert _prepare(tmp_path, data, "--tokenizer-name", "t", out=tmp_path / "out") == 2
+    assert ".vlm_pack.lock" in _error(capsys)
+    assert victim.read_text() == "user data\n"
+
+
+def test_full_disk_names_the_file(tmp_path, capsys, monkeypatch):
+    import numpy as np
+
+    data = _lines(tmp_path / "d.jsonl", *(_json(r) for r in GOOD))
+    real_save = np.save
+
+    def full(path, *args, **kw):
+        if str(path).endswith(".tokens.npy"):
+            raise OSError("855120 requested and 464864 written")
+        return real_save(path, *args, **kw)
+
+    monkeypatch.setattr(np, "save", full)
+    assert _prepare(tmp_path, data, "--tokenizer-name", "t") == 2
+    err = _error(capsys)
+    assert re.search(r"training_2048\.tokens\.npy: cannot write it \(855120 requested and 464864 written\)", err), err
+
+
+@pytest.fixture(scope="module")
+def plan_dir(tmp_path_factory):
+    import numpy as np
+
+    from vlm_pack.budget import plan_token_budget_packs
+    from vlm_pack.budget.lengths import SampleLengths
+
+    lengths = SampleLengths(np.array([10, 30, 20]), np.zeros(3, np.int64), np.zeros(3, np.int64))
+    return plan_token_budget_packs(lengths, 64).save(tmp_path_factory.mktemp("plan") / "plan")
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda text: text[:-20], "not valid JSON"),
+    (lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "pack_size"}),
+     "field 'pack_size' is None"),
+    (lambda text: json.dumps({**json.loads(text), "pack_size": "big"}), "field 'pack_size' is 'big'"),
+    (lambda text: json.dumps({**json.loads(text), "dropped": ["x"]}), "field 'dropped'"),
+    (lambda text: "[]", "expected a JSON object"),
+])
+def test_broken_plan_json_is_one_line_naming_the_file(plan_dir, tmp_path, edit, match):
+    import shutil
+
+    from vlm_pack.budget import TokenBudgetPlan
+
+    copy = shutil.copytree(plan_dir, tmp_path / "plan")
+    (copy / "plan.json").write_text(edit((copy / "plan.json").read_text()))
+    with pytest.raises(ValueError, match=re.escape(str(copy)) + ".*" + re.escape(match)) as info:
+        TokenBudgetPlan.load(copy)
+    assert len(str(info.value).splitlines()) == 1
+
+
+def test_a_dict_given_to_the_collator_is_a_clear_type_error(collator):
+    with pytest.raises(TypeError, match=r"takes a list of examples \(a batch\), got a dict.*collator\(\[example\]\)"):
+        collator({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})

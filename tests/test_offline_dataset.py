@@ -61,6 +61,7 @@ def test_collate_known_pack_no_padding(known):
 def test_first_token_of_a_sample_is_never_a_target(tmp_path):
     path = _write(tmp_path / "training_8.npy", [[([1, 2], [1, 1]), ([3, 4, 5], [1, 1, 1])]])
     ds = PackedSFTDataset(path, 8)
+    assert ds[0]["labels"].tolist() == [-100, 2, -100, 4, 5]  # the item itself, before any collate
     b = ds.collate_fn([ds[0]])
     assert b["labels"].tolist() == [[-100, 2, -100, 4, 5]]
     assert b["vlm_pack"]["loss_mask"].tolist() == [[0, 1, 0, 1, 1]]

@@ -4,6 +4,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import shutil
 import signal
 
@@ -333,3 +334,66 @@ def test_dataset_open_skips_the_full_scan_when_metadata_proves_the_fit(written, 
     ds = PackedSFTDataset(index, 1024)  # O(1) open cannot see it ...
     with pytest.raises(ValueError, match=rf"pack {k} holds more than pack_size=1024 tokens"):
         ds[k]  # ... reading the pack does
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_samples_per_bin", 99), ("packing_factor", 1.0), ("packing_efficiency", 12.5),
+    ("dataset_max_seqlen", 7), ("min_packed_seqlen", 1), ("num_tokens", 3), ("num_samples", 2),
+])
+def test_verify_recomputes_every_metadata_statistic(written, field, value, capsys):
+    """An edited statistic is caught by `verify` even though the files (and their checksums) are untouched."""
+    out_dir, _ = written
+    meta = metadata_path(out_dir, 1024)
+    entries = read_metadata(meta)
+    entries[0][field] = value
+    storage.write_metadata(meta, entries)
+    problems = [p for r in verify_packed(out_dir) for p in r.problems]
+    # counts the O(1) open already checks are named there; the rest by the recomputation
+    assert any(f"field {field!r} is {value!r} but the packs give" in p or f"{field} {value} in the metadata" in p
+               for p in problems), problems
+    assert main(["verify", str(out_dir)]) == 1
+
+
+def test_verify_checks_aligned_pack_loads(written):
+    """Packs written without alignment but recorded as aligned to 64: some pack overflows once aligned."""
+    out_dir, _ = written
+    meta = metadata_path(out_dir, 1024)
+    entries = read_metadata(meta)
+    entries[0]["pad_seq_to_mult"] = 512
+    storage.write_metadata(meta, entries)
+    problems = [p for r in verify_packed(out_dir) for p in r.problems]
+    assert any("aligned to 512, more than the pack size 1024" in p for p in problems), problems
+
+
+def test_a_file_longer_than_its_header_is_refused_without_metadata(written):
+    """Bytes appended to a companion file: refused by the O(1) open even when no metadata sits next to it."""
+    out_dir, index = written
+    metadata_path(out_dir, 1024).unlink()
+    tokens = sibling_paths(index)["tokens"]
+    tokens.write_bytes(tokens.read_bytes() + b"\0" * 8)
+    with pytest.raises(ValueError, match=r"tokens.npy is longer than its header says \(\d+ bytes on disk"):
+        open_packed(index)
+
+
+def test_recorded_file_sizes_are_compared_with_the_files(written):
+    out_dir, index = written
+    meta = metadata_path(out_dir, 1024)
+    entries = read_metadata(meta)
+    recorded = entries[0]["files"]["loss_mask"]["bytes"]
+    entries[0]["files"]["loss_mask"]["bytes"] = recorded + 1
+    storage.write_metadata(meta, entries)
+    with pytest.raises(ValueError, match=rf"loss_mask.npy has {recorded} bytes, the metadata records {recorded + 1}"):
+        open_packed(index)
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ('[{"split": "training"', "not valid JSON"),
+    ('{"split": "training", "files": 5}', "field 'files' must map each file role"),
+])
+def test_malformed_metadata_is_one_line_naming_the_file(written, capsys, text, match):
+    out_dir, index = written
+    metadata_path(out_dir, 1024).write_text(text + "\n")
+    with pytest.raises(ValueError, match=re.escape(str(metadata_path(out_dir, 1024))) + ".*" + match):
+        open_packed(index)
+    assert main(["verify", str(out_dir)]) == 1
+    assert "Traceback" not in capsys.readouterr().err

@@ -237,7 +237,11 @@ def test_reference_pickle_format_is_opt_in(tmp_path, tokenizer):
     assert direct[0]["input_ids"].tolist() == [5, 6, 7, 8, 9]
     # shifted mask [0,1,1 | 0,1] -> aligned [0,0,1 | 0,0]: token t is a target when the mask at t-1 said so
     assert direct[0]["labels"].tolist() == [-100, -100, 7, -100, -100] and direct[1]["labels"].tolist() == [-100, 2, 3]
+    # the reader itself (not only the dataset's first-label mask): a sample's first token is never a target, so
+    # the shifted mask's last value of sample 1 must not become a target at sample 2's start
+    assert open_packed(ref, allow_pickle=True).loss_mask.tolist() == [0, 0, 1, 0, 0, 0, 1, 1]
     written = _prepare(tokenizer, ref, tmp_path, sizes=[8], tokenizer_name="t", allow_pickle=True)
+    assert np.asarray(open_packed(written[0].path).loss_mask).tolist() == [0, 0, 1, 0, 0, 0, 1, 1]
     converted = PackedSFTDataset(written[0].path, 8)  # our format: no pickle needed any more
     assert [converted[i]["input_ids"].tolist() for i in range(2)] == [[5, 6, 7, 8, 9], [1, 2, 3]]
     assert converted[0]["position_ids"].tolist() == [0, 1, 2, 0, 1]  # samples of lengths 3 and 2
@@ -257,3 +261,24 @@ def test_cli(tmp_path, capsys):
     assert "is up to date" in capsys.readouterr().out
     assert main([*args, "--seed", "1"]) == 2  # other settings: the output exists
     assert "already exists" in capsys.readouterr().err
+
+
+def test_validation_split_follows_the_seed(tmp_path, tokenizer):
+    picked = {}
+    for run, seed in enumerate((0, 1, 1)):
+        written = prepare_packed_sequence_data(
+            SAMPLE, tokenizer, tmp_path / str(run), [4096], validation_fraction=0.3, seed=seed, tokenizer_name="t",
+            cache_dir=str(tmp_path / "cache"), progress=False, log=lambda _: None)
+        val = next(w for w in written if w.split == "validation")
+        picked[run] = sorted(np.asarray(open_packed(val.path).source_index).tolist())
+    assert picked[1] == picked[2] and picked[0] != picked[1]
+
+
+def test_packs_fit_once_samples_are_aligned(tmp_path, tokenizer):
+    """With pad_seq_to_mult the packs are made of ALIGNED lengths: every pack still fits once each sample is
+    padded to the multiple at collate time (packing raw lengths overflows mid-epoch)."""
+    written = _prepare(tokenizer, SAMPLE, tmp_path, sizes=[2048], pad_seq_to_mult=64, tokenizer_name="t")
+    arrays = open_packed(written[0].path)
+    assert arrays.pack_loads(64).max() <= 2048
+    ds = PackedSFTDataset(written[0].path, 2048, pad_seq_to_mult=64)
+    assert all(ds.collate_fn([ds[i]])["input_ids"].shape[1] <= 2048 for i in range(len(ds)))

@@ -165,7 +165,10 @@ class VLMPackingCollator:
         )
 
     def __call__(self, examples: Sequence[Any]) -> dict[str, Any]:
-        if not isinstance(examples, Sequence) or len(examples) == 0:
+        if not isinstance(examples, Sequence) or isinstance(examples, (str, bytes)):
+            raise TypeError(f"the collator takes a list of examples (a batch), got a {type(examples).__name__}; "
+                            "wrap a single example in a list: collator([example])")
+        if len(examples) == 0:
             raise ValueError(
                 "empty batch: the collator got no examples. Check the dataset/sampler (drop_last, filtering)."
             )

@@ -41,6 +41,10 @@ class PackedSequenceSpecs:
 
     def __post_init__(self) -> None:
         check_field_types(self, "packed_sequence_specs.")
+        if self.tokenizer_model_name is not None:
+            from .offline.output import check_output_name
+
+            check_output_name(self.tokenizer_model_name, "packed_sequence_specs.tokenizer_model_name")
 
     @property
     def enabled(self) -> bool:
@@ -186,10 +190,36 @@ def _check_packed_path(specs: PackedSequenceSpecs, name: str, suffix: str) -> No
         raise ValueError(f"{where} does not exist; run `vlm-pack prepare` first or fix the path")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (each key may appear once; remove one)", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: str | Path) -> Any:
+    """A YAML file's content (safe tags only, no duplicate keys); every problem one ValueError naming the file and
+    line."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return yaml.load(handle, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}, line {mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"{where}: invalid YAML ({problem}); fix the file (only plain YAML: no Python tags)") from None
+
+
 def load_yaml_section(path: str | Path, section: str) -> dict[str, Any]:
     """Read one top-level mapping from a YAML recipe (or the whole file when ``section`` is absent)."""
-    with open(path, encoding="utf-8") as handle:
-        data = yaml.safe_load(handle) or {}
+    data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a YAML mapping at top level, got {type(data).__name__}")
     value = data.get(section, data)

@@ -59,7 +59,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("doctor", help="print what each attention backend would do here, and why")
+    parser = subparsers.add_parser(
+        "doctor", help="print what each attention backend would do here, and why",
+        description="Print the installed versions of torch, transformers and the optional kernels, each attention "
+                    "backend's probe result (and why it is unavailable), what 'auto' picks per device and dtype, and "
+                    "the Gated DeltaNet route: paste it into bug reports.")
     parser.set_defaults(func=run)
 
 

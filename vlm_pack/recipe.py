@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
-from .config import PackingConfig, check_field_types, reject_unknown_keys
+from .config import PackingConfig, check_field_types, read_yaml, reject_unknown_keys
 from .offline.dataset import PackedSFTDataset
 
 __all__ = ["DataSpec", "ModelSpec", "Recipe", "TrainSpec", "offline_packed_datasets"]
@@ -71,8 +70,7 @@ class Recipe:
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Recipe":
         """Load and validate a recipe; unknown keys are errors naming the section and the key."""
-        with open(path, encoding="utf-8") as handle:
-            raw = yaml.safe_load(handle) or {}
+        raw = read_yaml(path) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: expected a YAML mapping with sections model, data, train, packing")
         unknown = sorted(set(raw) - {"model", "data", "train", "packing"})

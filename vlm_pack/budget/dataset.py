@@ -44,6 +44,7 @@ class TokenBudgetPackDataset(torch.utils.data.Dataset):
             )
         if collator.max_length < plan.pack_size:
             raise ValueError(f"collator max_length={collator.max_length} < pack_size={plan.pack_size}: raise it")
+        self._alone = collator  # each sample on its own, to name the one a failing pack trips on
         if fixed_width:
             collator = copy.copy(collator)
             collator.pad_to_length = plan.pack_size
@@ -56,16 +57,34 @@ class TokenBudgetPackDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, k: int) -> dict[str, Any]:
         indices = self.plan.pack(k)
-        batch = self.collator([self.examples[int(i)] for i in indices])
+        try:
+            batch = self.collator([self.examples[int(i)] for i in indices])
+        except Exception as err:
+            self._name_failing_sample(k, indices)
+            raise ValueError(f"pack {k} (dataset samples {indices.tolist()}): {err}") from err
         real = torch.diff(packing_metadata(batch)["cu_seqlens"]).tolist()
-        planned = self.plan.lengths.tokens[indices].tolist()
-        for index, got, want in zip(indices.tolist(), real, planned):
-            if got != want:
-                raise ValueError(
-                    f"pack {k}: sample {index} has {got} tokens but the plan says {want}. The plan is stale "
-                    "(examples, processor or chat template changed since planning): re-run the planning step."
-                )
+        for index, got in zip(indices.tolist(), real):
+            self._check_length(k, index, got)
         return batch
+
+    def _check_length(self, k: int, index: int, got: int) -> None:
+        want = int(self.plan.lengths.tokens[index])
+        if got != want:
+            raise ValueError(
+                f"pack {k}: dataset sample {index} has {got} tokens but the plan says {want}. The plan is stale "
+                "(examples, processor or chat template changed since planning): re-run the planning step."
+            )
+
+    def _name_failing_sample(self, k: int, indices: Any) -> None:
+        """After pack ``k`` failed: encode its samples one by one and raise naming the dataset index of the first
+        that fails alone or whose length differs from the plan (the collator only knows positions in the pack)."""
+        for index in indices.tolist():
+            try:
+                got = self._alone([self.examples[index]])["input_ids"].shape[1]
+            except Exception as err:
+                reason = str(err).removeprefix("sample 0: ")
+                raise ValueError(f"pack {k}: dataset sample {index}: {reason}") from err
+            self._check_length(k, index, got)
 
     @staticmethod
     def collate_fn(items: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,10 +1,14 @@
 """Exact token count of every chat example after the processor, without decoding a single pixel.
 
 A sample's length is its rendered chat text tokenised (one placeholder token per image or video) plus, per
-image / video, the placeholder's expansion minus one (videos: from frame count and frame size). The expansion comes from the processor's own rule
-(``processor._get_num_multimodal_tokens``, the hook vLLM uses: min/max pixels, patch and merge size) applied to
-the image size read from the file header. ``TokenBudgetPackDataset`` checks every planned length against the
-materialised one, so a family whose processor expands differently fails loudly, never silently.
+image / video, the placeholder's expansion minus one (videos: from frame count and frame size). The expansion
+comes from the processor's own rule (``processor._get_num_multimodal_tokens``, the hook vLLM uses: min/max
+pixels, patch and merge size) applied to the image size read from the file header. Families whose processor
+adds text around an image (Gemma 3's newlines and markers, Gemma 4's markers), counts multi-image samples
+differently (LLaVA-OneVision) or has no such hook (SmolVLM) declare ``FamilySpec.image_text``: the placeholder
+is replaced by that text and tokenised in context, as the processor does. ``TokenBudgetPackDataset`` checks
+every planned length against the materialised one, so a family whose processor expands differently fails
+loudly, never silently.
 """
 
 from __future__ import annotations
@@ -39,18 +43,22 @@ class _VisionTokenCounter:
     """Tokens per image size ``(h, w)`` or video size ``(frames, h, w)`` through the processor's own rule,
     memoised per distinct size."""
 
-    def __init__(self, processor: Any) -> None:
-        count = getattr(processor, "_get_num_multimodal_tokens", None)
-        if count is None:
+    def __init__(self, processor: Any, needed: bool = True) -> None:
+        self._name = type(processor).__name__
+        self._count = getattr(processor, "_get_num_multimodal_tokens", None)
+        if self._count is None and needed:
             raise ValueError(
-                f"{type(processor).__name__} cannot count image tokens from image sizes (no "
-                "_get_num_multimodal_tokens): token-budget planning needs it to stay exact"
+                f"{self._name} cannot count image tokens from image sizes (no _get_num_multimodal_tokens) and its "
+                "model family declares no image_text rule (vlm_pack/models/<family>.py): token-budget planning "
+                "needs one of them to stay exact; pass the model's config as model_config= to the collator"
             )
-        self._count = count
         self._cache: dict[tuple[int, ...], int] = {}
 
     def __call__(self, sizes: list[tuple[int, ...]]) -> list[int]:
         missing = sorted({size for size in sizes if size not in self._cache})
+        if missing and self._count is None:
+            raise ValueError(f"{self._name} cannot count video tokens from video sizes (no "
+                             "_get_num_multimodal_tokens): token-budget planning cannot plan videos for it")
         for kind in ("image", "video"):
             wanted = [size for size in missing if (len(size) == 3) == (kind == "video")]
             if wanted:
@@ -106,23 +114,40 @@ def _measure_chunk(collator: Any, examples: Sequence[Any], first: int) -> tuple[
     """(tokens, image tokens, images) of one batch of examples whose first has dataset index ``first``."""
     processor = collator.processor
     tokenizer = getattr(processor, "tokenizer", processor)
-    counter = _VisionTokenCounter(processor) if collator.has_images else None
+    image_text = getattr(collator.family, "image_text", None)
+    counter = _VisionTokenCounter(processor, image_text is None) if collator.has_images else None
     conversations = [
         normalize_example(example, first + row, reserved_tokens=collator.reserved_tokens,
                           allow_images=collator.has_images, decode_images=False)
         for row, example in enumerate(examples)
     ]
     texts = processor.apply_chat_template(conversations, chat_template=collator.chat_template, tokenize=False)
-    text_lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     tokens, image_tokens, images = (np.zeros(len(examples), dtype=np.int64) for _ in range(3))
     for row, conversation in enumerate(conversations):
-        sizes = [
-            _vision_size(part, f"sample {first + row}, turn {turn}")
-            for turn, message in enumerate(conversation)
-            for part in message["content"] if part["type"] != "text"
-        ]
-        per_image = counter(sizes) if sizes else []
-        images[row] = len(sizes)
-        image_tokens[row] = sum(per_image)
-        tokens[row] = text_lengths[row] + image_tokens[row] - len(sizes)
+        where = f"sample {first + row}"
+        turns = [(turn, part) for turn, message in enumerate(conversation) for part in message["content"]
+                 if part["type"] != "text"]
+        parts = [part for _, part in turns]
+        sizes = [_vision_size(part, f"{where}, turn {turn}") for turn, part in turns]
+        if image_text is not None and any(part["type"] == "image" for part in parts):
+            image_sizes = [size for size, part in zip(sizes, parts) if part["type"] == "image"]
+            expanded = image_text(processor, image_sizes)
+            texts[row] = _expand_images(texts[row], processor.image_token, [text for text, _ in expanded], where)
+            image_tokens[row] += sum(count for _, count in expanded)
+            sizes = [size for size, part in zip(sizes, parts) if part["type"] != "image"]
+        per_part = counter(sizes) if sizes else []
+        images[row] = len(parts)
+        image_tokens[row] += sum(per_part)
+        tokens[row] = sum(per_part) - len(sizes)  # each placeholder becomes its count of tokens
+    tokens += [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     return tokens, image_tokens, images
+
+
+def _expand_images(text: str, placeholder: str, replacements: list[str], where: str) -> str:
+    """``text`` with its image placeholders replaced in order, as the processor does before tokenising (so text
+    the family puts around an image is tokenised in context, merges with its neighbours included)."""
+    pieces = text.split(placeholder)
+    if len(pieces) != len(replacements) + 1:
+        raise ValueError(f"{where}: the chat template rendered {len(pieces) - 1} image placeholders "
+                         f"{placeholder!r} for {len(replacements)} images; fix the template or the sample")
+    return "".join(piece + replacement for piece, replacement in zip(pieces, replacements)) + pieces[-1]

@@ -28,6 +28,7 @@ from typing import Literal
 import numpy as np
 
 from ..offline.algorithms import ALGORITHMS, group_by_pack, pack_lengths
+from ..offline.storage import save_array
 from .lengths import SampleLengths
 
 __all__ = ["TokenBudgetPlan", "plan_token_budget_packs"]
@@ -95,8 +96,11 @@ class TokenBudgetPlan:
             arrays = {"order": self.order, "offsets": self.offsets, "tokens": self.lengths.tokens,
                       "image_tokens": self.lengths.image_tokens, "images": self.lengths.images}
             for name, array in arrays.items():
-                np.save(staging / f"{name}.npy", np.ascontiguousarray(array, dtype=np.int64))
-            (staging / "plan.json").write_text(json.dumps(self.metadata(), indent=1) + "\n")
+                save_array(staging / f"{name}.npy", np.ascontiguousarray(array, dtype=np.int64))
+            try:
+                (staging / "plan.json").write_text(json.dumps(self.metadata(), indent=1) + "\n")
+            except OSError as err:
+                raise OSError(f"{target / 'plan.json'}: cannot write it ({err}); free disk space") from None
             if target.exists():
                 retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
                 os.replace(target, retired / "plan")
@@ -115,7 +119,12 @@ class TokenBudgetPlan:
         meta_path = root / "plan.json"
         if not meta_path.is_file():
             raise FileNotFoundError(f"{meta_path} not found: {root} is not a token-budget plan (run vlm-pack plan-vlm)")
-        meta = json.loads(meta_path.read_text())
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{meta_path}: not valid JSON ({exc}); re-run vlm-pack plan-vlm") from None
+        if not isinstance(meta, dict):
+            raise ValueError(f"{meta_path}: expected a JSON object; re-run vlm-pack plan-vlm")
         if meta.get("format") != _FORMAT:
             raise ValueError(f"{meta_path}: format {meta.get('format')!r}, expected {_FORMAT!r}")
         arrays = {}
@@ -127,12 +136,22 @@ class TokenBudgetPlan:
             if arrays[name].dtype != np.int64 or arrays[name].ndim != 1:
                 raise ValueError(f"{root / (name + '.npy')}: expected 1-D int64, got {arrays[name].dtype} "
                                  f"{arrays[name].shape}; re-run vlm-pack plan-vlm")
-        plan = cls(
-            pack_size=int(meta["pack_size"]), pad_to_multiple_of=int(meta["pad_to_multiple_of"]),
-            algorithm=str(meta["algorithm"]), order=arrays["order"], offsets=arrays["offsets"],
-            lengths=SampleLengths(arrays["tokens"], arrays["image_tokens"], arrays["images"]),
-            dropped=tuple(int(i) for i in meta.get("dropped", ())),
-        )
+        fields = {}
+        for name, kind in (("pack_size", int), ("pad_to_multiple_of", int), ("algorithm", str)):
+            value = meta.get(name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"{meta_path}: field {name!r} is {value!r}, not a {kind.__name__}; re-run "
+                                 "vlm-pack plan-vlm")
+            fields[name] = value
+        dropped = meta.get("dropped", [])
+        if not isinstance(dropped, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dropped):
+            raise ValueError(f"{meta_path}: field 'dropped' must be a list of sample indices; re-run vlm-pack plan-vlm")
+        try:
+            plan = cls(**fields, order=arrays["order"], offsets=arrays["offsets"],
+                       lengths=SampleLengths(arrays["tokens"], arrays["image_tokens"], arrays["images"]),
+                       dropped=tuple(dropped))
+        except ValueError as exc:
+            raise ValueError(f"{root}: {exc}; re-run vlm-pack plan-vlm") from None
         _check_consistent(plan, meta, root)
         return plan
 

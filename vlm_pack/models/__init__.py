@@ -108,6 +108,10 @@ class FamilySpec:
     accumulation window. When False, Trainer users must pass ``compute_loss_func=vlm_pack.compute_loss_func``.
     ``vision_rows``: ``{processor key: RowUnit}`` for per-sample tensors whose rows the collator cannot infer from
     their count alone (undeclared keys: rows per image if they match the image count, else per sample).
+    ``image_text``: ``(processor, [(h, w) of each image of ONE sample]) -> [(text, vision tokens)]``: the text the
+    family's processor puts in place of each image placeholder and its image-token count, for token-budget
+    planning (``vlm_pack.budget``) where the processor's ``_get_num_multimodal_tokens`` is missing or counts
+    something else; None: the placeholder becomes that many image tokens.
     """
 
     name: str
@@ -126,6 +130,7 @@ class FamilySpec:
     extra_checks: tuple[Callable[[Any], str | None], ...] = field(default=())
     context_parallel_refusal: str | None = None
     vision_rows: Mapping[str, RowUnit] = field(default_factory=dict)
+    image_text: Callable[[Any, list[tuple[int, int]]], list[tuple[str, int]]] | None = None
 
     def __post_init__(self) -> None:
         if (self.positions == "mrope") != (self.rope_index_model is not None):

@@ -44,6 +44,14 @@ def _causal_only(config: Any) -> str | None:
     return None
 
 
+def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str, int]]:
+    """``Gemma3Processor`` puts ``full_image_sequence`` (``\\n\\n<boi>`` + soft tokens + ``<eoi>\\n\\n``) in place of
+    every ``<boi>`` placeholder, whatever the image size (pan-and-scan crops would add more: refused)."""
+    if getattr(processor.image_processor, "do_pan_and_scan", False):
+        raise ValueError("Gemma 3 with do_pan_and_scan=True: the crop count is not planned; set do_pan_and_scan=False")
+    return [(processor.full_image_sequence, int(processor.image_seq_length))] * len(sizes)
+
+
 GEMMA3 = register_family(FamilySpec(
     name="gemma3",
     model_types=("gemma3", "gemma3_text"),
@@ -54,4 +62,5 @@ GEMMA3 = register_family(FamilySpec(
     token_keys=("input_ids", "labels", "token_type_ids"),
     context_parallel_refusal=IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL,
     extra_checks=(_causal_only,),
+    image_text=_image_text,
 ))

@@ -44,6 +44,12 @@ def _proven_features(config: Any) -> str | None:
     return None
 
 
+def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str, int]]:
+    """``Gemma4Processor`` wraps each image's soft tokens (its own per-size count) in ``<boi>`` / ``<eoi>``."""
+    counts = processor._get_num_multimodal_tokens(image_sizes=[list(size) for size in sizes])["num_image_tokens"]
+    return [(f"{processor.boi_token}{processor.image_token * int(n)}{processor.eoi_token}", int(n)) for n in counts]
+
+
 GEMMA4 = register_family(FamilySpec(
     name="gemma4",
     model_types=("gemma4", "gemma4_text"),
@@ -55,4 +61,5 @@ GEMMA4 = register_family(FamilySpec(
     rope_types=STATIC_ROPE_TYPES | {"proportional"},
     context_parallel_refusal=IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL,
     extra_checks=(_proven_features,),
+    image_text=_image_text,
 ))

@@ -8,6 +8,8 @@ with all-zero tiles that the model drops; the vision tower runs per tile (its ow
 ``<image>`` tokens in sample order. The language model is a proven text family.
 """
 
+from typing import Any
+
 from . import FamilySpec, register_family, text_backbone
 
 _ROWS = {"pixel_values": "sample", "pixel_attention_mask": "sample"}
@@ -18,6 +20,23 @@ _PROOF = "tests/test_vlm_families.py"
 IDEFICS3 = register_family(FamilySpec(
     name="idefics3", model_types=("idefics3",), proof=_PROOF, vision_rows=_ROWS, extra_checks=_TEXT,
 ))
+
+
+def _smolvlm_image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str, int]]:
+    """``SmolVLMProcessor`` has no ``_get_num_multimodal_tokens``: its own prompt builder on the tile grid its
+    image processor gives each size (``get_number_of_image_patches``)."""
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    out = []
+    for height, width in sizes:
+        _, rows, cols = processor.image_processor.get_number_of_image_patches(height, width, {})
+        text = get_image_prompt_string(rows, cols, processor.image_seq_len, processor.fake_image_token,
+                                       processor.image_token, processor.global_image_token)
+        out.append((text, processor.image_seq_len * (rows * cols + 1)))
+    return out
+
+
 SMOLVLM = register_family(FamilySpec(
     name="smolvlm", model_types=("smolvlm",), proof=_PROOF, vision_rows=_ROWS, extra_checks=_TEXT,
+    image_text=_smolvlm_image_text,
 ))

@@ -8,10 +8,25 @@ sample: a sample with ONE image is cropped anyres, a sample with several is not,
 one count per sample holding images (never one count for the whole packed row).
 """
 
+from typing import Any
+
 from . import FamilySpec, register_family, text_backbone
+
+
+def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str, int]]:
+    """A sample's only image: the processor's anyres count (``_get_num_multimodal_tokens``); each image of a
+    multi-image sample: the base grid plus one newline token (``LlavaOnevisionProcessor.replace_image_token``),
+    minus the CLS token under the ``default`` feature strategy."""
+    if len(sizes) == 1:
+        counts = processor._get_num_multimodal_tokens(image_sizes=[list(sizes[0])])["num_image_tokens"]
+    else:
+        counts = [processor.num_image_tokens + 1 - (processor.vision_feature_select_strategy == "default")] * len(sizes)
+    return [(processor.image_token * int(n), int(n)) for n in counts]
+
 
 LLAVA_ONEVISION = register_family(FamilySpec(
     name="llava_onevision", model_types=("llava_onevision",), proof="tests/test_vlm_families.py",
     vision_rows={"pixel_values": "image", "image_sizes": "image", "batch_num_images": "sample_with_images"},
     extra_checks=(text_backbone("qwen2", "llama", "qwen3"),),
+    image_text=_image_text,
 ))

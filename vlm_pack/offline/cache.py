@@ -10,6 +10,10 @@ Entries live in ``<cache_dir>/prepare/<key>/`` (default ``cache_dir``: ``$VLM_PA
 ``$XDG_CACHE_HOME/vlm_pack``, else ``~/.cache/vlm_pack``), each written to a temporary folder and renamed
 into place, so a killed run never leaves a half entry that a later run would trust.
 
+Every entry records the sha256 of its files, checked on each use: a corrupted entry (a flipped byte, a zeroed
+file, an edited ``info.json``) is named in the log and rebuilt, never packed. Pack assignments are also checked
+to be a valid packing of the current lengths.
+
 Pack assignments are cached too (``<cache_dir>/prepare/packs/``), keyed on the sample lengths, the packing
 settings and the source of the packing algorithms: a warm re-run then skips the packer's compiled loops (and
 importing their compiler), yet any change to the lengths, the settings or the algorithms packs afresh.
@@ -23,14 +27,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from .encoding import TokenizedSplit
 from .storage import FORMAT
 
-CACHE_VERSION = f"{FORMAT}/tokens-2"
+CACHE_VERSION = f"{FORMAT}/tokens-3"  # 3: entries carry the sha256 of their arrays
 _ARRAYS = {"tokens": np.int32, "loss_mask": np.uint8, "offsets": np.int64, "source_index": np.int64}
 # Files that cannot change how text becomes tokens: skipped when hashing a tokenizer (model) folder.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
@@ -103,48 +107,86 @@ def output_key(keys: dict[str, str], pack_size: int, **settings) -> str:
     return h.hexdigest()[:40]
 
 
+def _atomic_write(path: Path, content: bytes | Callable[[Any], None]) -> None:
+    """Write ``content`` (bytes, or a writer of an open binary file) to a temporary file renamed onto ``path``."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            content(f) if callable(content) else f.write(content)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
 class TokenCache:
     """Tokenised splits by key under ``<root>/prepare/``."""
 
     def __init__(self, root: str | Path | None = None):
         self.root = Path(root if root is not None else default_cache_dir()) / "prepare"
 
-    def load(self, key: str) -> tuple[TokenizedSplit, dict] | None:
-        """The split and its info stored under ``key``, or None (absent or unreadable: treated as a miss)."""
+    def load(self, key: str, log: Callable[[str], None] = print) -> tuple[TokenizedSplit, dict] | None:
+        """The split and its info stored under ``key``, or None: absent, or unreadable, incomplete or not matching
+        the sha256 recorded at write time (then ``log`` names the file and the entry is rebuilt by the caller)."""
         entry = self.root / key
+        if not entry.is_dir():
+            return None
         try:
             info = json.loads((entry / "info.json").read_text(encoding="utf-8"))
+            sums = info["sha256"]
+            for name in _ARRAYS:
+                if hash_path(entry / f"{name}.npy").hexdigest() != sums[name]:
+                    raise ValueError(f"{entry / name}.npy: sha256 differs from the one in info.json")
             # memory-mapped, read-only: a warm re-run copies each token once, straight into the packs
             arrays = {name: np.load(entry / f"{name}.npy", allow_pickle=False, mmap_mode="r") for name in _ARRAYS}
-        except (OSError, ValueError):
-            return None
-        if any(arrays[name].dtype != dtype or arrays[name].ndim != 1 for name, dtype in _ARRAYS.items()):
-            return None
-        split = TokenizedSplit(arrays["tokens"], arrays["loss_mask"], arrays["offsets"], arrays["source_index"],
-                               num_truncated=int(info["num_truncated"]), num_dropped=int(info["num_dropped"]))
-        if len(split.offsets) != len(split.source_index) + 1 or split.offsets[-1] != len(split.tokens):
+            if any(arrays[name].dtype != dtype or arrays[name].ndim != 1 for name, dtype in _ARRAYS.items()):
+                raise ValueError(f"{entry}: an array has the wrong dtype or shape")
+            split = TokenizedSplit(arrays["tokens"], arrays["loss_mask"], arrays["offsets"], arrays["source_index"],
+                                   num_truncated=int(info["num_truncated"]), num_dropped=int(info["num_dropped"]))
+            offsets = np.asarray(split.offsets)
+            if (len(offsets) != len(split.source_index) + 1 or offsets[0] != 0 or offsets[-1] != len(split.tokens)
+                    or np.any(np.diff(offsets) <= 0)):
+                raise ValueError(f"{entry / 'offsets.npy'}: offsets do not tile the tokens")
+            if not isinstance(info.get("template"), str):
+                raise KeyError(f"{entry / 'info.json'} has no template")
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            log(f"token cache entry {entry} is unusable ({type(err).__name__}: {err}); tokenising again")
             return None
         return split, info
 
-    def load_packs(self, key: str, count: int) -> np.ndarray | None:
-        """Pack id of every sample stored under ``key`` (None when absent or not ``count`` int64 values)."""
-        try:
-            bins = np.load(self.root / "packs" / f"{key}.npy", allow_pickle=False)
-        except (OSError, ValueError):
+    def load_packs(self, key: str, lengths: np.ndarray, pack_size: int,
+                   log: Callable[[str], None] = print) -> np.ndarray | None:
+        """Pack id of every sample stored under ``key``, or None: absent, or (``log`` names the file) not
+        matching its recorded sha256, or not a valid packing of ``lengths`` into ``pack_size`` (ids 0..n-1, none
+        empty, no pack over the size)."""
+        path = self.root / "packs" / f"{key}.npy"
+        if not path.exists():
             return None
-        return bins if bins.dtype == np.int64 and bins.shape == (count,) else None
+        try:
+            bins = np.load(path, allow_pickle=False)
+            recorded = path.with_suffix(".sha256").read_text(encoding="ascii").strip()
+            ok = (bins.dtype == np.int64 and bins.shape == lengths.shape
+                  and hashlib.sha256(bins.tobytes()).hexdigest() == recorded)
+            if ok and len(bins):
+                counts = np.bincount(bins, minlength=1) if bins.min() >= 0 else np.zeros(1)
+                ok = bool(counts.all()) and np.bincount(bins, weights=lengths).max() <= pack_size
+        except (OSError, ValueError):
+            ok = False
+        if not ok:
+            log(f"pack-assignment cache {path} is corrupt (sha256 or packing check failed); packing again")
+            return None
+        return bins
 
     def store_packs(self, key: str, bins: np.ndarray) -> None:
-        """Write a pack assignment atomically; skipped (not an error) when the cache cannot be written."""
+        """Write a pack assignment and its sha256 atomically; skipped (not an error) when the cache cannot be
+        written."""
         folder = self.root / "packs"
+        bins = np.ascontiguousarray(bins, dtype=np.int64)
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npy", dir=folder)
-            with os.fdopen(fd, "wb") as f:
-                np.save(f, np.asarray(bins, dtype=np.int64), allow_pickle=False)
-            os.replace(tmp, folder / f"{key}.npy")
+            _atomic_write(folder / f"{key}.sha256", hashlib.sha256(bins.tobytes()).hexdigest().encode())
+            _atomic_write(folder / f"{key}.npy", lambda f: np.save(f, bins, allow_pickle=False))
         except OSError:
-            Path(locals().get("tmp", folder / ".none")).unlink(missing_ok=True)
+            pass
 
     def store(self, key: str, split: TokenizedSplit, info: dict) -> None:
         """Write an entry atomically (a temporary folder renamed into place); a cache that cannot be written is
@@ -157,7 +199,8 @@ class TokenCache:
         try:
             for name, dtype in _ARRAYS.items():
                 np.save(tmp / f"{name}.npy", np.asarray(getattr(split, name), dtype=dtype), allow_pickle=False)
-            info = {**info, "num_truncated": split.num_truncated, "num_dropped": split.num_dropped}
+            sums = {name: hash_path(tmp / f"{name}.npy").hexdigest() for name in _ARRAYS}
+            info = {**info, "num_truncated": split.num_truncated, "num_dropped": split.num_dropped, "sha256": sums}
             (tmp / "info.json").write_text(json.dumps(info, sort_keys=True), encoding="utf-8")
             os.replace(tmp, self.root / key)
         except OSError:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -30,6 +31,16 @@ from .storage import SPLITS, metadata_path, sibling_paths, split_path
 
 LOCK_NAME = ".vlm_pack.lock"
 TMP_PREFIX = ".prepare-"
+
+
+def check_output_name(name: str, where: str) -> str:
+    """``name`` as one plain folder name, so ``<root>/packed/<name>`` stays inside ``<root>/packed`` (no ``/``,
+    ``\\``, ``..``, absolute path or empty name); ``where`` names the option or field in the error."""
+    if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name
+            or Path(name).is_absolute()):
+        raise ValueError(f"{where}={name!r} must be a plain folder name (no '/', '\\' or '..'): it names the "
+                         "sub-folder packed/<name>/ of the output folder; give e.g. the tokenizer's name")
+    return name
 
 
 class OutputLockedError(OSError):
@@ -124,16 +135,19 @@ class RunOutput:
         path = self.out_dir / LOCK_NAME
         for _ in range(3):
             made = not path.exists()
-            try:
-                handle = open(path, "a+")
+            try:  # never through a symlink; created here, or an earlier run's lock file (checked below)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             except PermissionError:
                 raise PermissionError(f"cannot write to the output folder {self.out_dir} (permission denied); "
                                       "choose a writable --output-dir") from None
+            except OSError as err:  # ELOOP: a symlink
+                raise OSError(f"lock file {path} cannot be opened ({err.strerror}): it is a symlink or not a regular "
+                              "file; remove it") from None
+            handle = os.fdopen(fd, "r+")
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                handle.seek(0)
-                holder = handle.read().strip() or "unknown"
+                holder = handle.read(64).strip() or "unknown"
                 handle.close()
                 raise OutputLockedError(
                     f"{self.out_dir} is being written by another `vlm-pack prepare` (lock {path} held by pid "
@@ -144,10 +158,17 @@ class RunOutput:
             handle.close()  # a failed run removed the lock file it made between our open and our lock: again
         else:
             raise OutputLockedError(f"{path} keeps being replaced by other runs; retry, or use another --output-dir")
+        info = os.fstat(fd)
+        content = handle.read(64)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_size > 20 or not (
+                content.isdigit() or content == ""):
+            handle.close()
+            raise OSError(f"lock file {path} is not one vlm_pack wrote (a hard link, or other content); remove it and "
+                          "re-run")
         if made:
             self._created.insert(0, path)
         handle.seek(0)
-        handle.truncate()
+        handle.truncate()  # only our own lock file: empty or a pid, one link
         handle.write(str(os.getpid()))
         handle.flush()
         self._lock = handle

@@ -48,7 +48,7 @@ from .encoding import (
     check_records,
     tokenize_records,
 )
-from .output import RunOutput
+from .output import RunOutput, check_output_name
 from .records import Records, read_dataset_dir, read_jsonl
 from .storage import (
     FORMAT,
@@ -137,7 +137,7 @@ def tokenized_splits(
     for split, path, part in parts:
         if split in splits:  # filled while tokenising the other split of the same folder
             continue
-        hit = cache.load(keys[split])
+        hit = cache.load(keys[split], log)
         if hit is not None:
             result, info = hit
             template = info["template"]
@@ -222,8 +222,8 @@ def _tokenize(records: Records | None, tokenizer: TokenizerSource, fmt: SampleFo
 
 
 def pack_split(samples: TokenizedSplit, pack_size: int, *, algorithm: str = "best_fit_decreasing", seed: int = 0,
-               pad_seq_to_mult: int = 1, split: str = "training",
-               cache: TokenCache | None = None) -> tuple[PackedArrays, PackingStats]:
+               pad_seq_to_mult: int = 1, split: str = "training", cache: TokenCache | None = None,
+               log: Callable[[str], None] = print) -> tuple[PackedArrays, PackingStats]:
     """Bin-pack one tokenised split; returns the arrays to write (samples regrouped pack by pack) and stats.
 
     With ``cache``, the pack assignment is reused when the lengths and settings were packed before."""
@@ -239,7 +239,7 @@ def pack_split(samples: TokenizedSplit, pack_size: int, *, algorithm: str = "bes
             "(--max-seq-length) to truncate them, or raise the pack size"
         )
     key = packs_key(padded, pack_size, algorithm, seed, pad_seq_to_mult) if cache is not None else None
-    bin_ids = cache.load_packs(key, len(padded)) if cache is not None else None
+    bin_ids = cache.load_packs(key, padded, pack_size, log) if cache is not None else None
     if bin_ids is None:
         bin_ids = pack_lengths(padded, pack_size, algorithm, seed)
         if cache is not None:
@@ -313,6 +313,8 @@ def prepare_packed_sequence_data(
         if source is not None and not Path(source).exists():
             raise FileNotFoundError(f"input {source} not found; check the path (--input / --validation)")
     fmt = SampleFormat(template, prompt_field, response_field, messages_field)
+    if tokenizer_name is not None:
+        check_output_name(tokenizer_name, "tokenizer_name (--tokenizer-name)")
     if Path(train_path).suffix == ".npy":
         out_dir = Path(output_root) / "packed" / (tokenizer_name or _plain_name(tokenizer))
         inputs = {"training": train_path, "validation": validation_path}
@@ -346,7 +348,8 @@ def prepare_packed_sequence_data(
                 if len(samples.source_index) == 0:
                     raise ValueError(f"the {split} split has no sample left to pack (all were dropped)")
                 arrays, stats = pack_split(samples, size, algorithm=algorithm, seed=seed,
-                                           pad_seq_to_mult=pad_seq_to_mult, split=split, cache=TokenCache(cache_dir))
+                                           pad_seq_to_mult=pad_seq_to_mult, split=split, cache=TokenCache(cache_dir),
+                                           log=log)
                 final = split_path(out_dir, split, size)
                 staged = write_packed(run.staged(final), arrays)
                 entry = _metadata_entry(

@@ -174,12 +174,20 @@ def write_packed(index_path: str | Path, arrays: PackedArrays) -> Path:
     index_path.parent.mkdir(parents=True, exist_ok=True)
     arrays.validate(str(index_path))
     files = sibling_paths(index_path)
-    np.save(files["tokens"], np.asarray(arrays.tokens, dtype=np.int32), allow_pickle=False)
-    np.save(files["loss_mask"], np.asarray(arrays.loss_mask, dtype=np.uint8), allow_pickle=False)
-    np.save(files["seq_offsets"], np.asarray(arrays.seq_offsets, dtype=np.int64), allow_pickle=False)
-    np.save(files["source_index"], np.asarray(arrays.source_index, dtype=np.int64), allow_pickle=False)
-    np.save(index_path, np.asarray(arrays.index, dtype=PACK_INDEX_DTYPE), allow_pickle=False)  # last: marks done
+    save_array(files["tokens"], np.asarray(arrays.tokens, dtype=np.int32))
+    save_array(files["loss_mask"], np.asarray(arrays.loss_mask, dtype=np.uint8))
+    save_array(files["seq_offsets"], np.asarray(arrays.seq_offsets, dtype=np.int64))
+    save_array(files["source_index"], np.asarray(arrays.source_index, dtype=np.int64))
+    save_array(index_path, np.asarray(arrays.index, dtype=PACK_INDEX_DTYPE))  # last: marks done
     return index_path
+
+
+def save_array(path: Path, array: np.ndarray) -> None:
+    """``np.save`` without pickle; a failed write (full disk: "N requested and M written") names the file."""
+    try:
+        np.save(path, array, allow_pickle=False)
+    except OSError as err:
+        raise OSError(f"{path}: cannot write it ({err}); free disk space or write elsewhere") from None
 
 
 @dataclass(frozen=True)
@@ -407,10 +415,13 @@ def build_index(samples_per_pack: np.ndarray, seq_offsets: np.ndarray) -> np.nda
 
 
 def write_metadata(path: str | Path, entries: list[dict]) -> None:
-    """Write metadata as JSON Lines (one object per split)."""
-    with open(path, "w", encoding="utf-8") as f:
-        for entry in entries:
-            f.write(json.dumps(entry, sort_keys=True) + "\n")
+    """Write metadata as JSON Lines (one object per split); a failed write names the file."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            for entry in entries:
+                f.write(json.dumps(entry, sort_keys=True) + "\n")
+    except OSError as err:
+        raise OSError(f"{path}: cannot write it ({err}); free disk space or write elsewhere") from None
 
 
 def read_metadata(path: str | Path) -> list[dict]:
@@ -419,7 +430,11 @@ def read_metadata(path: str | Path) -> list[dict]:
     if not text:
         raise ValueError(f"{path}: metadata file is empty; re-run `vlm-pack prepare`")
     if text.startswith("["):
-        entries = json.loads(text)
+        try:
+            entries = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}); re-run `vlm-pack prepare`") \
+                from None
     else:
         entries = []
         for number, line in enumerate(text.splitlines(), start=1):
@@ -431,6 +446,10 @@ def read_metadata(path: str | Path) -> list[dict]:
     if not all(isinstance(e, dict) for e in entries):
         raise ValueError(f"{path}: every metadata entry must be a JSON object")
     for number, entry in enumerate(entries, start=1):
+        files = entry.get("files", {})
+        if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
+            raise ValueError(f"{path}: entry {number}: field 'files' must map each file role to its bytes and sha256; "
+                             "re-run `vlm-pack prepare`")
         for field in NUMERIC_METADATA:
             value = entry.get(field, 0)
             if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -2,7 +2,10 @@
 
 For every ``<size>_metadata.jsonl`` in ``DIR`` and every split it lists: the O(1) open checks, then every
 sample offset and pack record (monotonic, tiling), every loss-mask value (0/1), token and source index (>= 0),
-and the sha256 of every file against the one recorded at write time. Files are read in chunks (streamed), so
+every statistic of the metadata line recomputed from the packs (``max_samples_per_bin``, ``packing_factor``,
+``packing_efficiency``, ``dataset_max_seqlen``, ``min_packed_seqlen``, counts), every pack's load (samples
+aligned to ``pad_seq_to_mult``) against the pack size, and the sha256 of every file against the one recorded
+at write time. Files are read in chunks (streamed), so
 memory stays flat at any size. A pack index without metadata is reported too.
 """
 
@@ -15,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .storage import FORMAT, open_packed, parse_split_path, read_metadata, sibling_paths, split_path
+from .storage import (
+    FORMAT, metadata_path, open_packed, parse_split_path, read_metadata, sibling_paths, split_path,
+)
 
 CHUNK = 1 << 22  # elements per streamed check
 
@@ -93,6 +98,7 @@ def _verify_split(index: Path, entry: dict) -> SplitReport:
                    None)
         if bad is not None:
             report.problems.append(f"{sibling_paths(index)[name]}: out-of-range values near element {bad}")
+    report.problems.extend(_metadata_problems(arrays, entry, index))
     recorded = entry.get("files")
     if not recorded:
         report.problems.append(f"{index}: the metadata records no checksums (older writer); re-run prepare")
@@ -103,6 +109,30 @@ def _verify_split(index: Path, entry: dict) -> SplitReport:
                 report.problems.append(f"{file}: sha256 differs from the metadata; re-run `vlm-pack prepare`")
     report.summary = f"{arrays.num_packs} packs, {arrays.num_samples} samples, {len(arrays.tokens)} tokens"
     return report
+
+
+def _metadata_problems(arrays, entry: dict, index: Path) -> list[str]:
+    """Every statistic the metadata records, recomputed from the packs (an edited or stale line is named), and
+    every pack's aligned load against the pack size."""
+    from .algorithms import packing_stats
+    from .prepare import _metadata_entry
+
+    meta = metadata_path(index.parent, entry["pack_size"])
+    lengths = arrays.sample_lengths()
+    bin_ids = np.repeat(np.arange(arrays.num_packs), arrays.samples_per_pack())
+    recomputed = _metadata_entry(packing_stats(lengths, bin_ids, entry["pack_size"]), arrays, entry["split"])
+    problems = [f"{meta}: {entry['split']} field {name!r} is {entry.get(name)!r} but the packs give {value!r}; "
+                "re-run `vlm-pack prepare`" for name, value in recomputed.items() if entry.get(name) != value]
+    mult = entry.get("pad_seq_to_mult", 1)
+    if not isinstance(mult, int) or isinstance(mult, bool) or mult < 1:
+        problems.append(f"{meta}: {entry['split']} field 'pad_seq_to_mult' is {mult!r}, not an integer >= 1")
+    elif arrays.num_packs:
+        loads = arrays.pack_loads(mult)
+        if loads.max() > entry["pack_size"]:
+            k = int(np.argmax(loads))
+            problems.append(f"{index}: pack {k} fills {int(loads[k])} slots with samples aligned to {mult}, more than "
+                            f"the pack size {entry['pack_size']}; re-run `vlm-pack prepare`")
+    return problems
 
 
 def _sha256(path: Path) -> str:
