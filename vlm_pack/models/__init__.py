@@ -107,6 +107,10 @@ class FamilySpec:
     accumulation window. When False, Trainer users must pass ``compute_loss_func=vlm_pack.compute_loss_func``.
     ``vision_rows``: ``{processor key: RowUnit}`` for per-sample tensors whose rows the collator cannot infer from
     their count alone (undeclared keys: rows per image if they match the image count, else per sample).
+    ``media_tokens``: the tokens the family's processor writes around or between image / video placeholders
+    (vision start/end markers, tile separators); like the placeholders themselves (``processor.image_token_id``
+    / ``video_token_id``) they never carry labels, even inside an assistant turn. Tokens missing from a
+    tokenizer's vocabulary are ignored.
     """
 
     name: str
@@ -125,6 +129,7 @@ class FamilySpec:
     extra_checks: tuple[Callable[[Any], str | None], ...] = field(default=())
     context_parallel_refusal: str | None = None
     vision_rows: Mapping[str, RowUnit] = field(default_factory=dict)
+    media_tokens: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.positions == "mrope") != (self.rope_index_model is not None):
