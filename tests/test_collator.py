@@ -291,7 +291,7 @@ def test_own_template_without_assistant_markers_is_kept(qwen2_config):
     tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_path())
     assert tokenizer.chat_template and "generation %}" not in tokenizer.chat_template
     collator = VLMPackingCollator(tokenizer, max_length=512)
-    assert collator.chat_template.template == tokenizer.chat_template
+    assert collator.chat_template == tokenizer.chat_template
     examples = text_chat_examples(2)
     batch = collator(examples)
     assert batch["vlm_pack"]["stats"].label_tokens > 0

@@ -18,7 +18,6 @@ Anything else fails closed with a ``ValueError`` naming the template, the sample
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -26,6 +25,7 @@ from typing import Any
 
 __all__ = [
     "ACCEPTED_ROLES",
+    "RENDERING_RULE",
     "CHATML_TEMPLATE",
     "ChatTemplate",
     "check_role",
@@ -33,6 +33,9 @@ __all__ = [
     "resolve_chat_template",
 ]
 
+# Names how tokens and spans are chosen (module doc); part of the offline token-cache key, so caches written under
+# another rule (e.g. the former ChatML fallback) are never reused. Change it whenever the rule changes.
+RENDERING_RULE = "own template; spans from generation blocks, TRL's training variant, or sentinels (v1)"
 # Roles a conversation may use; anything else (e.g. "Assistant") is a typo that would silently drop labels.
 ACCEPTED_ROLES = ("system", "user", "assistant", "tool")
 
@@ -93,12 +96,6 @@ class ChatTemplate:
     prompt: str = ""
     terminator: str = ""
     unlocatable: str | None = None
-
-    @property
-    def fingerprint(self) -> str:
-        """Short hash of what decides tokens and labels (for cache keys)."""
-        text = self.template + "\0" + (self.marked or "")
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def check_role(role: Any, where: str) -> None:

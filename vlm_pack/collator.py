@@ -126,7 +126,8 @@ class VLMPackingCollator:
         self.on_overlong = on_overlong
         self.on_empty = on_empty
         self.pad_to_length = pad_to_length
-        self.chat_template = resolve_chat_template(processor, chat_template)
+        self.chat = resolve_chat_template(processor, chat_template)  # how assistant spans are found
+        self.chat_template = self.chat.template  # the template every sample is rendered (tokenised) with
         self.has_images = hasattr(processor, "image_processor")
         tokenizer = getattr(processor, "tokenizer", processor)
         self.pad_token_id = _pad_id(tokenizer) if pad_token_id is None else pad_token_id
@@ -221,7 +222,7 @@ class VLMPackingCollator:
                     )
         samples, dropped, images = [], [], 0
         vision_rows = None if self.family is None else self.family.vision_rows
-        encoded = encode_conversations(self.processor, conversations, self.chat_template, vision_rows,
+        encoded = encode_conversations(self.processor, conversations, self.chat, vision_rows,
                                        self.unlabelled_ids)
         empty = []
         for index, features in enumerate(encoded):
@@ -229,7 +230,7 @@ class VLMPackingCollator:
             if not (features["labels"] != IGNORE_INDEX).any():
                 if self.on_empty == "error":
                     raise ValueError(
-                        f"sample {index} has no label token once rendered with {self.chat_template.name} (empty or "
+                        f"sample {index} has no label token once rendered with {self.chat.name} (empty or "
                         "whitespace-only answers, or a template that writes no assistant text); fix the sample or "
                         "pass on_empty='drop'"
                     )
