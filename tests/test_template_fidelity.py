@@ -211,6 +211,13 @@ def test_unknown_role_is_an_error_in_the_collator_and_prepare(qwen_tok):
         SampleFormat(template="chat").check({"messages": chat}, "data.jsonl:3")
 
 
+def test_one_example_instead_of_a_list_is_named(qwen_tok):
+    """Old code: a dict passed to the collator read as an "empty batch"."""
+    with pytest.raises(ValueError, match=r"takes a list of examples; got a dict with keys \['messages'\] \(one "
+                                         r"example\? pass \[example\]\)"):
+        VLMPackingCollator(qwen_tok, max_length=512)({"messages": TEXT_CHATS[0]})
+
+
 EMPTY_ANSWERS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% generation %}"
                  "{% endgeneration %}{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}")
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -173,6 +173,11 @@ class VLMPackingCollator:
         )
 
     def __call__(self, examples: Sequence[Any]) -> dict[str, Any]:
+        if isinstance(examples, Mapping):
+            raise ValueError(
+                f"the collator takes a list of examples; got a {type(examples).__name__} with keys "
+                f"{sorted(map(str, examples))[:5]} (one example? pass [example])"
+            )
         if not isinstance(examples, Sequence) or len(examples) == 0:
             raise ValueError(
                 "empty batch: the collator got no examples. Check the dataset/sampler (drop_last, filtering)."
