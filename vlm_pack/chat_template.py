@@ -254,13 +254,27 @@ def _sentinel_spans(
         raise _unlocatable(chat, "it drops, repeats or reorders an assistant message's text", where)
     spans, floor = [], 0
     for (_, _, start), (_, _, end) in zip(found[::2], found[1::2]):
-        head = plain.rfind(chat.prompt, floor, start)
+        head = _prompt_end(plain, chat.prompt, floor, start)
         if head < 0 or not plain.startswith(chat.terminator, end):
             raise _unlocatable(chat, "an assistant message is not framed by the template's own prompt and "
                                "terminator", where)
-        spans.append((head + len(chat.prompt), end + len(chat.terminator)))
+        spans.append((head, end + len(chat.terminator)))
         floor = spans[-1][1]
     return spans
+
+
+def _prompt_end(plain: str, prompt: str, floor: int, start: int) -> int:
+    """End of the turn header in ``plain[floor:start]`` (its last occurrence); -1 if absent.
+
+    The header is the generation prompt's shortest whole-line prefix followed by more than whitespace (else the
+    whole prompt): a prompt that pre-fills text after the header (Qwen3.5's empty think block, written only on the
+    final turn) leaves that text inside the span, where TRL's training variants put it too."""
+    cuts = [i + 1 for i, char in enumerate(prompt) if char == "\n" and prompt[i + 1:].strip()] + [len(prompt)]
+    for cut in cuts:
+        head = plain.rfind(prompt[:cut], floor, start)
+        if head >= 0:
+            return head + cut
+    return -1
 
 
 def _unlocatable(chat: ChatTemplate, why: str, where: str | None = None) -> ValueError:
