@@ -267,14 +267,12 @@ LABEL_FAMILIES = ["qwen2_vl", "gemma3", *TINY_VLM_FAMILIES]
 
 
 def _family(name: str):
-    """(processor, stock sdpa model, packed model) of a family, one layer."""
+    """(processor, stock sdpa model with one layer) of a family."""
     if name in ("qwen2_vl", "gemma3"):
         processor = offline_qwen2vl_processor() if name == "qwen2_vl" else offline_gemma3_processor()
-        models = [tiny_model(name, layers=1) for _ in range(2)]
-    else:
-        processor = tiny_vlm_processor(name)
-        models = [tiny_vlm(name, processor, layers=1) for _ in range(2)]
-    return processor, models[0], enable_packing(models[1])
+        return processor, tiny_model(name, layers=1)
+    processor = tiny_vlm_processor(name)
+    return processor, tiny_vlm(name, processor, layers=1)
 
 
 def _assistant_image_chat() -> list[dict]:
@@ -298,7 +296,7 @@ def test_image_inside_an_assistant_turn_is_never_a_target(name):
     collator's batch equal the stock model's on the sample alone with those reference labels (rel. < 1e-4).
     Old code: InternVL, LLaVA-OneVision, Mistral3, Idefics3, SmolVLM labelled the placeholders (their processors
     return no mm_token_type_ids) and Qwen-VL / GLM-4V the vision start/end markers."""
-    processor, stock, packed = _family(name)
+    processor, model = _family(name)
     chat = _assistant_image_chat()
     out = processor.apply_chat_template([chat], chat_template=_training_template(processor), tokenize=True,
                                         return_dict=True, return_assistant_tokens_mask=True, return_tensors="pt")
@@ -312,19 +310,22 @@ def test_image_inside_an_assistant_turn_is_never_a_target(name):
     labels = ids.masked_fill(~keep, IGNORE)
     labels[0] = IGNORE
 
-    collator = VLMPackingCollator(processor, max_length=4096, model_config=packed.config)
+    collator = VLMPackingCollator(processor, max_length=4096, model_config=model.config)
     batch = collator([{"messages": chat}])
     assert torch.equal(batch["input_ids"][0], ids)
     assert torch.equal(batch["labels"][0], labels)
 
+    # The stock model first (the reference), then the same weights after enable_packing on the collator's batch.
     inputs = {k: v for k, v in out.items() if k not in ("assistant_masks", "attention_mask")}
-    ref_logits = stock(**inputs, use_cache=False).logits[0]
+    ref_logits = model(**inputs, use_cache=False).logits[0]
     F.cross_entropy(ref_logits[:-1], labels[1:], ignore_index=IGNORE).backward()
+    reference = {key: param.grad.clone() for key, param in model.named_parameters() if param.grad is not None}
+    model.zero_grad(set_to_none=True)
+    packed = enable_packing(model)
     logits = packed(**{k: v for k, v in batch.items() if k not in ("labels", "vlm_pack")}, use_cache=False).logits[0]
     F.cross_entropy(logits[:-1], batch["labels"][0][1:], ignore_index=IGNORE).backward()
-    reference = dict(stock.named_parameters())
     for key, param in packed.named_parameters():
-        ref = reference[key].grad
+        ref = reference.get(key)
         if ref is None or not ref.any():
             continue
         assert (param.grad - ref).norm() / ref.norm() < 1e-4, key
