@@ -53,12 +53,12 @@ class RunOutput:
         self._make_dir()
         self._take_lock()
         try:
+            for stale in self.out_dir.glob(TMP_PREFIX + "*"):  # dead runs' leftovers (we hold the lock)
+                shutil.rmtree(stale, ignore_errors=True)
             self.current = self._current() if self._current is not None else None
             if self.current is not None:
                 return self
             self._check_existing()
-            for stale in self.out_dir.glob(TMP_PREFIX + "*"):  # dead runs' leftovers (we hold the lock)
-                shutil.rmtree(stale, ignore_errors=True)
             self.tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=self.out_dir))
         except BaseException:
             self._release()
