@@ -164,12 +164,13 @@ def render_with_assistant_masks(
     plain = _texts(processor, conversations, chat.template)
     if chat.marked is not None and _texts(processor, conversations, chat.marked) == plain:
         return call(chat.marked, conversations)
+    if chat.unlocatable is not None:
+        raise ValueError(f"TRL's training variant of {chat.name} renders this batch differently from the template "
+                         f"itself, and {chat.unlocatable}")
+    marked = _texts(processor, [_with_sentinels(conversation) for conversation in conversations], chat.template)
     pieced = []
-    for index, (conversation, text) in enumerate(zip(conversations, plain)):
-        if chat.unlocatable is not None:
-            raise ValueError(f"sample {index}: TRL's training variant of {chat.name} renders it differently from the "
-                             f"template itself, and {chat.unlocatable}")
-        spans = _sentinel_spans(processor, conversation, text, chat, index)
+    for index, (conversation, text, with_marks) in enumerate(zip(conversations, plain, marked)):
+        spans = _sentinel_spans(conversation, text, with_marks, chat, index)
         pieces, start = [], 0
         for begin, end in spans:
             pieces += [(text[start:begin], False), (text[begin:end], True)]
@@ -235,12 +236,12 @@ def _with_sentinels(conversation: list[dict]) -> list[dict]:
 
 
 def _sentinel_spans(
-    processor: Any, conversation: list[dict], plain: str, chat: ChatTemplate, index: int
+    conversation: list[dict], plain: str, marked: str, chat: ChatTemplate, index: int
 ) -> list[tuple[int, int]]:
-    """Character spans of the assistant turns in ``plain`` (module doc, method 3); fails closed."""
+    """Character spans of the assistant turns in ``plain`` given its rendering with sentinels ``marked`` (module
+    doc, method 3); fails closed."""
     where = f"sample {index}"
     turns = [turn for turn, message in enumerate(conversation) if message["role"] == "assistant"]
-    marked = _render_one(processor, _with_sentinels(conversation), chat.template)
     found, pieces, last = [], [], 0
     for match in _SENTINEL.finditer(marked):
         pieces.append(marked[last:match.start()])
