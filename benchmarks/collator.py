@@ -125,7 +125,7 @@ def text_workload(batches: int) -> dict[str, Timing]:
 
     def tokenize(batch):
         turns = [normalize_example(example, i, allow_images=False) for i, example in enumerate(batch)]
-        encoded = encode_conversations(tokenizer, turns, ours.chat_template)
+        encoded = encode_conversations(tokenizer, turns, ours.chat)
         return [{"input_ids": e["input_ids"][0].tolist(), "labels": e["labels"][0].tolist()} for e in encoded]
 
     data = [text_chat_examples(MICRO_BATCH, seed=i) for i in range(batches)]

@@ -11,7 +11,6 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer
 
-from vlm_pack.chat import CHATML_TEMPLATE
 from vlm_pack.collator import CollatorStats, VLMPackingCollator, model_inputs
 from vlm_pack.config import PackingConfig
 from vlm_pack.data import easy_vqa_examples, photo_examples, sample_photos, text_chat_examples
@@ -91,15 +90,16 @@ def test_labels_only_on_assistant_turns(processor, collator):
     first = slice(0, batch["vlm_pack"]["cu_seqlens"][1].item())
     labelled = labels[first] != IGNORE
     assert torch.equal(labels[first][labelled], ids[first][labelled])  # aligned, unshifted
-    # Contiguous labelled runs are exactly the two assistant answers, each closed by <|im_end|>.
+    # Contiguous labelled runs are exactly the two assistant answers, each closed by "<|im_end|>\n" (what TRL's
+    # training variant of the official Qwen2-VL template puts in its generation blocks).
     runs, current = [], []
-    for token, keep in zip(ids[first].tolist(), labelled.tolist()):
+    for token, keep in zip(ids[first].tolist() + [-1], labelled.tolist() + [False]):
         if keep:
             current.append(token)
         elif current:
             runs.append(tokenizer.decode(current))
             current = []
-    assert runs == ["A cat.<|im_end|>", "Brown and grey.<|im_end|>"]
+    assert runs == ["A cat.<|im_end|>\n", "Brown and grey.<|im_end|>\n"]
     assert not labelled[ids[first] == processor.image_token_id].any()
 
 
@@ -223,7 +223,7 @@ def test_real_photos_and_easy_vqa(processor, collator):
     answers = [e["messages"][1]["content"] for e in examples[4:]]
     for i, answer in enumerate(answers, start=4):
         labels = batch["labels"][0, cu[i] : cu[i + 1]]
-        assert tokenizer.decode(labels[labels != IGNORE]) == answer + "<|im_end|>"
+        assert tokenizer.decode(labels[labels != IGNORE]) == answer + "<|im_end|>\n"
 
 
 def test_dataloader_with_workers_and_pickling(collator):
@@ -274,7 +274,8 @@ def test_text_only_batches_for_an_mrope_model(processor, qwen2_config):
     """Qwen2-VL on text: through its processor or a bare tokenizer, positions are 4-row aranges per sample."""
     examples = text_chat_examples(3, seed=5)
     via_processor = VLMPackingCollator(processor, max_length=512, model_config=qwen2_config)(examples)
-    via_tokenizer = VLMPackingCollator(processor.tokenizer, max_length=512, model_config=qwen2_config)(examples)
+    via_tokenizer = VLMPackingCollator(processor.tokenizer, max_length=512, model_config=qwen2_config,
+                                       chat_template=processor.chat_template)(examples)
     assert torch.equal(via_processor["input_ids"], via_tokenizer["input_ids"])
     assert torch.equal(via_processor["position_ids"], via_tokenizer["position_ids"])
     positions = via_tokenizer["position_ids"]
@@ -284,10 +285,16 @@ def test_text_only_batches_for_an_mrope_model(processor, qwen2_config):
         assert torch.equal(positions[:, 0, start:end], torch.arange(end - start).expand(4, -1))
 
 
-def test_chatml_template_replaces_one_without_assistant_markers(qwen2_config):
-    """The Qwen tokenizer ships a text template without {% generation %}: the collator uses its own ChatML one."""
+def test_own_template_without_assistant_markers_is_kept(qwen2_config):
+    """The Qwen tokenizer ships a text template without {% generation %}: the collator renders with it (no
+    substitute), tokens exactly as the tokenizer's own apply_chat_template gives them."""
     tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_path())
     assert tokenizer.chat_template and "generation %}" not in tokenizer.chat_template
     collator = VLMPackingCollator(tokenizer, max_length=512)
-    assert collator.chat_template == CHATML_TEMPLATE
-    assert collator(text_chat_examples(2))["vlm_pack"]["stats"].label_tokens > 0
+    assert collator.chat_template == tokenizer.chat_template
+    examples = text_chat_examples(2)
+    batch = collator(examples)
+    assert batch["vlm_pack"]["stats"].label_tokens > 0
+    expected = [tokenizer.apply_chat_template(e["messages"], tokenize=True, return_dict=True)["input_ids"]
+                for e in examples]
+    assert batch["input_ids"][0].tolist() == sum(expected, [])

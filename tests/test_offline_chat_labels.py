@@ -1,7 +1,9 @@
 """`prepare` chat labels come from the rendering (generation spans), never from searching the reply's text.
 
-The expected tokens and labels are built independently: each ChatML piece tokenised on its own and concatenated,
-labels on exactly the assistant content and its <|im_end|>.
+The expected tokens and labels are built independently: each piece of the shipped Qwen tokenizer's OWN template
+(Qwen3's ChatML: the final answer opens with an empty think block) tokenised on its own and concatenated, labels
+where TRL's training variant of the Qwen3 template puts them: everything after "<|im_start|>assistant\n" up to
+and including "<|im_end|>\n".
 """
 
 import json
@@ -45,11 +47,15 @@ def _expected(tokenizer, messages):
         ids.extend(piece)
         mask.extend([label] * len(piece))
 
-    for m in messages:
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    for i, m in enumerate(messages):
+        answer = int(m["role"] == "assistant")
         add(f"<|im_start|>{m['role']}\n", 0)
-        add(m["content"], int(m["role"] == "assistant"))
-        add("<|im_end|>", int(m["role"] == "assistant"))
-        add("\n", 0)
+        if answer and i > last_user:
+            add("<think>\n\n</think>\n\n", 1)
+        add(m["content"], answer)
+        add("<|im_end|>", answer)
+        add("\n", answer)
     return ids, mask
 
 
@@ -84,13 +90,13 @@ def test_repeated_reply_gets_two_labelled_spans(prepared, tokenizer):
     lo, hi = data.seq_offsets[s], data.seq_offsets[s + 1]
     tokens, mask = np.asarray(data.tokens[lo:hi]), np.asarray(data.loss_mask[lo:hi]).astype(bool)
     runs = np.split(tokens[mask], np.flatnonzero(np.diff(np.flatnonzero(mask)) > 1) + 1)
-    assert [tokenizer.decode(r) for r in runs] == ["Hello<|im_end|>", "Hello<|im_end|>"]
+    assert [tokenizer.decode(r) for r in runs] == ["Hello<|im_end|>\n", "<think>\n\n</think>\n\nHello<|im_end|>\n"]
 
 
 def test_template_without_generation_blocks_is_refused(tmp_path, tokenizer):
     path = tmp_path / "c.jsonl"
     path.write_text(json.dumps({"messages": CONVERSATIONS[0]}) + "\n")
     plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    with pytest.raises(ValueError, match=r"no \{% generation %\} block"):
+    with pytest.raises(ValueError, match=r"cannot locate the assistant turns.*adds no assistant prompt"):
         prepare_packed_sequence_data(path, tokenizer, tmp_path, [512], chat_template=plain, progress=False,
                                      cache_dir=str(tmp_path / "cache"), log=lambda _: None)

@@ -52,7 +52,7 @@ def test_image_inside_an_assistant_turn_gets_no_labels(collator, processor):
     ids, labels = batch["input_ids"][0, start:end], batch["labels"][0, start:end]
     assert (ids == image_pad).sum() > 0
     assert (labels[ids == image_pad] == -100).all(), "image tokens in an assistant turn must not be targets"
-    assert tokenizer.decode(ids[labels != -100]).endswith(answer + "<|im_end|>")  # the reply text is still learned
+    assert tokenizer.decode(ids[labels != -100]).endswith(answer + "<|im_end|>\n")  # the reply text is still learned
 
 
 # ------------------------------------- prepare with pad_seq_to_mult > 1: the packs open and collate aligned

@@ -28,13 +28,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
-from .chat_template import CHATML_TEMPLATE, resolve_chat_template
+from .chat_template import CHATML_TEMPLATE, ChatTemplate, check_role, render_with_assistant_masks, resolve_chat_template
 from .packing import IGNORE_INDEX
 
 __all__ = [
     "CHATML_TEMPLATE",
+    "ChatTemplate",
     "IMAGE_PLACEHOLDER",
     "encode_conversations",
     "image_size",
@@ -53,7 +54,8 @@ _IMAGE_KEYS = ("image", "url", "path", "bytes")
 def load_image(value: Any, where: str) -> Image.Image:
     """Decode an image (PIL image, path, bytes, ``{"bytes"|"path": ...}`` or array) as 8-bit RGB.
 
-    Pixel depth is scaled, never clipped: 16-bit data (``I;16`` PNGs, uint16 arrays) by 255/65535, float data in
+    EXIF orientation is applied (``ImageOps.exif_transpose``) to files, bytes and PIL images, as transformers'
+    own ``load_image`` does: a phone photo is trained upright. Pixel depth is scaled, never clipped: 16-bit data (``I;16`` PNGs, uint16 arrays) by 255/65535, float data in
     [0, 1] by 255 (rounded). Transparency is composited onto white, as ``transformers``' ``convert_to_rgb`` does.
     Anything whose scale is ambiguous (floats outside [0, 1] or not finite, wider integers beyond 255, 32-bit
     ``I``/``F`` images likewise) is refused with a ``ValueError`` naming ``where`` and the fix.
@@ -75,6 +77,7 @@ def load_image(value: Any, where: str) -> Image.Image:
         else:
             raise TypeError(f"unsupported image type {type(value).__name__}")
         image.load()
+        image = ImageOps.exif_transpose(image)
         if image.mode not in _WIDE_MODES:
             return _composite_rgb(image)
     except Exception as exc:  # PIL raises many types (OSError, SyntaxError, ...); report them all the same way
@@ -201,6 +204,7 @@ def normalize_example(
         where = f"sample {index}, turn {turn_index}"
         if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
             raise ValueError(f"{where}: each turn needs 'role' and 'content' keys; got {message!r:.120}")
+        check_role(message["role"], where)
         content = message["content"]
         if isinstance(content, str):
             content = _split_placeholders(content) if extra_images is not None else [{"type": "text", "text": content}]
@@ -237,17 +241,17 @@ def normalize_example(
 def image_size(value: Any, where: str) -> tuple[int, int]:
     """``(height, width)`` of an image payload WITHOUT decoding its pixels (file and byte payloads: the header).
 
-    Accepts what :func:`load_image` accepts; the size is the one ``load_image`` would return (no EXIF rotation).
+    Accepts what :func:`load_image` accepts; the size is the one ``load_image`` returns (EXIF orientation applied).
     """
     try:
         if isinstance(value, Image.Image):
-            width, height = value.size
+            width, height = _oriented_size(value)
         elif isinstance(value, (str, os.PathLike)):
             with Image.open(pathlib.Path(value)) as image:
-                width, height = image.size
+                width, height = _oriented_size(image)
         elif isinstance(value, (bytes, bytearray, memoryview)):
             with Image.open(io.BytesIO(value)) as image:
-                width, height = image.size
+                width, height = _oriented_size(image)
         elif isinstance(value, Mapping) and (value.get("bytes") or value.get("path")):
             return image_size(value.get("bytes") or value["path"], where)
         elif isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim in (2, 3):
@@ -260,6 +264,16 @@ def image_size(value: Any, where: str) -> tuple[int, int]:
             "file path, encoded bytes (PNG/JPEG/...) or an HxWxC array."
         ) from exc
     return int(height), int(width)
+
+
+# EXIF orientations that turn the picture by 90 degrees (transpose, 90 cw, transverse, 90 ccw): width and height swap.
+_QUARTER_TURNS = (5, 6, 7, 8)
+
+
+def _oriented_size(image: Image.Image) -> tuple[int, int]:
+    """``(width, height)`` after ``ImageOps.exif_transpose``, read from the header."""
+    width, height = image.size
+    return (height, width) if image.getexif().get(0x0112) in _QUARTER_TURNS else (width, height)
 
 
 def _normalize_part(part: Any, where: str, reserved_tokens: Sequence[str], allow_images: bool) -> dict:
@@ -317,26 +331,33 @@ def media_parts(turns: list[dict], kind: str) -> int:
 def encode_conversations(
     processor: Any,
     conversations: list[list[dict]],
-    chat_template: str,
+    chat_template: ChatTemplate,
     vision_rows: Mapping[str, str] | None = None,
+    unlabelled_ids: Sequence[int] = (),
 ) -> list[dict[str, torch.Tensor]]:
     """Render and tokenise normalised conversations in ONE processor call; returns one dict per sample.
 
     One call is ~3x faster than one per sample (the processor's per-call overhead dominates small samples).
     Each dict holds the per-token tensors ``[1, L]`` (``input_ids``, ``labels``, ``mm_token_type_ids``, ...) and
     the sample's share of every vision tensor (``pixel_values`` rows, ``image_grid_thw`` rows, ...), present only
-    if the sample has images or videos. ``labels`` equal ``input_ids`` on assistant tokens and -100 elsewhere
-    (image and video tokens never get labels). ``vision_rows``: the family's ``FamilySpec.vision_rows`` (what
-    each row of a vision tensor belongs to). If the processor fails, the error names the first sample it fails on.
+    if the sample has images or videos. Tokens are those of ``chat_template.template`` (the model's own, see
+    :mod:`vlm_pack.chat_template`); ``labels`` equal ``input_ids`` on assistant tokens and -100 elsewhere. Image
+    and video tokens never get labels: neither tokens the processor types as media (``mm_token_type_ids`` /
+    ``token_type_ids`` != 0) nor ``unlabelled_ids`` (the placeholder ids and the family's vision markers).
+    ``vision_rows``: the family's ``FamilySpec.vision_rows`` (what each row of a vision tensor belongs to). If the
+    processor fails, the error names the first sample it fails on.
     """
+    rendered = conversations
+    if not hasattr(processor, "image_processor"):  # text templates expect string content
+        rendered = [_as_text(conversation) for conversation in conversations]
     try:
-        out = _apply_template(processor, conversations, chat_template)
+        out = _apply_template(processor, rendered, chat_template)
     except Exception as batch_error:
-        for index, conversation in enumerate(conversations):
+        for index, conversation in enumerate(rendered):
             try:
                 _apply_template(processor, [conversation], chat_template)
             except Exception as exc:
-                raise ValueError(f"sample {index}: the processor rejected it: {exc}") from exc
+                raise ValueError(f"sample {index}: {_reason(exc)}") from exc
         raise batch_error
     images, videos = ([media_parts(c, kind) for c in conversations] for kind in ("image", "video"))
     samples: list[dict[str, torch.Tensor]] = [{} for _ in conversations]
@@ -350,11 +371,12 @@ def encode_conversations(
         for sample, chunk in zip(samples, chunks):
             if chunk is not None:
                 sample[key] = chunk
+    media = torch.tensor(sorted(set(unlabelled_ids)), dtype=torch.long)
     for i, sample in enumerate(samples):
         for key, value in out.items():
             if not isinstance(value, torch.Tensor) and key not in ("attention_mask", *_PER_VIDEO_LISTS):
                 sample[key] = torch.tensor(value[i], dtype=torch.long).unsqueeze(0)
-        assistant = sample.pop("assistant_masks").bool()
+        assistant = sample.pop("assistant_masks").bool() & ~torch.isin(sample["input_ids"], media)
         for media_key in ("mm_token_type_ids", "token_type_ids"):  # media tokens never get labels
             if media_key in sample:
                 assistant &= sample[media_key] == 0
@@ -362,11 +384,22 @@ def encode_conversations(
     return samples
 
 
+def _as_text(conversation: list[dict]) -> list[dict]:
+    """Text-only turns with their text parts joined into one string (what text chat templates render)."""
+    return [{**turn, "content": "".join(part["text"] for part in turn["content"])} for turn in conversation]
+
+
+def _reason(exc: Exception) -> str:
+    """A sample's rendering error: ours as is (it names the template and fix), else the processor's."""
+    text = str(exc)
+    return text.removeprefix("sample 0: ") if text.startswith("sample 0: ") else f"the processor rejected it: {text}"
+
+
 def _is_tensor_list(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and len(value) > 0 and all(isinstance(v, torch.Tensor) for v in value)
 
 
-def _apply_template(processor: Any, conversations: list[list[dict]], chat_template: str) -> Mapping[str, Any]:
+def _apply_template(processor: Any, conversations: list[list[dict]], chat_template: ChatTemplate) -> Mapping[str, Any]:
     # Vision outputs as tensors (some image processors return lists by default); token ids stay per-sample lists
     # (some processors default to tensors for text too, which fails on samples of different lengths) and unpadded
     # (Aya Vision's processor left-pads by default: pad tokens would enter the packed row). The top-level
@@ -374,14 +407,7 @@ def _apply_template(processor: Any, conversations: list[list[dict]], chat_templa
     images = hasattr(processor, "image_processor")
     per_kind = {"images_kwargs": {"return_tensors": "pt"}, "text_kwargs": {"return_tensors": None, "padding": False}}
     tensors = {"processor_kwargs": per_kind, "return_tensors": "auto"} if images else {}
-    return processor.apply_chat_template(
-        conversations,
-        chat_template=chat_template,
-        tokenize=True,
-        return_dict=True,
-        return_assistant_tokens_mask=True,
-        **tensors,
-    )
+    return render_with_assistant_masks(processor, conversations, chat_template, **tensors)
 
 
 def _image_token_counts(processor: Any, input_ids: Sequence[Sequence[int]]) -> list[int]:

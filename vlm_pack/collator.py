@@ -90,8 +90,11 @@ class VLMPackingCollator:
     rule (e.g. mRoPE computed per sample with the model's own rope index) and the per-token processor keys; an
     unregistered family or unhandled feature is refused unless ``allow_unproven=True``. Required with a
     multimodal processor; optional with a text tokenizer (then positions restart at 0 per sample).
-    ``chat_template``: a template with ``{% generation %}`` around assistant turns (default: the processor's
-    if it has such blocks, else ChatML for ChatML tokenizers).
+    ``chat_template``: the template to render with (default: the processor's own). Tokens are always that
+    template's; assistant spans come from its ``{% generation %}`` blocks, TRL's training variant of it, or
+    per-message sentinels proven by re-rendering (``vlm_pack.chat_template``); otherwise it is refused.
+    ``on_empty``: a sample left without any label (e.g. an empty answer once rendered) raises (``"error"``) or is
+    dropped with a counted warning (``"drop"``); a batch without any label always raises.
     """
 
     def __init__(
@@ -109,18 +112,22 @@ class VLMPackingCollator:
         pad_token_id: int | None = None,
         allow_unproven: bool = False,
         pad_to_length: int | None = None,
+        on_empty: Literal["error", "drop"] = "error",
     ) -> None:
         if max_length < 1:
             raise ValueError(f"max_length must be >= 1; got {max_length}")
-        if on_overlong not in ("error", "drop"):
-            raise ValueError(f"on_overlong must be 'error' or 'drop'; got {on_overlong!r}")
+        for name, value in (("on_overlong", on_overlong), ("on_empty", on_empty)):
+            if value not in ("error", "drop"):
+                raise ValueError(f"{name} must be 'error' or 'drop'; got {value!r}")
         self.processor = processor
         self.max_length = max_length
         self.pack_sequences_in_batch = pack_sequences_in_batch
         self.pad_to_multiple_of = pad_multiple(context_parallel_size, tensor_parallel_size, sequence_parallel)
         self.on_overlong = on_overlong
+        self.on_empty = on_empty
         self.pad_to_length = pad_to_length
-        self.chat_template = resolve_chat_template(processor, chat_template)
+        self.chat = resolve_chat_template(processor, chat_template)  # how assistant spans are found
+        self.chat_template = self.chat.template  # the template every sample is rendered (tokenised) with
         self.has_images = hasattr(processor, "image_processor")
         tokenizer = getattr(processor, "tokenizer", processor)
         self.pad_token_id = _pad_id(tokenizer) if pad_token_id is None else pad_token_id
@@ -134,6 +141,7 @@ class VLMPackingCollator:
                 "the collator got a multimodal processor but no model_config: pass model_config=model.config, so "
                 "positions and per-token keys follow the model's family (e.g. mRoPE computed per sample)"
             )
+        self.unlabelled_ids = _media_token_ids(processor, self.family)
         refusal = None if self.family is None else self.family.context_parallel_refusal
         if context_parallel_size > 1 and refusal is not None:
             raise ValueError(f"context_parallel_size={context_parallel_size} with a {self.family.name} model: {refusal}")
@@ -217,9 +225,20 @@ class VLMPackingCollator:
                     )
         samples, dropped, images = [], [], 0
         vision_rows = None if self.family is None else self.family.vision_rows
-        encoded = encode_conversations(self.processor, conversations, self.chat_template, vision_rows)
+        encoded = encode_conversations(self.processor, conversations, self.chat, vision_rows,
+                                       self.unlabelled_ids)
+        empty = []
         for index, features in enumerate(encoded):
             length = features["input_ids"].shape[1]
+            if not (features["labels"] != IGNORE_INDEX).any():
+                if self.on_empty == "error":
+                    raise ValueError(
+                        f"sample {index} has no label token once rendered with {self.chat.name} (empty or "
+                        "whitespace-only answers, or a template that writes no assistant text); fix the sample or "
+                        "pass on_empty='drop'"
+                    )
+                empty.append(index)
+                continue
             if length > self.max_length:
                 if self.on_overlong == "error":
                     raise ValueError(
@@ -237,12 +256,15 @@ class VLMPackingCollator:
                 f"(indices {dropped})",
                 stacklevel=3,
             )
+        if empty:
+            warnings.warn(f"dropped {len(empty)} of {len(examples)} samples without any label (indices {empty})",
+                          stacklevel=3)
         if not samples:
             raise ValueError(
-                f"all {len(examples)} samples of the batch exceed max_length={self.max_length}; nothing left to "
-                "train on. Raise max_length or filter the dataset."
+                f"no sample of the batch is left to train on ({len(dropped)} of {len(examples)} exceed max_length="
+                f"{self.max_length}, {len(empty)} have no label). Raise max_length or filter the dataset."
             )
-        return samples, dropped, images
+        return samples, sorted(dropped + empty), images
 
     # ---------------------------------------------------------------- batching
 
@@ -363,6 +385,19 @@ class VLMPackingCollator:
             image_tokens=image_tokens,
             **timings,
         )
+
+
+def _media_token_ids(processor: Any, family: FamilySpec | None) -> tuple[int, ...]:
+    """Ids that never carry labels: the processor's image / video placeholders and markers (Gemma's ``boi_token``
+    / ``eoi_token``) and the family's declared ``media_tokens``; tokens the vocabulary lacks are skipped."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    ids = [getattr(owner, f"{kind}_token_id", None) for owner in (processor, tokenizer) for kind in ("image", "video")]
+    tokens = [getattr(processor, name, None) for name in ("boi_token", "eoi_token")]
+    tokens += list(family.media_tokens) if family is not None else []
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    vocab = tokenizer.get_vocab()
+    ids += [vocab.get(token) for token in tokens if isinstance(token, str)]
+    return tuple(sorted({i for i in ids if isinstance(i, int) and i != unknown}))
 
 
 def _pad_id(tokenizer: Any) -> int:

@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedModel, ProcessorMixin
 
 from .chat import CHATML_TEMPLATE
-from .tiny_models import TINY_VISION_TOWER, qwen_tokenizer
+from .tiny_models import TINY_VISION_TOWER, official_template, qwen_tokenizer
 
 __all__ = ["TINY_VLM_FAMILIES", "chatml_template", "tiny_vlm", "tiny_vlm_processor"]
 
@@ -230,7 +230,7 @@ def _idefics3_processor() -> ProcessorMixin:
         ),
         tokenizer=_tokenizer(_IDEFICS3_TOKENS),
         image_seq_len=4,
-        chat_template=chatml_template("<image>"),
+        chat_template=official_template("idefics3"),
     )
 
 
@@ -269,7 +269,7 @@ def _smolvlm_processor() -> ProcessorMixin:
         video_processor=SmolVLMVideoProcessor(),
         tokenizer=_tokenizer(_IDEFICS3_TOKENS),
         image_seq_len=4,
-        chat_template=chatml_template("<image>"),
+        chat_template=official_template("smolvlm"),
     )
 
 

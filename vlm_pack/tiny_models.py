@@ -12,6 +12,9 @@ config, so two models sharing one config would silently share the last implement
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+
 import torch
 from transformers import (
     AutoTokenizer,
@@ -49,12 +52,12 @@ from transformers import (
 from transformers.configuration_utils import PreTrainedConfig
 
 from .assets import qwen_tokenizer_path
-from .chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE
 
 __all__ = [
     "TINY_FAMILIES",
     "gemma3_tokenizer",
     "gemma4_image_processor",
+    "official_template",
     "offline_gemma3_processor",
     "offline_qwen2vl_processor",
     "qwen_tokenizer",
@@ -96,16 +99,27 @@ _GEMMA_TOKENS = {
 
 
 def qwen_tokenizer() -> PreTrainedTokenizerBase:
-    """The real Qwen2 tokenizer, with the ChatML template that marks assistant spans for label masking."""
-    tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_path())
-    tokenizer.chat_template = CHATML_TEMPLATE
-    return tokenizer
+    """The real Qwen tokenizer with its own chat template (a Qwen3 template without generation marks)."""
+    return AutoTokenizer.from_pretrained(qwen_tokenizer_path())
+
+
+def official_template(name: str) -> str:
+    """The official chat template ``name`` (e.g. ``"qwen2_5_vl"``, ``"gemma3"``) as TRL ships it in
+    ``trl/chat_templates/`` (read from the installed package's files; TRL is not imported)."""
+    spec = importlib.util.find_spec("trl")
+    if spec is None or spec.origin is None:
+        raise ImportError("the official chat templates come from the PyPI package 'trl': pip install 'trl>=1.16'")
+    path = pathlib.Path(spec.origin).parent / "chat_templates" / f"{name}.jinja"
+    if not path.is_file():
+        raise ValueError(f"the installed trl ships no chat template {name!r} ({path} is missing)")
+    return path.read_text(encoding="utf-8")
 
 
 def offline_qwen2vl_processor(
     min_pixels: int = 56 * 56, max_pixels: int = 112 * 112, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> Qwen2VLProcessor:
-    """A complete ``Qwen2VLProcessor`` assembled offline: real Qwen tokenizer + ``Qwen2VLImageProcessor``.
+    """A complete ``Qwen2VLProcessor`` assembled offline: real Qwen tokenizer + ``Qwen2VLImageProcessor``, with the
+    official Qwen2-VL / Qwen2.5-VL chat template (byte-identical for both).
 
     ``min_pixels`` / ``max_pixels`` bound the resized image area, so every image becomes between 4 and 16
     merged tokens by default (a 56x56 image -> 4 tokens; a 512x512 photo -> 16): fast tests, real pipeline.
@@ -123,7 +137,7 @@ def offline_qwen2vl_processor(
         image_processor=image_processor,
         tokenizer=tokenizer,
         video_processor=video_processor,
-        chat_template=CHATML_TEMPLATE,
+        chat_template=official_template("qwen2_5_vl"),
     )
 
 
@@ -132,16 +146,17 @@ def gemma3_tokenizer() -> PreTrainedTokenizerBase:
     tokens (``<start_of_image>``, ``<image_soft_token>``, ``<end_of_image>``, ``<start_of_turn>``,
     ``<end_of_turn>``) as extra special tokens, so ``Gemma3Processor`` finds ``boi_token`` / ``image_token``."""
     tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_path(), extra_special_tokens=dict(_GEMMA_TOKENS))
-    tokenizer.chat_template = GEMMA_TEMPLATE
+    tokenizer.chat_template = official_template("gemma3")
     return tokenizer
 
 
 def offline_gemma3_processor() -> Gemma3Processor:
     """A ``Gemma3Processor`` assembled offline: the real ``Gemma3ImageProcessor`` (56x56 images, 16 soft tokens
-    each) and :func:`gemma3_tokenizer` (a Qwen tokenizer standing in for Gemma's), with :data:`GEMMA_TEMPLATE`."""
+    each) and :func:`gemma3_tokenizer` (a Qwen tokenizer standing in for Gemma's), with Gemma 3's official chat
+    template."""
     image_processor = Gemma3ImageProcessor(size={"height": _GEMMA_IMAGE, "width": _GEMMA_IMAGE})
     return Gemma3Processor(image_processor=image_processor, tokenizer=gemma3_tokenizer(),
-                           chat_template=GEMMA_TEMPLATE, image_seq_length=_GEMMA_IMAGE_TOKENS)
+                           chat_template=official_template("gemma3"), image_seq_length=_GEMMA_IMAGE_TOKENS)
 
 
 def _gemma3_config(initializer_range: float, layers: int) -> Gemma3Config:

@@ -112,6 +112,10 @@ class FamilySpec:
     family's processor puts in place of each image placeholder and its image-token count, for token-budget
     planning (``vlm_pack.budget``) where the processor's ``_get_num_multimodal_tokens`` is missing or counts
     something else; None: the placeholder becomes that many image tokens.
+    ``media_tokens``: the tokens the family's processor writes around or between image / video placeholders
+    (vision start/end markers, tile separators); like the placeholders themselves (``processor.image_token_id``
+    / ``video_token_id``) they never carry labels, even inside an assistant turn. Tokens missing from a
+    tokenizer's vocabulary are ignored.
     """
 
     name: str
@@ -131,6 +135,7 @@ class FamilySpec:
     context_parallel_refusal: str | None = None
     vision_rows: Mapping[str, RowUnit] = field(default_factory=dict)
     image_text: Callable[[Any, list[tuple[int, int]]], list[tuple[str, int]]] | None = None
+    media_tokens: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.positions == "mrope") != (self.rope_index_model is not None):

@@ -60,6 +60,7 @@ GEMMA3 = register_family(FamilySpec(
     image_blocks=_image_blocks,
     layer_kinds=_LAYER_KINDS,
     token_keys=("input_ids", "labels", "token_type_ids"),
+    media_tokens=("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
     context_parallel_refusal=IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL,
     extra_checks=(_causal_only,),
     image_text=_image_text,

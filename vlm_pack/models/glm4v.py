@@ -12,4 +12,5 @@ from . import FamilySpec, register_family
 GLM4V = register_family(FamilySpec(
     name="glm4v", model_types=("glm4v",), proof="tests/test_vlm_families.py",
     positions="mrope", rope_index_model="Glm4vModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
+    media_tokens=("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"),
 ))

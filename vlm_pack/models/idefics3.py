@@ -14,11 +14,15 @@ from . import FamilySpec, register_family, text_backbone
 
 _ROWS = {"pixel_values": "sample", "pixel_attention_mask": "sample"}
 _TEXT = (text_backbone("llama", "qwen2", "qwen3"),)
+# What the processor writes around each tile's <image> run (up to the 6x6 tile grid of the real checkpoints).
+_MEDIA = ("<fake_token_around_image>", "<global-img>") + tuple(
+    f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7)
+)
 
 _PROOF = "tests/test_vlm_families.py"
 
 IDEFICS3 = register_family(FamilySpec(
-    name="idefics3", model_types=("idefics3",), proof=_PROOF, vision_rows=_ROWS, extra_checks=_TEXT,
+    name="idefics3", model_types=("idefics3",), proof=_PROOF, vision_rows=_ROWS, extra_checks=_TEXT, media_tokens=_MEDIA,
 ))
 
 
@@ -37,6 +41,6 @@ def _smolvlm_image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tu
 
 
 SMOLVLM = register_family(FamilySpec(
-    name="smolvlm", model_types=("smolvlm",), proof=_PROOF, vision_rows=_ROWS, extra_checks=_TEXT,
+    name="smolvlm", model_types=("smolvlm",), proof=_PROOF, vision_rows=_ROWS, extra_checks=_TEXT, media_tokens=_MEDIA,
     image_text=_smolvlm_image_text,
 ))

@@ -11,6 +11,6 @@ from . import FamilySpec, register_family, text_backbone
 
 INTERNVL = register_family(FamilySpec(
     name="internvl", model_types=("internvl",), proof="tests/test_vlm_families.py",
-    vision_rows={"pixel_values": "image_token"},
+    vision_rows={"pixel_values": "image_token"}, media_tokens=("<img>", "</img>"),
     extra_checks=(text_backbone("qwen2", "llama", "qwen3"),),
 ))

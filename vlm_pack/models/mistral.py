@@ -15,6 +15,6 @@ _PROOF = "tests/test_vlm_families.py"
 MISTRAL = register_family(FamilySpec(name="mistral", model_types=("mistral",), proof=_PROOF))
 MISTRAL3 = register_family(FamilySpec(
     name="mistral3", model_types=("mistral3",), proof=_PROOF,
-    vision_rows={"pixel_values": "image", "image_sizes": "image"},
+    vision_rows={"pixel_values": "image", "image_sizes": "image"}, media_tokens=("[IMG_BREAK]", "[IMG_END]"),
     extra_checks=(text_backbone("mistral"),),
 ))

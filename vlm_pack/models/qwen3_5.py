@@ -41,7 +41,7 @@ def _no_router_loss(config: Any) -> str | None:
 QWEN3_5 = register_family(FamilySpec(
     name="qwen3_5", model_types=("qwen3_5",), proof=_PROOF,
     positions="mrope", rope_index_model="Qwen3_5Model", layer_kinds=_HYBRID,
-    token_keys=("input_ids", "labels", "mm_token_type_ids"),
+    token_keys=("input_ids", "labels", "mm_token_type_ids"), media_tokens=("<|vision_start|>", "<|vision_end|>"),
     prepare_model=_deltanet("Qwen3_5GatedDeltaNet"), context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
 ))
 QWEN3_5_TEXT = register_family(FamilySpec(

@@ -11,16 +11,18 @@ from . import FamilySpec, register_family
 
 _PROOF = "tests/test_vlm_equivalence.py"
 _TOKEN_KEYS = ("input_ids", "labels", "mm_token_type_ids")
+# Written around every image / video placeholder run; never labelled.
+VISION_MARKERS = ("<|vision_start|>", "<|vision_end|>")
 
 QWEN2_VL = register_family(FamilySpec(
     name="qwen2_vl", model_types=("qwen2_vl",), proof=_PROOF,
-    positions="mrope", rope_index_model="Qwen2VLModel", token_keys=_TOKEN_KEYS, videos=True,
+    positions="mrope", rope_index_model="Qwen2VLModel", token_keys=_TOKEN_KEYS, media_tokens=VISION_MARKERS, videos=True,
 ))
 QWEN2_5_VL = register_family(FamilySpec(
     name="qwen2_5_vl", model_types=("qwen2_5_vl",), proof=_PROOF,
-    positions="mrope", rope_index_model="Qwen2_5_VLModel", token_keys=_TOKEN_KEYS, videos=True,
+    positions="mrope", rope_index_model="Qwen2_5_VLModel", token_keys=_TOKEN_KEYS, media_tokens=VISION_MARKERS, videos=True,
 ))
 QWEN3_VL = register_family(FamilySpec(
     name="qwen3_vl", model_types=("qwen3_vl",), proof=_PROOF,
-    positions="mrope", rope_index_model="Qwen3VLModel", token_keys=_TOKEN_KEYS,
+    positions="mrope", rope_index_model="Qwen3VLModel", token_keys=_TOKEN_KEYS, media_tokens=VISION_MARKERS,
 ))

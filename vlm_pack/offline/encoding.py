@@ -5,10 +5,10 @@ Templates:
 * ``alpaca``: ``<bos>`` + an instruction header around the prompt + response + ``<eos>``. The text is built
   piece by piece, so the response's character span is known by construction; the fast tokenizer's offsets
   map it onto tokens.
-* ``chat``: a chat template whose assistant turns sit in ``{% generation %}`` blocks (the tokenizer's own if it
-  has them, else vlm_pack's ChatML for ChatML tokenizers, or ``chat_template``), rendered and tokenised by
-  ``apply_chat_template(return_assistant_tokens_mask=True)``: Hugging Face records where each generation block
-  starts and ends while rendering. Labels never come from searching the reply's text, so a reply that also
+* ``chat``: the tokenizer's own chat template (or ``chat_template``), tokens exactly as ``apply_chat_template``
+  gives them; assistant spans from its ``{% generation %}`` blocks, TRL's training variant of it, or per-message
+  sentinels proven by re-rendering (``vlm_pack.chat_template``), mapped onto tokens by
+  ``apply_chat_template(return_assistant_tokens_mask=True)``. Labels never come from searching the reply's text, so a reply that also
   occurs in the prompt, in a system prompt or in an earlier turn is labelled where the assistant said it.
 * ``auto`` (default): ``chat`` when the first record has the messages field and no prompt field, else ``alpaca``.
 
@@ -70,6 +70,10 @@ class SampleFormat:
                 for m in messages
             ):
                 raise ValueError(f"{where}: field {self.messages_field!r} must be a list of {{role, content}} strings")
+            from ..chat_template import check_role
+
+            for turn, message in enumerate(messages):
+                check_role(message["role"], f"{where}, turn {turn}")
             answers = [m["content"] for m in messages if m["role"] == "assistant"]
             if not answers:
                 raise ValueError(f"{where}: {self.messages_field!r} has no assistant message, so nothing to train on")
@@ -162,9 +166,10 @@ class SampleEncoder:
         return out["input_ids"], masks
 
     def _render(self, conversations: list[list[dict]]):
-        return self.tokenizer.apply_chat_template(
-            conversations, chat_template=self.chat_template, tokenize=True, return_dict=True,
-            return_assistant_tokens_mask=True,
+        from ..chat_template import render_with_assistant_masks
+
+        return render_with_assistant_masks(  # the tokenizer's own template's tokens (vlm_pack.chat_template)
+            self.tokenizer, conversations, self.chat_template,
             tokenizer_kwargs={"verbose": False},  # no "longer than the model's maximum" warning: we truncate
         )
 

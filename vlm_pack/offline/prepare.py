@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..chat_template import CHATML_TEMPLATE
+from ..chat_template import RENDERING_RULE
 from .algorithms import ALGORITHMS, PackingStats, check_seed, group_by_pack, pack_lengths, packing_stats
 from .cache import TokenCache, cache_key, output_key, packs_key, tokenizer_fingerprint
 from .encoding import (
@@ -174,7 +174,7 @@ def token_keys(train_path: str | Path, tokenizer: TokenizerSource, fmt: SampleFo
     """Cache key of every split's tokens: the input's bytes, the tokenizer's files, every token-changing setting."""
     settings = {"template": fmt.template, "prompt_field": fmt.prompt_field, "response_field": fmt.response_field,
                 "messages_field": fmt.messages_field, "max_seq_length": max_seq_length,
-                "chat_template": chat_template, "fallback_chat_template": CHATML_TEMPLATE}
+                "chat_template": chat_template, "rendering_rule": RENDERING_RULE}
     return {split: cache_key(path, tokenizer.fingerprint, {**settings, "part": part})
             for split, path, part in _parts(train_path, validation_path)}
 

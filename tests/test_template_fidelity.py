@@ -1,0 +1,354 @@
+"""Data fidelity: the model's OWN chat template, labels on exactly what it must learn, images as transformers
+loads them.
+
+References are independent of vlm_pack's rendering: tokens are ``processor.apply_chat_template(...,
+tokenize=True)`` with the official template (TRL's copy in ``trl/chat_templates/``), labels are the assistant mask
+of TRL's training variant of that template (HF's ``return_assistant_tokens_mask``), with the image / video
+tokens each family's processor writes (listed here from transformers' processor code) removed.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from transformers.image_utils import load_image as hf_load_image
+
+from vlm_pack.chat import load_image
+from vlm_pack.collator import VLMPackingCollator
+from vlm_pack.hf import enable_packing
+from vlm_pack.offline.encoding import SampleEncoder, SampleFormat
+from vlm_pack.tiny_families import TINY_VLM_FAMILIES, tiny_vlm, tiny_vlm_processor
+from vlm_pack.tiny_models import (
+    offline_gemma3_processor, offline_qwen2vl_processor, official_template, qwen_tokenizer, tiny_config, tiny_model,
+)
+
+IGNORE = -100
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _image(seed: int, size=(48, 40)) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def _text(text: str) -> list[dict]:
+    return [{"type": "text", "text": text}]
+
+
+def conversations() -> list[list[dict]]:
+    """Multi-turn with a system prompt, one image; single turn without one; two images in one turn."""
+    return [
+        [{"role": "system", "content": _text("You answer in one line.")},
+         {"role": "user", "content": [{"type": "image", "image": _image(0)}, *_text("What is this?")]},
+         {"role": "assistant", "content": _text("Noise.")},
+         {"role": "user", "content": _text("Which colours?")},
+         {"role": "assistant", "content": _text("All of them.")}],
+        [{"role": "user", "content": [{"type": "image", "image": _image(1, (40, 64))}, *_text("Describe.")]},
+         {"role": "assistant", "content": _text("A tall picture.")}],
+        [{"role": "user", "content": _text("Hi there.")},
+         {"role": "assistant", "content": _text("Hello.")},
+         {"role": "user", "content": [{"type": "image", "image": _image(2)}, {"type": "image", "image": _image(3)},
+                                      *_text("Same?")]},
+         {"role": "assistant", "content": _text("No.")}],
+    ]
+
+
+def reference(processor, conversation: list[dict], official: str, training: str) -> tuple[list[int], list[int] | None]:
+    """(token ids of the official template, labels from TRL's training variant) of one conversation; labels None
+    where TRL's variant renders the conversation differently (Qwen3.5 keeps every turn's think block)."""
+    ids = processor.apply_chat_template(conversation, chat_template=official, tokenize=True, return_dict=True)
+    ids = np.asarray(ids["input_ids"]).reshape(-1).tolist()
+    marked = processor.apply_chat_template(conversation, chat_template=training, tokenize=True, return_dict=True,
+                                           return_assistant_tokens_mask=True)
+    if np.asarray(marked["input_ids"]).reshape(-1).tolist() != ids:
+        return ids, None
+    mask = np.asarray(marked["assistant_masks"]).reshape(-1).astype(bool)
+    labels = [token if keep else IGNORE for token, keep in zip(ids, mask)]
+    labels[0] = IGNORE
+    return ids, labels
+
+
+def segments(batch: dict, key: str) -> list[list[int]]:
+    cu = batch["vlm_pack"]["cu_seqlens"].tolist()
+    return [batch[key][0, a:b].tolist() for a, b in zip(cu[:-1], cu[1:])]
+
+
+# (official template, the processor and model config it is tried with). Qwen3-VL's template on the Qwen2-VL
+# processor: the same tokenizer and image placeholders, the Qwen3-VL family's own template text.
+TEMPLATE_CASES = {
+    "qwen2_5_vl": (lambda: offline_qwen2vl_processor(), "qwen2_5_vl"),
+    "qwen3_vl": (lambda: offline_qwen2vl_processor(), "qwen3_vl"),
+    "qwen3_5_nothink": (lambda: offline_qwen2vl_processor(), "qwen3_5_nothink"),
+    "gemma3": (lambda: offline_gemma3_processor(), "gemma3"),
+    "idefics3": (lambda: tiny_vlm_processor("idefics3"), None),
+    "smolvlm": (lambda: tiny_vlm_processor("smolvlm"), None),
+}
+_CONFIGS = {"qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_5_nothink": "qwen3_5", "gemma3": "gemma3"}
+
+
+def _config(name: str, processor):
+    if name in _CONFIGS:
+        return tiny_config(_CONFIGS[name])
+    return tiny_vlm(name, processor, layers=1).config
+
+
+@pytest.mark.parametrize("name", list(TEMPLATE_CASES))
+def test_collator_tokens_are_the_official_templates_and_labels_trls(name):
+    """Packed and padded: every sample's tokens == apply_chat_template with the official template, labels ==
+    TRL's training-variant mask (first slot -100). Old code: the Qwen processors fell back to vlm_pack's
+    ChatML (no default system prompt), Gemma / Idefics3 / SmolVLM needed a hand-written marked template."""
+    build, given = TEMPLATE_CASES[name]
+    processor = build()
+    official = official_template(name)
+    if given is None:
+        assert processor.chat_template == official  # the shipped tiny processor carries it
+    training = official_template(f"{name}_training")
+    config = _config(name, processor)
+    chat_template = official if given is not None else None
+    examples = [{"messages": c} for c in conversations()]
+    expected = [reference(processor, c, official, training) for c in conversations()]
+    assert sum(labels is not None for _, labels in expected) >= 1  # the single-turn one at least
+    packed = VLMPackingCollator(processor, max_length=4096, model_config=config, chat_template=chat_template)
+    batch = packed(examples)
+    assert segments(batch, "input_ids") == [ids for ids, _ in expected]
+    for conversation, (_, labels), ids, got in zip(conversations(), expected, segments(batch, "input_ids"),
+                                                   segments(batch, "labels")):
+        if labels is not None:
+            assert got == labels
+        else:  # sentinel spans: one labelled run per answer, holding it
+            answers = [m["content"][0]["text"] for m in conversation if m["role"] == "assistant"]
+            runs = _runs(ids, got, processor.tokenizer)
+            assert len(runs) == len(answers) and all(a in r for a, r in zip(answers, runs)), runs
+    padded = VLMPackingCollator(processor, max_length=4096, model_config=config, chat_template=chat_template,
+                                pack_sequences_in_batch=False)
+    batch = padded(examples)
+    for row, (ids, labels) in enumerate(expected):
+        assert batch["input_ids"][row, : len(ids)].tolist() == ids
+        assert labels is None or batch["labels"][row, : len(ids)].tolist() == labels
+
+
+def test_default_system_prompt_of_the_official_template_is_kept():
+    """The official Qwen2.5-VL template writes "You are a helpful assistant." when no system turn is given."""
+    processor = offline_qwen2vl_processor()
+    collator = VLMPackingCollator(processor, max_length=4096, model_config=tiny_config("qwen2_5_vl"))
+    text = processor.tokenizer.decode(collator([{"messages": conversations()[1]}])["input_ids"][0])
+    assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n")
+
+
+# ------------------------------------------------------------------ a template TRL does not know: sentinels
+
+
+TEXT_CHATS = [
+    [{"role": "user", "content": "Is the sky blue?"}, {"role": "assistant", "content": "Yes."}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello there"}, {"role": "user", "content": "Again"},
+     {"role": "assistant", "content": "Bye"}],
+]
+
+
+def _runs(ids: list[int], labels: list[int], tokenizer) -> list[str]:
+    keep = np.asarray(labels) != IGNORE
+    idx = np.flatnonzero(keep)
+    return [tokenizer.decode(np.asarray(ids)[r]) for r in np.split(idx, np.flatnonzero(np.diff(idx) > 1) + 1)]
+
+
+@pytest.fixture(scope="module")
+def qwen_tok():
+    return qwen_tokenizer()
+
+
+def test_shipped_qwen_tokenizer_keeps_its_own_template_in_the_collator_and_prepare(qwen_tok):
+    """The shipped Qwen tokenizer's own template (a Qwen3 template TRL has no training variant of): tokens ==
+    its apply_chat_template; labels == TRL's Qwen3 training-variant mask where the two render the same text
+    (a single turn), and on a multi-turn chat exactly each answer after its "<|im_start|>assistant\\n" through
+    "<|im_end|>\\n" (the final one with the empty think block the template writes). Collator and prepare agree."""
+    tokenizer = qwen_tok
+    collator = VLMPackingCollator(tokenizer, max_length=512)
+    batch = collator([{"messages": c} for c in TEXT_CHATS])
+    encoder = SampleEncoder(tokenizer, SampleFormat(template="chat"), None)
+    prepared_ids, masks = encoder.encode([{"messages": c} for c in TEXT_CHATS], ["row 0", "row 1"])
+    for chat, ids, labels, offline_ids, mask in zip(TEXT_CHATS, segments(batch, "input_ids"),
+                                                    segments(batch, "labels"), prepared_ids, masks):
+        assert ids == tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+        assert offline_ids == ids
+        assert [t if m else IGNORE for t, m in zip(ids, mask)][1:] == labels[1:]
+    single = tokenizer.apply_chat_template(TEXT_CHATS[0], chat_template=official_template("qwen3_training"),
+                                           tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert single["input_ids"] == segments(batch, "input_ids")[0]
+    assert [t if m else IGNORE for t, m in zip(single["input_ids"], single["assistant_masks"])] == \
+        segments(batch, "labels")[0]
+    ids, labels = segments(batch, "input_ids")[1], segments(batch, "labels")[1]
+    assert _runs(ids, labels, tokenizer) == ["Hello there<|im_end|>\n", "<think>\n\n</think>\n\nBye<|im_end|>\n"]
+
+
+def _template(answer: str) -> str:
+    return ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ " + answer + " if m.role == 'assistant' else "
+            "m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_rewrites_assistant_text_fails_closed(qwen_tok):
+    """Sentinels must leave the plain rendering unchanged, else the template is refused (old code: any such
+    template was replaced by ChatML). Upper-casing answers: refused when built; trimming them: refused for the
+    sample whose answer has surrounding spaces (the others are located)."""
+    with pytest.raises(ValueError, match=r"cannot locate the assistant turns of the chat_template passed in.*does not "
+                                         r"write an assistant message's text as given"):
+        VLMPackingCollator(qwen_tok, max_length=512, chat_template=_template("m.content | upper"))
+    collator = VLMPackingCollator(qwen_tok, max_length=512, chat_template=_template("m.content | trim"))
+    assert collator([{"messages": TEXT_CHATS[0]}])["vlm_pack"]["stats"].label_tokens > 0
+    spaced = [TEXT_CHATS[0][0], {"role": "assistant", "content": " Yes. "}]
+    with pytest.raises(ValueError, match=r"sample 1: cannot locate the assistant turns of the chat_template passed in"
+                                         r".*changes how the template renders it"):
+        collator([{"messages": TEXT_CHATS[0]}, {"messages": spaced}])
+
+
+# ------------------------------------------------------------------ roles and empty labels
+
+
+def test_unknown_role_is_an_error_in_the_collator_and_prepare(qwen_tok):
+    """Old code: "Assistant" silently lost its labels (only the second answer was labelled)."""
+    chat = [{"role": "user", "content": "a"}, {"role": "Assistant", "content": "b"},
+            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    collator = VLMPackingCollator(qwen_tok, max_length=512)
+    with pytest.raises(ValueError, match=r"sample 1, turn 1: unknown role 'Assistant'; accepted roles: system, user, "
+                                         r"assistant, tool"):
+        collator([{"messages": TEXT_CHATS[0]}, {"messages": chat}])
+    with pytest.raises(ValueError, match=r"data.jsonl:3, turn 1: unknown role 'Assistant'"):
+        SampleFormat(template="chat").check({"messages": chat}, "data.jsonl:3")
+
+
+EMPTY_ANSWERS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% generation %}"
+                 "{% endgeneration %}{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}")
+
+
+def test_sample_or_batch_without_labels_is_refused_or_counted(qwen_tok):
+    """A template whose generation blocks are empty gives samples with 0 label tokens: an error naming the
+    sample (old code: a batch with 0 label tokens, no warning), or counted and dropped with on_empty='drop'."""
+    examples = [{"messages": c} for c in TEXT_CHATS]
+    with pytest.raises(ValueError, match="sample 0 has no label token.*on_empty='drop'"):
+        VLMPackingCollator(qwen_tok, max_length=512, chat_template=EMPTY_ANSWERS)(examples)
+    dropping = VLMPackingCollator(qwen_tok, max_length=512, chat_template=EMPTY_ANSWERS, on_empty="drop")
+    with pytest.warns(UserWarning, match="dropped 2 of 2 samples without any label"), \
+            pytest.raises(ValueError, match="2 have no label"):
+        dropping(examples)
+    mixed = VLMPackingCollator(qwen_tok, max_length=512, on_empty="drop")
+    with pytest.raises(ValueError, match="on_empty must be 'error' or 'drop'"):
+        VLMPackingCollator(qwen_tok, max_length=512, on_empty="keep")
+    assert mixed(examples)["vlm_pack"]["stats"].samples_dropped == 0
+
+
+# ------------------------------------------------------------------ images inside an assistant turn, every family
+
+# What each family's processor writes for an image (transformers' processing_<family>.py): never a target.
+MEDIA_TOKENS = {
+    "qwen2_vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
+    "gemma3": ["<start_of_image>", "<image_soft_token>", "<end_of_image>"],
+    "llava_onevision": ["<image>"],
+    "mistral3": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"],
+    "internvl": ["<img>", "<IMG_CONTEXT>", "</img>"],
+    "idefics3": ["<image>", "<fake_token_around_image>", "<global-img>"]
+    + [f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)],
+    "glm4v": ["<|begin_of_image|>", "<|image|>", "<|end_of_image|>"],
+}
+MEDIA_TOKENS["smolvlm"] = MEDIA_TOKENS["idefics3"]
+LABEL_FAMILIES = ["qwen2_vl", "gemma3", *TINY_VLM_FAMILIES]
+
+
+def _family(name: str):
+    """(processor, stock sdpa model with one layer) of a family."""
+    if name in ("qwen2_vl", "gemma3"):
+        processor = offline_qwen2vl_processor() if name == "qwen2_vl" else offline_gemma3_processor()
+        return processor, tiny_model(name, layers=1)
+    processor = tiny_vlm_processor(name)
+    return processor, tiny_vlm(name, processor, layers=1)
+
+
+def _assistant_image_chat() -> list[dict]:
+    return [{"role": "user", "content": _text("Draw a square and describe it.")},
+            {"role": "assistant", "content": [*_text("Here it is:"), {"type": "image", "image": _image(7, (56, 56))},
+                                              *_text("a noisy square.")]}]
+
+
+def _training_template(processor) -> str:
+    """The template whose generation blocks give the reference mask: the processor's own if marked, else TRL's."""
+    own = processor.chat_template
+    if "{% generation %}" in own:  # vlm_pack's ChatML stand-in for families whose template no package ships
+        return own
+    name = next(n for n in ("qwen2_5_vl", "gemma3", "idefics3", "smolvlm") if official_template(n) == own)
+    return official_template(f"{name}_training")
+
+
+@pytest.mark.parametrize("name", LABEL_FAMILIES)
+def test_image_inside_an_assistant_turn_is_never_a_target(name):
+    """Labels == the reference mask without the family's image tokens; gradients of the packed model on the
+    collator's batch equal the stock model's on the sample alone with those reference labels (rel. < 1e-4).
+    Old code: InternVL, LLaVA-OneVision, Mistral3, Idefics3, SmolVLM labelled the placeholders (their processors
+    return no mm_token_type_ids) and Qwen-VL / GLM-4V the vision start/end markers."""
+    processor, model = _family(name)
+    chat = _assistant_image_chat()
+    out = processor.apply_chat_template([chat], chat_template=_training_template(processor), tokenize=True,
+                                        return_dict=True, return_assistant_tokens_mask=True, return_tensors="pt")
+    ids = out["input_ids"][0]
+    media = torch.tensor(processor.tokenizer.convert_tokens_to_ids(MEDIA_TOKENS[name]))
+    assistant = torch.as_tensor(out["assistant_masks"][0]).bool()
+    inside = torch.isin(ids, media).nonzero()
+    labelled = assistant.nonzero()
+    assert len(inside) and labelled.min() < inside.min() and inside.max() < labelled.max()  # inside the answer
+    keep = assistant & ~torch.isin(ids, media)
+    labels = ids.masked_fill(~keep, IGNORE)
+    labels[0] = IGNORE
+
+    collator = VLMPackingCollator(processor, max_length=4096, model_config=model.config)
+    batch = collator([{"messages": chat}])
+    assert torch.equal(batch["input_ids"][0], ids)
+    assert torch.equal(batch["labels"][0], labels)
+
+    # The stock model first (the reference), then the same weights after enable_packing on the collator's batch.
+    inputs = {k: v for k, v in out.items() if k not in ("assistant_masks", "attention_mask")}
+    ref_logits = model(**inputs, use_cache=False).logits[0]
+    F.cross_entropy(ref_logits[:-1], labels[1:], ignore_index=IGNORE).backward()
+    reference = {key: param.grad.clone() for key, param in model.named_parameters() if param.grad is not None}
+    model.zero_grad(set_to_none=True)
+    packed = enable_packing(model)
+    logits = packed(**{k: v for k, v in batch.items() if k not in ("labels", "vlm_pack")}, use_cache=False).logits[0]
+    F.cross_entropy(logits[:-1], batch["labels"][0][1:], ignore_index=IGNORE).backward()
+    for key, param in packed.named_parameters():
+        ref = reference.get(key)
+        if ref is None or not ref.any():
+            continue
+        assert (param.grad - ref).norm() / ref.norm() < 1e-4, key
+
+
+# ------------------------------------------------------------------ EXIF orientation
+
+
+def _rotated_jpeg() -> bytes:
+    """A 80x40 (w x h) JPEG whose EXIF orientation (6) says: rotate 90 degrees clockwise to view it."""
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buffer = io.BytesIO()
+    _image(5, (80, 40)).save(buffer, format="JPEG", exif=exif.tobytes(), quality=95)
+    return buffer.getvalue()
+
+
+def test_exif_orientation_is_applied_like_transformers_load_image(tmp_path, processor):
+    """Paths, bytes and PIL images: pixels and image grid equal transformers' load_image (old code: [1, 4, 8] for
+    a phone photo that transformers reads as [1, 8, 4])."""
+    data = _rotated_jpeg()
+    path = tmp_path / "phone.jpg"
+    path.write_bytes(data)
+    expected = hf_load_image(str(path))
+    assert expected.size == (40, 80)
+    grid = processor.image_processor(images=[expected], return_tensors="pt")["image_grid_thw"]
+    collator = VLMPackingCollator(processor, max_length=4096, model_config=tiny_config("qwen2_vl"))
+    for payload in (str(path), data, Image.open(io.BytesIO(data))):
+        image = load_image(payload, "test")
+        assert np.array_equal(np.asarray(image), np.asarray(expected))
+        chat = [{"role": "user", "content": [{"type": "image", "image": payload}, *_text("?")]},
+                {"role": "assistant", "content": "!"}]
+        assert torch.equal(collator([{"messages": chat}])["image_grid_thw"], grid)
