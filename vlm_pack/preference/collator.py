@@ -201,9 +201,10 @@ class PreferenceCollator:
 
     def _positions(self, sequences: list[dict[str, torch.Tensor]],
                    visions: list[dict[str, torch.Tensor]]) -> list[torch.Tensor] | None:
-        """Per-sequence ``[4, L]`` text + mRoPE positions (each sequence alone); None: restart at 0 (arange)."""
+        """Per-sequence ``[4, L]`` text + mRoPE positions, or ``[L]`` (0..L-1) with shared prompts (the rejected
+        segment continues from the prompt end); None: every segment restarts at 0."""
         if self.rope_index is None:
-            return None
+            return [torch.arange(seq["input_ids"].numel()) for seq in sequences] if self.shared_prompts else None
         lengths = [seq["input_ids"].numel() for seq in sequences]
         width = max(lengths)
         mask = torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
