@@ -22,7 +22,7 @@ from vlm_pack.batch import METADATA_KEY
 from vlm_pack.data import _fit, sample_photos
 from vlm_pack.preference import LOSS_TYPES, PackedDPOTrainer, PreferenceCollator, sequence_logps
 from vlm_pack.preference_attention import SHARED_PREFIX_KWARG, shared_prefix_keys
-from vlm_pack.tiny_models import offline_gemma3_processor, offline_qwen2vl_processor, qwen_tokenizer, tiny_model
+from vlm_pack.tiny_models import offline_gemma3_processor, offline_qwen2vl_processor, tiny_model
 
 TOLERANCE = 1e-4  # relative: fp32 noise here is ~5e-7 (gradients) and ~1e-7 (losses)
 SIDES = (56, 84, 112, 70)  # Qwen: 4, 9, 16 and 6 merged image tokens
@@ -47,10 +47,31 @@ def pair_examples(images: bool) -> list[dict]:
     return out
 
 
+_WORDS = "<pad> <|im_start|> <|im_end|> user assistant what is shown in picture ? a photo of something nice really no idea ! 0 1 2 3"
+
+
+def word_tokenizer():
+    """A 24-word tokenizer with a chat template, for the text model: TRL tokenises text datasets with
+    ``datasets.map``, which hashes the tokenizer (the 151k-entry Qwen vocabulary takes 10-60 s here)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = _WORDS.split()
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    core.normalizer = normalizers.Lowercase()
+    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<|im_end|>",
+                                        additional_special_tokens=["<|im_start|>"])
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+    return tokenizer
+
+
 @functools.lru_cache(maxsize=None)
 def processor_of(family: str):
     if family == "llama":
-        return qwen_tokenizer()
+        return word_tokenizer()
     return offline_gemma3_processor() if family == "gemma3" else offline_qwen2vl_processor()
 
 
@@ -81,7 +102,8 @@ def dpo_config(tmp: str, **overrides) -> DPOConfig:
 def run(family: str, mode: str, tmp: str) -> Run:
     """One optimizer step: mode "trl" (the reference), "packed" or "shared" (packed, each prompt once)."""
     examples = pair_examples(images=family != "llama")
-    model, ref = tiny_model(family, layers=1), tiny_model(family, layers=1, seed=1)
+    vocab = len(_WORDS.split()) if family == "llama" else None
+    model, ref = (tiny_model(family, layers=1, seed=seed, vocab_size=vocab) for seed in (0, 1))
     grads = _Grads()
     kwargs = dict(model=model, ref_model=ref, args=dpo_config(tmp), train_dataset=datasets.Dataset.from_list(examples),
                   processing_class=processor_of(family), callbacks=[grads])
@@ -105,8 +127,10 @@ def relative_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float
     return (num / sum(float((a[k] ** 2).sum()) for k in a)) ** 0.5
 
 
+# Qwen2.5-VL runs the shared layout only (its plain layout is the Qwen2-VL code path with another vision tower;
+# each VLM run costs seconds: the 151k-row LM head). Gemma 3 refuses shared prompts (image blocks).
 CASES = [("llama", "packed"), ("llama", "shared"), ("qwen2_vl", "packed"), ("qwen2_vl", "shared"),
-         ("qwen2_5_vl", "packed"), ("qwen2_5_vl", "shared"), ("gemma3", "packed")]
+         ("qwen2_5_vl", "shared"), ("gemma3", "packed")]
 
 
 @pytest.mark.parametrize("family,mode", CASES)
