@@ -15,57 +15,14 @@ from dataclasses import dataclass
 import datasets
 import pytest
 import torch
-from transformers import TrainerCallback
 from trl import DPOConfig, DPOTrainer
 
+from preference_helpers import _WORDS, TOLERANCE, GradientsAtStep, pair_examples, relative_l2, word_tokenizer
 from vlm_pack.batch import METADATA_KEY
-from vlm_pack.data import _fit, sample_photos
 from vlm_pack.preference import LOSS_TYPES, PackedDPOTrainer, PreferenceCollator, sequence_logps
 from vlm_pack.preference_attention import SHARED_PREFIX_KWARG, shared_prefix_keys
 from vlm_pack.tiny_models import offline_gemma3_processor, offline_qwen2vl_processor, tiny_model
 
-TOLERANCE = 1e-4  # relative: fp32 noise here is ~5e-7 (gradients) and ~1e-7 (losses)
-SIDES = (56, 84, 112, 70)  # Qwen: 4, 9, 16 and 6 merged image tokens
-
-
-def pair_examples(images: bool) -> list[dict]:
-    """Four preference pairs: different prompts, completion lengths and (optionally) image sizes."""
-    photos = sample_photos()
-    names = sorted(photos)
-    out = []
-    for i in range(4):
-        text = f"What is shown in picture {i}?"
-        prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}] if images else text}]
-        example = {
-            "prompt": prompt,
-            "chosen": [{"role": "assistant", "content": "A photo of something nice" + " really" * (2 * i)}],
-            "rejected": [{"role": "assistant", "content": "No idea" + "!" * (3 - i % 3)}],
-        }
-        if images:
-            example["images"] = [_fit(photos[names[i]], SIDES[i])]
-        out.append(example)
-    return out
-
-
-_WORDS = "<pad> <|im_start|> <|im_end|> user assistant what is shown in picture ? a photo of something nice really no idea ! 0 1 2 3"
-
-
-def word_tokenizer():
-    """A 24-word tokenizer with a chat template, for the text model: TRL tokenises text datasets with
-    ``datasets.map``, which hashes the tokenizer (the 151k-entry Qwen vocabulary takes 10-60 s here)."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = _WORDS.split()
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
-    core.normalizer = normalizers.Lowercase()
-    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<|im_end|>",
-                                        additional_special_tokens=["<|im_start|>"])
-    tokenizer.chat_template = (
-        "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
-    return tokenizer
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,13 +30,6 @@ def processor_of(family: str):
     if family == "llama":
         return word_tokenizer()
     return offline_gemma3_processor() if family == "gemma3" else offline_qwen2vl_processor()
-
-
-class _Grads(TrainerCallback):
-    """Gradients of the accumulated step, read just before the optimizer applies them."""
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @dataclass
@@ -104,7 +54,7 @@ def run(family: str, mode: str, tmp: str) -> Run:
     examples = pair_examples(images=family != "llama")
     vocab = len(_WORDS.split()) if family == "llama" else None
     model, ref = (tiny_model(family, layers=1, seed=seed, vocab_size=vocab) for seed in (0, 1))
-    grads = _Grads()
+    grads = GradientsAtStep()
     kwargs = dict(model=model, ref_model=ref, args=dpo_config(tmp), train_dataset=datasets.Dataset.from_list(examples),
                   processing_class=processor_of(family), callbacks=[grads])
     if mode == "trl":
@@ -119,12 +69,6 @@ def run(family: str, mode: str, tmp: str) -> Run:
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("dpo"))
-
-
-def relative_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    num = sum(float(((a[k] - b[k]) ** 2).sum()) for k in a)
-    return (num / sum(float((a[k] ** 2).sum()) for k in a)) ** 0.5
 
 
 # Qwen2.5-VL runs the shared layout only (its plain layout is the Qwen2-VL code path with another vision tower;

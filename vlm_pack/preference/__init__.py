@@ -13,6 +13,9 @@ _LAZY = {
     "PackedDPOTrainer": "dpo",
     "sequence_logps": "dpo",
     "LOSS_TYPES": "losses",
+    "RewardCollator": "reward",
+    "PackedRewardTrainer": "reward",
+    "sequence_scores": "reward",
 }
 
 __all__ = list(_LAZY)
