@@ -94,6 +94,15 @@ def test_trl_section_trains(processor, tmp_path, monkeypatch):
         assert any(not torch.equal(a, b) for a, b in zip(old, model.parameters()))
 
 
+def test_preference_section_trains(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(block("PackedDPOTrainer("), namespace)
+    logps = namespace["trainer"].last_logps
+    assert logps.chosen.shape == logps.rejected.shape == (2,)
+    assert torch.isfinite(logps.chosen).all() and namespace["trainer"].state.global_step == 1
+
+
 def test_supported_families_table_lists_every_registered_family_with_its_proof():
     from vlm_pack.models import registered_families
 
