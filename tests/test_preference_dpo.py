@@ -192,3 +192,29 @@ def test_refusals(tmp):
         PackedDPOTrainer(model=model, args=dpo_config(tmp), train_dataset=dataset, processing_class=processor)
     with pytest.raises(ValueError, match="max_length=8"):
         PreferenceCollator(processor, model_config=model.config, max_length=8)(pair_examples(images=True)[:1])
+
+
+def test_shared_prefix_rule_equals_dense_mask(one_thread):
+    """The key-gather rule through varlen_attention equals SDPA with the explicit "prefix shared by two
+    continuations" mask over the whole row (a prompt of 5, continuations of 4 and 1 + 3, then a plain sequence)."""
+    from vlm_pack.attention import varlen_attention
+    from vlm_pack.preference_attention import gather_shared_keys
+
+    torch.manual_seed(0)
+    lengths, prefixes = [9, 4, 6], [(0, 0), (0, 4), (0, 0)]  # segment 1 = prompt[-1] + rejected, sees prompt[:4]
+    total = sum(lengths)
+    q, k, v = (torch.randn(1, heads, total, 8) for heads in (4, 2, 2))
+    shared = shared_prefix_keys(lengths, prefixes)
+    keys, values, cu_k, max_k = gather_shared_keys(shared, k, v)
+    cu_q = torch.tensor([0, 9, 13, 19], dtype=torch.int32)
+    out = varlen_attention(q[0].transpose(0, 1), keys[0].transpose(0, 1), values[0].transpose(0, 1), cu_q, cu_k,
+                           9, max_k, causal=True)
+    allowed = torch.zeros(total, total, dtype=torch.bool)
+    for start, length in ((0, 9), (9, 4), (13, 6)):
+        allowed[start:start + length, start:start + length] = torch.ones(length, length).tril().bool()
+    allowed[9:13, 0:4] = True
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    assert torch.allclose(out, expected[0].transpose(0, 1), atol=1e-6)
+    allowed[9:13, 4:9] = True  # corruption: the continuation also sees the other continuation
+    corrupted = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    assert not torch.allclose(out, corrupted[0].transpose(0, 1), atol=1e-3)

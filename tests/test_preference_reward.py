@@ -86,7 +86,8 @@ def test_corruption_score_at_row_end_fails(tmp, one_thread):
 
 def test_refusals(tmp):
     with pytest.raises(ValueError, match="RewardCollator"):
-        PackedRewardTrainer(model=reward_model("llama"), args=RewardConfig(output_dir=tmp, use_cpu=True, report_to="none"),
+        PackedRewardTrainer(model=reward_model("llama"),
+                            args=RewardConfig(output_dir=tmp, use_cpu=True, report_to="none"),
                             train_dataset=datasets.Dataset.from_list(pair_examples(images=False)),
                             processing_class=word_tokenizer())
     with pytest.raises(ValueError, match="rejected_ids"):

@@ -106,7 +106,8 @@ class PreferenceCollator:
     def _encode(self, example: Mapping[str, Any], index: int) -> _Pair:
         if "prompt_ids" in example:  # tokenised by DPOTrainer._prepare_dataset
             prompt = {"input_ids": torch.as_tensor(example["prompt_ids"], dtype=torch.long)}
-            pair = _Pair(prompt, {}, *(torch.as_tensor(example[k], dtype=torch.long) for k in ("chosen_ids", "rejected_ids")))
+            chosen, rejected = (torch.as_tensor(example[k], dtype=torch.long) for k in ("chosen_ids", "rejected_ids"))
+            pair = _Pair(prompt, {}, chosen, rejected)
         elif "prompt" in example:
             pair = self._encode_raw(example)
         else:
@@ -142,8 +143,10 @@ class PreferenceCollator:
             example = apply_chat_template(example, self.processor)
         prompt = self.processor(images=[images] if images else None, text=[example["prompt"]],
                                 return_tensors="pt", add_special_tokens=False)
-        completions = [self.processor(text=[example[key]], return_tensors="pt", add_special_tokens=False)["input_ids"][0]
-                       for key in ("chosen", "rejected")]
+        completions = [
+            self.processor(text=[example[key]], return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+            for key in ("chosen", "rejected")
+        ]
         tokens = {key: prompt[key][0] for key in self.token_keys if key in prompt}
         vision = {key: value for key, value in prompt.items()
                   if key not in self.token_keys and key != "attention_mask" and isinstance(value, torch.Tensor)}

@@ -98,7 +98,8 @@ class PackedDPOTrainer(DPOTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
-            raise ValueError("PackedDPOTrainer computes no logits (TRL's fused LM head); return_outputs=True is refused")
+            raise ValueError("PackedDPOTrainer computes no logits (TRL's fused LM head): return_outputs=True is "
+                             "refused")
         mode = "train" if self.model.training else "eval"
         layout = _layout(inputs)
         logps, outputs = sequence_logps(model, inputs)

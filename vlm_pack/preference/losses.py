@@ -51,7 +51,8 @@ def check_dpo_options(args) -> None:
     """Refuse DPOConfig options that are not functions of sequence log-probs (one clear error each)."""
     unknown = [t for t in args.loss_type if t not in LOSS_TYPES]
     if unknown:
-        raise ValueError(f"loss_type {unknown} is not supported by the packed DPO path; supported: {sorted(LOSS_TYPES)}")
+        raise ValueError(
+            f"loss_type {unknown} is not supported by the packed DPO path; supported: {sorted(LOSS_TYPES)}")
     if args.use_weighting:
         raise ValueError("use_weighting=True (WPO) needs per-token probability weights; the packed DPO path refuses it")
     if args.ld_alpha is not None:

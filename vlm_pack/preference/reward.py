@@ -65,11 +65,14 @@ class RewardCollator:
 def _score_head(model: torch.nn.Module) -> torch.nn.Module:
     head = getattr(model, "score", None)
     if not isinstance(head, torch.nn.Module):
-        raise ValueError(f"{type(model).__name__} has no 'score' head: pass an AutoModelForSequenceClassification model")
+        raise ValueError(
+            f"{type(model).__name__} has no 'score' head: pass an AutoModelForSequenceClassification model")
     return head
 
 
-def sequence_scores(model: torch.nn.Module, inputs: dict[str, Any], head: torch.nn.Module | None = None) -> torch.Tensor:
+def sequence_scores(
+    model: torch.nn.Module, inputs: dict[str, Any], head: torch.nn.Module | None = None
+) -> torch.Tensor:
     """Per-sequence scores ``[2P, num_labels]`` (``2 i`` chosen, ``2 i + 1`` rejected) of a packed reward batch.
 
     ``head``: the score module of ``model`` (default ``model.score``; pass it when ``model`` is a wrapper).
