@@ -49,13 +49,15 @@ def dpo_config(tmp: str, **overrides) -> DPOConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def run(family: str, mode: str, tmp: str) -> Run:
-    """One optimizer step: mode "trl" (the reference), "packed" or "shared" (packed, each prompt once)."""
+def run(family: str, mode: str, tmp: str, precompute: bool = False) -> Run:
+    """One optimizer step: mode "trl" (the reference), "packed" or "shared" (packed, each prompt once);
+    ``precompute``: reference log-probs precomputed over the dataset (TRL's ``precompute_ref_log_probs``)."""
     examples = pair_examples(images=family != "llama")
     vocab = len(_WORDS.split()) if family == "llama" else None
     model, ref = (tiny_model(family, layers=1, seed=seed, vocab_size=vocab) for seed in (0, 1))
     grads = GradientsAtStep()
-    kwargs = dict(model=model, ref_model=ref, args=dpo_config(tmp), train_dataset=datasets.Dataset.from_list(examples),
+    kwargs = dict(model=model, ref_model=ref, args=dpo_config(tmp, precompute_ref_log_probs=precompute),
+                  train_dataset=datasets.Dataset.from_list(examples),
                   processing_class=processor_of(family), callbacks=[grads])
     if mode == "trl":
         trainer = DPOTrainer(**kwargs)
@@ -84,6 +86,16 @@ def test_dpo_step_equals_trl(family, mode, tmp, one_thread):
         expected = reference.logs[key]
         assert abs(packed.logs[key] - expected) <= TOLERANCE * max(1.0, abs(expected)), key
     assert reference.logs["rewards/margins"] != 0.0  # the reference model differs: rewards are informative
+    assert relative_l2(packed.grads, reference.grads) < TOLERANCE
+
+
+def test_precomputed_reference_equals_trl(tmp, one_thread):
+    """Text pairs with the reference log-probs precomputed by TRL's own pass over the dataset (packed rows here)."""
+    reference, packed = run("llama", "trl", tmp, precompute=True), run("llama", "shared", tmp, precompute=True)
+    for key in ("ref_chosen_logps", "ref_rejected_logps"):
+        expected = torch.tensor(reference.trainer.train_dataset[key])
+        assert torch.allclose(torch.tensor(packed.trainer.train_dataset[key]), expected, rtol=TOLERANCE)
+    assert abs(packed.logs["loss"] - reference.logs["loss"]) <= TOLERANCE
     assert relative_l2(packed.grads, reference.grads) < TOLERANCE
 
 

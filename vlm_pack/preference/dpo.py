@@ -56,6 +56,10 @@ def sequence_logps(model: torch.nn.Module, inputs: dict[str, Any], **extra: Any)
     return sums[:sequences], outputs
 
 
+def _enable(model) -> None:
+    enable_packing(model.get_base_model() if is_peft_model(model) else model)
+
+
 class PackedDPOTrainer(DPOTrainer):
     """``trl.DPOTrainer`` whose batches are packed rows from :class:`PreferenceCollator`.
 
@@ -72,14 +76,20 @@ class PackedDPOTrainer(DPOTrainer):
                              f"{type(data_collator).__name__}")
         if args is not None:
             check_dpo_options(args)
+            if args.precompute_ref_log_probs and isinstance(model, str):
+                raise ValueError("precompute_ref_log_probs=True with a model name: pass the loaded model, so packed "
+                                 "attention is on before TRL precomputes the reference log-probs")
+        # Packed attention before TRL's __init__, which may already run the reference (precompute_ref_log_probs).
+        for candidate in (model, ref_model):
+            if candidate is not None and not isinstance(candidate, str):
+                _enable(candidate)
         super().__init__(model, ref_model, args, data_collator, *pargs, **kwargs)
         check_dpo_options(self.args)
         if self.aux_loss_enabled:
             raise ValueError("MoE router auxiliary loss (router_aux_loss_coef) is not supported by the packed DPO path")
-        for candidate in (self.model, self.ref_model):
+        for candidate in (self.model, self.ref_model):  # models TRL loaded or created itself
             if candidate is not None:
-                unwrapped = self.accelerator.unwrap_model(candidate)
-                enable_packing(unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped)
+                _enable(self.accelerator.unwrap_model(candidate))
         self.last_logps: PairLogps | None = None
 
     def _reference_context(self):
