@@ -1,10 +1,10 @@
 """``PreferenceCollator``: TRL preference examples -> ONE packed row holding every chosen and rejected sequence.
 
-Input: TRL's two preference formats. Text datasets arrive tokenised by ``DPOTrainer`` / ``RewardTrainer``
-(``prompt_ids`` / ``chosen_ids`` / ``rejected_ids``, or ``chosen_input_ids`` / ``rejected_input_ids`` for reward
-data); vision datasets arrive raw (``prompt`` / ``chosen`` / ``rejected`` and ``images`` or ``image``) and are
-rendered exactly as TRL's ``DataCollatorForVisionPreference`` does (TRL's ``apply_chat_template``, the processor on
-the prompt with its images, the completions tokenised alone), so the token ids equal TRL's.
+Input: TRL's two preference formats. Text datasets arrive tokenised by ``DPOTrainer`` (``prompt_ids`` /
+``chosen_ids`` / ``rejected_ids``; reward data: ``vlm_pack.preference.reward.RewardCollator``); vision datasets
+arrive raw (``prompt`` / ``chosen`` / ``rejected`` and ``images`` or ``image``) and are rendered exactly as TRL's
+``DataCollatorForVisionPreference`` does (TRL's ``apply_chat_template``, the processor on the prompt with its
+images, the completions tokenised alone), so the token ids equal TRL's.
 
 Row layout, pair by pair: ``prompt + chosen`` then ``prompt + rejected`` (each sequence its own attention segment,
 positions per sequence: 0..L-1, or mRoPE from the model's own ``get_rope_index``), vision tensors in row order.
@@ -54,7 +54,7 @@ class _Pair:
 
 
 class PreferenceCollator:
-    """Picklable ``collate_fn`` for ``PackedDPOTrainer`` / ``PackedRewardTrainer``: pairs -> one packed row.
+    """Picklable ``collate_fn`` for ``PackedDPOTrainer``: preference pairs -> one packed row.
 
     ``processor``: the tokenizer (text) or the multimodal processor (vision) given to the TRL trainer.
     ``model_config``: ``model.config``; its family (``vlm_pack.models``) fixes positions and per-token keys.

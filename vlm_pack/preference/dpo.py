@@ -63,7 +63,8 @@ def _enable(model) -> None:
 class PackedDPOTrainer(DPOTrainer):
     """``trl.DPOTrainer`` whose batches are packed rows from :class:`PreferenceCollator`.
 
-    Takes ``DPOTrainer``'s arguments; ``data_collator`` must be a ``PreferenceCollator``. The policy and the
+    Takes ``DPOTrainer``'s arguments; ``data_collator`` must be a ``PreferenceCollator`` (it adopts
+    ``args.max_length`` when it has none: a longer pair raises where TRL would truncate it). The policy and the
     reference model are switched to packed attention (``vlm_pack.enable_packing``). Refused clearly: loss types
     or options that are not functions of sequence log-probs (``vlm_pack.preference.losses``), MoE auxiliary
     losses, ``return_outputs=True`` (the fused head builds no logits).
@@ -76,6 +77,8 @@ class PackedDPOTrainer(DPOTrainer):
                              f"{type(data_collator).__name__}")
         if args is not None:
             check_dpo_options(args)
+            if data_collator.max_length is None:  # TRL's collators truncate at max_length; ours refuses longer pairs
+                data_collator.max_length = args.max_length
             if args.precompute_ref_log_probs and isinstance(model, str):
                 raise ValueError("precompute_ref_log_probs=True with a model name: pass the loaded model, so packed "
                                  "attention is on before TRL precomputes the reference log-probs")
@@ -85,6 +88,8 @@ class PackedDPOTrainer(DPOTrainer):
                 _enable(candidate)
         super().__init__(model, ref_model, args, data_collator, *pargs, **kwargs)
         check_dpo_options(self.args)
+        if data_collator.max_length is None:
+            data_collator.max_length = self.args.max_length
         if self.aux_loss_enabled:
             raise ValueError("MoE router auxiliary loss (router_aux_loss_coef) is not supported by the packed DPO path")
         for candidate in (self.model, self.ref_model):  # models TRL loaded or created itself
