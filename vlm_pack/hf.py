@@ -34,6 +34,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import dense_attention, varlen_attention
 from .models import ImageBlockRule, get_family
+from .preference_attention import SHARED_PREFIX_KWARG, gather_shared_keys
 from .token_mean import install_token_mean_check
 
 __all__ = [
@@ -229,6 +230,11 @@ def packing_attention_forward(
                 "a packed row got both cu_seq_lens_q and a padding attention_mask: drop attention_mask (packed "
                 "rows carry their boundaries in cu_seq_lens_*; padding slots belong to a fill segment)"
             )
+        shared = kwargs.get(SHARED_PREFIX_KWARG)
+        if shared is not None and causal:  # pairs sharing their prompt: see vlm_pack.preference_attention
+            if blocks is not None:
+                raise ValueError(f"{SHARED_PREFIX_KWARG} cannot be combined with bidirectional image blocks")
+            key, value, cu_k, max_k = gather_shared_keys(shared, key, value)
         if cu_k is None:
             cu_k, max_k = cu_q, max_q if max_k is None else max_k
         out = varlen_attention(

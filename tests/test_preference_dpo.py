@@ -1,0 +1,232 @@
+"""Packed DPO equals TRL's own unpacked ``DPOTrainer``: one optimizer step, gradient accumulation 2, 2 pairs per
+micro-batch, images of different sizes, for a tiny Llama (text), Qwen2-VL, Qwen2.5-VL and Gemma 3 (images).
+
+The reference is always TRL's trainer (``DPOTrainer`` with its own collator on the stock sdpa model); ours is
+``PackedDPOTrainer`` + ``PreferenceCollator`` on the same data and weights (policy seed 0, reference seed 1, so
+rewards are not 0). Per-pair log-probs are checked against TRL's ``compute_ref_log_probs`` too (a boundary bug can
+cancel in the loss), and each packing rule has a corruption test that must break that equality.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import datasets
+import pytest
+import torch
+from trl import DPOConfig, DPOTrainer
+
+from preference_helpers import _WORDS, TOLERANCE, GradientsAtStep, pair_examples, relative_l2, word_tokenizer
+from vlm_pack.batch import METADATA_KEY
+from vlm_pack.preference import LOSS_TYPES, PackedDPOTrainer, PreferenceCollator, sequence_logps
+from vlm_pack.preference_attention import SHARED_PREFIX_KWARG, shared_prefix_keys
+from vlm_pack.tiny_models import offline_gemma3_processor, offline_qwen2vl_processor, tiny_model
+
+
+
+@functools.lru_cache(maxsize=None)
+def processor_of(family: str):
+    if family == "llama":
+        return word_tokenizer()
+    return offline_gemma3_processor() if family == "gemma3" else offline_qwen2vl_processor()
+
+
+@dataclass
+class Run:
+    trainer: DPOTrainer
+    grads: dict[str, torch.Tensor]
+    logs: dict[str, float]
+
+
+def dpo_config(tmp: str, **overrides) -> DPOConfig:
+    base = dict(
+        output_dir=tmp, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1, optim="sgd",
+        learning_rate=0.1, max_grad_norm=0.0, use_cpu=True, bf16=False, gradient_checkpointing=False,
+        report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, max_length=None,
+    )
+    return DPOConfig(**{**base, **overrides})
+
+
+@functools.lru_cache(maxsize=None)
+def run(family: str, mode: str, tmp: str, precompute: bool = False) -> Run:
+    """One optimizer step: mode "trl" (the reference), "packed" or "shared" (packed, each prompt once);
+    ``precompute``: reference log-probs precomputed over the dataset (TRL's ``precompute_ref_log_probs``)."""
+    examples = pair_examples(images=family != "llama")
+    vocab = len(_WORDS.split()) if family == "llama" else None
+    model, ref = (tiny_model(family, layers=1, seed=seed, vocab_size=vocab) for seed in (0, 1))
+    grads = GradientsAtStep()
+    kwargs = dict(model=model, ref_model=ref, args=dpo_config(tmp, precompute_ref_log_probs=precompute),
+                  train_dataset=datasets.Dataset.from_list(examples),
+                  processing_class=processor_of(family), callbacks=[grads])
+    if mode == "trl":
+        trainer = DPOTrainer(**kwargs)
+    else:
+        collator = PreferenceCollator(processor_of(family), model_config=model.config, shared_prompts=mode == "shared")
+        trainer = PackedDPOTrainer(data_collator=collator, **kwargs)
+    trainer.train()
+    return Run(trainer, grads.grads, trainer.state.log_history[0])
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("dpo"))
+
+
+# Qwen2.5-VL runs the shared layout only (its plain layout is the Qwen2-VL code path with another vision tower;
+# each VLM run costs seconds: the 151k-row LM head). Gemma 3 refuses shared prompts (image blocks).
+CASES = [("llama", "packed"), ("llama", "shared"), ("qwen2_vl", "packed"), ("qwen2_vl", "shared"),
+         ("qwen2_5_vl", "shared"), ("gemma3", "packed")]
+
+
+@pytest.mark.parametrize("family,mode", CASES)
+def test_dpo_step_equals_trl(family, mode, tmp, one_thread):
+    reference, packed = run(family, "trl", tmp), run(family, mode, tmp)
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
+        expected = reference.logs[key]
+        assert abs(packed.logs[key] - expected) <= TOLERANCE * max(1.0, abs(expected)), key
+    assert reference.logs["rewards/margins"] != 0.0  # the reference model differs: rewards are informative
+    assert relative_l2(packed.grads, reference.grads) < TOLERANCE
+
+
+def test_precomputed_reference_equals_trl(tmp, one_thread):
+    """Text pairs with the reference log-probs precomputed by TRL's own pass over the dataset (packed rows here)."""
+    reference, packed = run("llama", "trl", tmp, precompute=True), run("llama", "shared", tmp, precompute=True)
+    for key in ("ref_chosen_logps", "ref_rejected_logps"):
+        expected = torch.tensor(reference.trainer.train_dataset[key])
+        assert torch.allclose(torch.tensor(packed.trainer.train_dataset[key]), expected, rtol=TOLERANCE)
+    assert abs(packed.logs["loss"] - reference.logs["loss"]) <= TOLERANCE
+    assert relative_l2(packed.grads, reference.grads) < TOLERANCE
+
+
+# ---------------------------------------------------------------- per-pair log-probs and corruption tests
+
+@pytest.fixture(scope="module")
+def logps_setup(tmp):
+    """TRL's per-pair reference log-probs (its own padded batch and code) and our packed model / batches."""
+    reference, packed = run("qwen2_vl", "trl", tmp), run("qwen2_vl", "packed", tmp)
+    examples = pair_examples(images=True)[:3]
+    trl_batch = reference.trainer.data_collator([dict(e) for e in examples])
+    with torch.no_grad():
+        expected = torch.stack(reference.trainer.compute_ref_log_probs(reference.trainer.ref_model, trl_batch), 1)
+    model = packed.trainer.ref_model
+    collators = {shared: PreferenceCollator(processor_of("qwen2_vl"), model_config=model.config, shared_prompts=shared)
+                 for shared in (False, True)}
+    return expected, model, {shared: c(examples) for shared, c in collators.items()}
+
+
+def pair_logps(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        return sequence_logps(model, batch)[0].view(-1, 2)
+
+
+def pair_error(model, batch, expected) -> float:
+    return float(((pair_logps(model, batch) - expected).abs() / expected.abs()).max())
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_per_pair_logps_equal_trl(logps_setup, shared, one_thread):
+    expected, model, batches = logps_setup
+    assert pair_error(model, batches[shared], expected) < 1e-5
+
+
+def _segments(batch) -> list[tuple[int, int]]:
+    cu = batch["cu_seq_lens_q"].tolist()
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def test_corruption_rejected_seeing_chosen_fails(logps_setup, one_thread):
+    expected, model, batches = logps_setup
+    batch = dict(batches[True])
+    segments = _segments(batch)
+    lengths = [end - start for start, end in segments]
+    # Each rejected segment sees the WHOLE chosen segment (prompt and chosen answer) instead of the prompt only.
+    prefixes = [(0, 0) if s % 2 == 0 else (segments[s - 1][0], lengths[s - 1]) for s in range(len(segments))]
+    batch[SHARED_PREFIX_KWARG] = shared_prefix_keys(lengths, prefixes)
+    assert pair_error(model, batch, expected) > 1e-3
+
+
+def test_corruption_rejected_positions_restart_fails(logps_setup, one_thread):
+    expected, model, batches = logps_setup
+    batch = dict(batches[True])
+    positions = batch["position_ids"].clone()
+    for s, (start, end) in enumerate(_segments(batch)):
+        if s % 2:  # the rejected continuation restarts at 0 instead of continuing from the prompt end
+            positions[..., start:end] -= positions[..., start:start + 1].clone()
+    batch["position_ids"] = positions
+    assert pair_error(model, batch, expected) > 1e-3
+
+
+def test_corruption_logps_summed_across_boundary_fails(logps_setup, one_thread):
+    expected, model, batches = logps_setup
+    batch = dict(batches[False])
+    layout = dict(batch[METADATA_KEY]["preference"])
+    labels, which = layout["shift_labels"].clone(), layout["sequence_of_target"].clone()
+    for s, (start, end) in enumerate(_segments(batch)[:-1]):  # score the next sequence's first token as ours
+        labels[0, end - 1], which[end - 1] = batch["input_ids"][0, end], s
+    layout.update(shift_labels=labels, sequence_of_target=which)
+    batch[METADATA_KEY] = {**batch[METADATA_KEY], "preference": layout}
+    assert pair_error(model, batch, expected) > 1e-3
+
+
+# ---------------------------------------------------------------- every loss type, and the refusals
+
+@pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
+def test_loss_type_equals_trl(loss_type, tmp, one_thread):
+    """Each supported loss type on one micro-batch of tokenised text pairs (TRL's compute_loss vs ours)."""
+    reference, packed = run("llama", "trl", tmp).trainer, run("llama", "packed", tmp).trainer
+    rows = [reference.train_dataset[i] for i in range(3)]
+    losses = []
+    for trainer, batch in ((reference, reference.data_collator(rows)), (packed, packed.data_collator(rows))):
+        trainer.loss_types, trainer.loss_weights = [loss_type], [1.0]
+        trainer.label_smoothing = 0.1 if loss_type in ("exo_pair", "robust", "aot", "aot_unpaired") else 0.0
+        with torch.no_grad():
+            losses.append(float(trainer.compute_loss(trainer.model, batch)))
+    assert abs(losses[1] - losses[0]) <= TOLERANCE * max(1.0, abs(losses[0])), losses
+
+
+def test_refusals(tmp):
+    processor = processor_of("qwen2_vl")
+    gemma = tiny_model("gemma3", layers=1)
+    with pytest.raises(ValueError, match="shared_prompts=True with the gemma3 family"):
+        PreferenceCollator(processor_of("gemma3"), model_config=gemma.config, shared_prompts=True)
+    with pytest.raises(ValueError, match="needs model_config"):
+        PreferenceCollator(processor)
+    model = tiny_model("qwen2_vl", layers=1)
+    dataset = datasets.Dataset.from_list(pair_examples(images=True))
+    collator = PreferenceCollator(processor, model_config=model.config)
+    for overrides, message in (({"use_weighting": True}, "WPO"), ({"ld_alpha": 0.5}, "LD-DPO"),
+                               ({"loss_type": ["sigmoid", "unknown"]}, "not supported")):
+        with pytest.raises(ValueError, match=message):
+            PackedDPOTrainer(model=model, ref_model=tiny_model("qwen2_vl", layers=1), args=dpo_config(tmp, **overrides),
+                             data_collator=collator, train_dataset=dataset, processing_class=processor)
+    with pytest.raises(ValueError, match="PreferenceCollator"):
+        PackedDPOTrainer(model=model, args=dpo_config(tmp), train_dataset=dataset, processing_class=processor)
+    with pytest.raises(ValueError, match="max_length=8"):
+        PreferenceCollator(processor, model_config=model.config, max_length=8)(pair_examples(images=True)[:1])
+
+
+def test_shared_prefix_rule_equals_dense_mask(one_thread):
+    """The key-gather rule through varlen_attention equals SDPA with the explicit "prefix shared by two
+    continuations" mask over the whole row (a prompt of 5, continuations of 4 and 1 + 3, then a plain sequence)."""
+    from vlm_pack.attention import varlen_attention
+    from vlm_pack.preference_attention import gather_shared_keys
+
+    torch.manual_seed(0)
+    lengths, prefixes = [9, 4, 6], [(0, 0), (0, 4), (0, 0)]  # segment 1 = prompt[-1] + rejected, sees prompt[:4]
+    total = sum(lengths)
+    q, k, v = (torch.randn(1, heads, total, 8) for heads in (4, 2, 2))
+    shared = shared_prefix_keys(lengths, prefixes)
+    keys, values, cu_k, max_k = gather_shared_keys(shared, k, v)
+    cu_q = torch.tensor([0, 9, 13, 19], dtype=torch.int32)
+    out = varlen_attention(q[0].transpose(0, 1), keys[0].transpose(0, 1), values[0].transpose(0, 1), cu_q, cu_k,
+                           9, max_k, causal=True)
+    allowed = torch.zeros(total, total, dtype=torch.bool)
+    for start, length in ((0, 9), (9, 4), (13, 6)):
+        allowed[start:start + length, start:start + length] = torch.ones(length, length).tril().bool()
+    allowed[9:13, 0:4] = True
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    assert torch.allclose(out, expected[0].transpose(0, 1), atol=1e-6)
+    allowed[9:13, 4:9] = True  # corruption: the continuation also sees the other continuation
+    corrupted = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    assert not torch.allclose(out, corrupted[0].transpose(0, 1), atol=1e-3)

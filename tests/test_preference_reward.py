@@ -1,0 +1,94 @@
+"""Packed reward modelling equals TRL's own unpacked ``RewardTrainer``: per-sequence scores, the pairwise loss (with
+margins and ``center_rewards_coefficient``) and the gradients of one optimizer step under gradient accumulation 2,
+for a tiny Llama and Qwen2 with a sequence-classification head. TRL 1.16's ``RewardTrainer`` is text-only (its
+collator takes token ids), so no VLM reference exists there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import datasets
+import pytest
+import torch
+from transformers import LlamaForSequenceClassification, Qwen2ForSequenceClassification
+from trl import RewardConfig, RewardTrainer
+
+from preference_helpers import _WORDS, TOLERANCE, GradientsAtStep, pair_examples, relative_l2, word_tokenizer
+from vlm_pack.batch import METADATA_KEY
+from vlm_pack.preference import PackedRewardTrainer, RewardCollator, sequence_scores
+from vlm_pack.tiny_models import tiny_config
+
+_CLASSES = {"llama": LlamaForSequenceClassification, "qwen2": Qwen2ForSequenceClassification}
+
+
+def reward_model(family: str):
+    config = tiny_config(family, layers=1)
+    config.vocab_size, config.num_labels = len(_WORDS.split()), 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return _CLASSES[family]._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+@functools.lru_cache(maxsize=None)
+def run(family: str, packed: bool, tmp: str):
+    tokenizer = word_tokenizer()
+    examples = [{**e, "margin": 0.25 * i} for i, e in enumerate(pair_examples(images=False))]
+    args = RewardConfig(
+        output_dir=tmp, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1, optim="sgd",
+        learning_rate=0.1, max_grad_norm=0.0, use_cpu=True, bf16=False, gradient_checkpointing=False,
+        report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0,
+        center_rewards_coefficient=0.01, max_length=None,
+    )
+    grads = GradientsAtStep()
+    kwargs = dict(model=reward_model(family), args=args, train_dataset=datasets.Dataset.from_list(examples),
+                  processing_class=tokenizer, callbacks=[grads])
+    if packed:
+        trainer = PackedRewardTrainer(data_collator=RewardCollator(tokenizer.pad_token_id), **kwargs)
+    else:
+        trainer = RewardTrainer(**kwargs)
+    trainer.train()
+    return trainer, grads.grads, trainer.state.log_history[0]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("reward"))
+
+
+@pytest.mark.parametrize("family", sorted(_CLASSES))
+def test_reward_step_equals_trl(family, tmp, one_thread):
+    (reference, ref_grads, ref_logs), (packed, grads, logs) = run(family, False, tmp), run(family, True, tmp)
+    for key in ("loss", "margin", "accuracy", "min_reward", "mean_reward", "max_reward"):
+        assert abs(logs[key] - ref_logs[key]) <= TOLERANCE * max(1.0, abs(ref_logs[key])), key
+    assert relative_l2(grads, ref_grads) < TOLERANCE
+    # Per-sequence scores after the step: the stock model's own pooling on TRL's padded batch vs the packed row.
+    rows = [reference.train_dataset[i] for i in range(3)]
+    with torch.no_grad():
+        trl_scores = reference.model(**reference.data_collator(rows)).logits.view(2, -1).T.reshape(-1)
+        ours = sequence_scores(packed.model, packed.data_collator(rows)).reshape(-1)
+    assert float((ours - trl_scores).abs().max()) <= TOLERANCE * max(1.0, float(trl_scores.abs().max()))
+
+
+def test_corruption_score_at_row_end_fails(tmp, one_thread):
+    """Scoring each sequence one slot early (a pooling index off by one at every boundary) breaks the equality."""
+    reference, packed = run("llama", False, tmp)[0], run("llama", True, tmp)[0]
+    rows = [reference.train_dataset[i] for i in range(3)]
+    batch = packed.data_collator(rows)
+    layout = dict(batch[METADATA_KEY]["reward"])
+    layout["score_index"] = layout["score_index"] - 1
+    batch[METADATA_KEY] = {**batch[METADATA_KEY], "reward": layout}
+    with torch.no_grad():
+        trl_scores = reference.model(**reference.data_collator(rows)).logits.view(2, -1).T.reshape(-1)
+        ours = sequence_scores(packed.model, batch).reshape(-1)
+    assert float((ours - trl_scores).abs().max()) > 1e-3
+
+
+def test_refusals(tmp):
+    with pytest.raises(ValueError, match="RewardCollator"):
+        PackedRewardTrainer(model=reward_model("llama"),
+                            args=RewardConfig(output_dir=tmp, use_cpu=True, report_to="none"),
+                            train_dataset=datasets.Dataset.from_list(pair_examples(images=False)),
+                            processing_class=word_tokenizer())
+    with pytest.raises(ValueError, match="rejected_ids"):
+        RewardCollator(0)([{"chosen_ids": [1, 2], "rejected_ids": []}])
