@@ -279,12 +279,12 @@ def _gemma4_processor():
     from transformers.models.gemma4 import Gemma4Processor, Gemma4VideoProcessor
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
 
-    from vlm_pack.chat_template import GEMMA_TEMPLATE
-    from vlm_pack.tiny_models import gemma3_tokenizer, gemma4_image_processor
+    from vlm_pack.tiny_models import gemma3_tokenizer, gemma4_image_processor, official_template
 
     processor = Gemma4Processor(Gemma4AudioFeatureExtractor(), gemma4_image_processor(), gemma3_tokenizer(),
                                 Gemma4VideoProcessor(),
-                                chat_template=GEMMA_TEMPLATE.replace("<start_of_image>", "<image_soft_token>"))
+                                # the official template, its image marker spelled as the stand-in tokenizer's
+                                chat_template=official_template("gemma4").replace("<|image|>", "<image_soft_token>"))
     processor.boa_token, processor.eoa_token = "<|vision_start|>", "<|vision_end|>"
     return processor
 

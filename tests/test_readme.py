@@ -91,15 +91,6 @@ def test_the_only_skipped_block_is_the_set_up_one_and_its_commands_hold():
     assert demo.returncode == 0 and "usage: vlm-pack demo" in demo.stdout, demo.stderr
 
 
-def test_preference_section_trains(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
-    exec(block("PackedDPOTrainer("), namespace)
-    logps = namespace["trainer"].last_logps
-    assert logps.chosen.shape == logps.rejected.shape == (2,)
-    assert torch.isfinite(logps.chosen).all() and namespace["trainer"].state.global_step == 1
-
-
 def test_supported_families_table_lists_every_registered_family_with_its_proof():
     from vlm_pack.models import registered_families
 

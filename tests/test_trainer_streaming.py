@@ -13,11 +13,12 @@ import json
 
 import pytest
 from datasets import load_dataset
-from test_trainer import TOLERANCE, reference_grads, relative_error, sft_config, trainer_grads, training_args
+from test_trainer import reference_grads, relative_error, sft_config, trainer_grads, training_args
 from vlm_pack import PackedSFTTrainer, VLMPackingCollator, enable_packing, to_hf_dataset
 from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
 from vlm_pack.hf import DISPATCH_FIX
 from vlm_pack.tiny_models import tiny_model
+from tolerance import GRAD_REL_L2
 
 NO_DISPATCH = {"dispatch_batches": False}
 
@@ -43,7 +44,7 @@ def test_trainer_on_a_stream_with_workers_equals_unpacked(processor, vlm_setup, 
                          accelerator_config=NO_DISPATCH)
     error = relative_error(trainer_grads(model, stream, collator, args), reference)
     print(f"streaming Trainer: relative L2 {error:.2e}")
-    assert error < TOLERANCE
+    assert error < GRAD_REL_L2
 
 
 def test_dispatched_batches_are_refused_naming_the_flag(processor, vlm_setup, tmp_path):
@@ -71,4 +72,4 @@ def test_trl_on_a_streamed_jsonl_with_workers_equals_unpacked(processor, tmp_pat
     grads = trainer_grads(model, stream, collator, args, trainer_cls=PackedSFTTrainer, processing_class=processor)
     error = relative_error(grads, reference_grads("qwen2_vl", processor, examples))
     print(f"streaming TRL: relative L2 {error:.2e}")
-    assert error < TOLERANCE
+    assert error < GRAD_REL_L2

@@ -14,13 +14,15 @@ from . import FamilySpec, register_family, text_backbone
 _PROOF = "tests/test_vlm_families.py"
 _LAYER_KINDS = frozenset({"full_attention", "sliding_attention"})
 
+# What both processors write around and inside an image (the placeholder expands to patch tokens).
+_MEDIA = ("<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>")
 COHERE2 = register_family(FamilySpec(name="cohere2", model_types=("cohere2",), proof=_PROOF, layer_kinds=_LAYER_KINDS))
 AYA_VISION = register_family(FamilySpec(
     name="aya_vision", model_types=("aya_vision",), proof=_PROOF, layer_kinds=_LAYER_KINDS,
-    vision_rows={"pixel_values": "image_token"},
+    vision_rows={"pixel_values": "image_token"}, media_tokens=_MEDIA,
     extra_checks=(text_backbone("cohere2"),),
 ))
 COHERE2_VISION = register_family(FamilySpec(
     name="cohere2_vision", model_types=("cohere2_vision",), proof=_PROOF, layer_kinds=_LAYER_KINDS,
-    vision_rows={"pixel_values": "image_token"}, extra_checks=(text_backbone("cohere2"),),
+    vision_rows={"pixel_values": "image_token"}, extra_checks=(text_backbone("cohere2"),), media_tokens=_MEDIA,
 ))

@@ -10,4 +10,5 @@ from . import FamilySpec, register_family
 GLM46V = register_family(FamilySpec(
     name="glm46v", model_types=("glm46v",), proof="tests/test_vlm_families.py",
     positions="mrope", rope_index_model="Glm46VModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
+    media_tokens=("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"),
 ))

@@ -14,4 +14,5 @@ GLM4V_MOE = register_family(FamilySpec(
     name="glm4v_moe", model_types=("glm4v_moe",), proof="tests/test_vlm_families.py",
     positions="mrope", rope_index_model="Glm4vMoeModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
     extra_checks=(router_aux_loss_refused,),
+    media_tokens=("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"),
 ))

@@ -12,6 +12,6 @@ from . import FamilySpec, register_family, text_backbone
 
 IDEFICS2 = register_family(FamilySpec(
     name="idefics2", model_types=("idefics2",), proof="tests/test_vlm_families.py",
-    vision_rows={"pixel_values": "sample", "pixel_attention_mask": "sample"},
+    vision_rows={"pixel_values": "sample", "pixel_attention_mask": "sample"}, media_tokens=("<fake_token_around_image>",),
     extra_checks=(text_backbone("mistral", "llama", "qwen2", "qwen3"),),
 ))

@@ -27,7 +27,7 @@ def _restart_deltanet(model: Any) -> None:
 
 QWEN3_5_MOE = register_family(FamilySpec(
     name="qwen3_5_moe", model_types=("qwen3_5_moe",), proof="tests/test_vlm_families.py",
-    positions="mrope", rope_index_model="Qwen3_5MoeModel",
+    positions="mrope", rope_index_model="Qwen3_5MoeModel", media_tokens=("<|vision_start|>", "<|vision_end|>"),
     layer_kinds=frozenset({"full_attention", "linear_attention"}),
     token_keys=("input_ids", "labels", "mm_token_type_ids"),
     prepare_model=_restart_deltanet, context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,

@@ -14,5 +14,5 @@ from . import FamilySpec, register_family, router_aux_loss_refused
 QWEN3_VL_MOE = register_family(FamilySpec(
     name="qwen3_vl_moe", model_types=("qwen3_vl_moe",), proof="tests/test_vlm_families.py",
     positions="mrope", rope_index_model="Qwen3VLMoeModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
-    extra_checks=(router_aux_loss_refused,),
+    extra_checks=(router_aux_loss_refused,), media_tokens=("<|vision_start|>", "<|vision_end|>"),
 ))
