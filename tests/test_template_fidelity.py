@@ -259,15 +259,9 @@ MEDIA_TOKENS["smolvlm"] = MEDIA_TOKENS["idefics3"]
 MEDIA_TOKENS.update({name: MEDIA_TOKENS["qwen2_vl"] for name in ("qwen3_vl_moe", "qwen3_5_moe")})
 MEDIA_TOKENS.update({name: MEDIA_TOKENS["glm4v"] for name in ("glm4v_moe", "glm46v")})
 MEDIA_TOKENS.update({name: ["<image>"] for name in ("llava", "llava_next", "llava_next_video", "vipllava", "video_llava")})
-MEDIA_TOKENS["idefics2"] = ["<image>", "<fake_token_around_image>"]
 MEDIA_TOKENS.update({name: ["<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>"]
                      for name in ("aya_vision", "cohere2_vision")})
-# Idefics2: transformers' assistant mask is computed before the processor expands an image, so text AFTER an image
-# inside an assistant turn loses its labels (reference and collator alike). Open: a fail-closed check is needed.
-LABEL_FAMILIES = ["qwen2_vl", "gemma3", *(
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="Idefics2 assistant mask misses text after an "
-                                               "image (open bug)")) if name == "idefics2" else name
-    for name in TINY_VLM_FAMILIES)]
+LABEL_FAMILIES = ["qwen2_vl", "gemma3", *TINY_VLM_FAMILIES]
 
 
 def _family(name: str):

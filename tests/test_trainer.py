@@ -140,7 +140,7 @@ def run_recipe(family, processor, tokenizer, tmp_path, **trainer_kwargs):
 
 @pytest.mark.parametrize("family", TINY_VLM_FAMILIES)
 def test_trainer_gradient_accumulation_equals_unpacked_other_vlms(family, tmp_path):
-    """Every family of vlm_pack.tiny_families (LLaVA-OneVision, Mistral3, InternVL, Idefics2/3, SmolVLM, GLM-4V and
+    """Every family of vlm_pack.tiny_families (LLaVA-OneVision, Mistral3, InternVL, Idefics3, SmolVLM, GLM-4V and
     its MoE / 4.6V, the Qwen MoE VLMs, the LLaVA family, Aya / Cohere 2 Vision): their own offline processors and
     models, the same recipe and reference as below."""
     processor = tiny_vlm_processor(family)

@@ -181,7 +181,7 @@ EXACT_CASES = [
     ("idefics3", 3, 4), ("smolvlm", 5, 5), ("glm4v", 4, 6),
 ]
 # Families registered later are proven on edge_examples() (a superset of the mixed batch) instead.
-EDGE_FAMILIES = ["qwen3_vl_moe", "llava", "llava_next", "llava_next_video", "glm4v_moe", "qwen3_5_moe", "idefics2",
+EDGE_FAMILIES = ["qwen3_vl_moe", "llava", "llava_next", "llava_next_video", "glm4v_moe", "qwen3_5_moe",
                  "aya_vision", "glm46v", "vipllava", "cohere2_vision", "video_llava"]
 FAMILIES = [family for family, _, _ in EXACT_CASES] + EDGE_FAMILIES
 # Composite families whose language model is a separate registered text family (the others bring their own).
@@ -406,6 +406,7 @@ def test_unproven_language_model_is_refused(family):
     ("Llama4Config", "chunked attention over packed rows is not implemented", "attend across chunk borders"),
     ("MllamaConfig", "cross-attention isolation over packed rows is not implemented", "another sample's image"),
     ("Qwen2_5OmniThinkerConfig", "the Omni thinker.s time-aligned mRoPE", "wrong position"),
+    ("Idefics2Config", "labels cannot be placed for Idefics2", "labels land on the wrong tokens"),
 ])
 def test_known_unproven_families_are_refused_with_the_missing_rule(config_class, rule, wrong):
     """Families whose exact packing needs a rule vlm_pack lacks: the refusal names the rule and what

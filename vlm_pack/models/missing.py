@@ -35,6 +35,12 @@ _OMNI = MissingRule(
 )
 
 MISSING_RULES: dict[str, MissingRule] = {
+    "idefics2": MissingRule(
+        "labels cannot be placed for Idefics2: transformers' Idefics2Processor reports the assistant-token mask of a "
+        "chat before it expands each <image> into its image tokens, and vlm_pack has no mask of its own for it",
+        "assistant labels land on the wrong tokens after every image (measured: an answer after an image loses "
+        "its labels, and a one-word answer none at all)",
+    ),
     "paligemma": _PREFIX_LM,
     "llama4": MissingRule(
         "chunked attention over packed rows is not implemented (chunked layers split each sample at every "
