@@ -32,8 +32,8 @@ from transformers import DataCollatorWithFlattening
 from vlm_pack.batch import packing_metadata
 from vlm_pack.chat import encode_conversations, normalize_example
 from vlm_pack.collator import VLMPackingCollator
-from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
-from vlm_pack.tiny_models import offline_qwen2vl_processor, qwen_tokenizer, tiny_config
+from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
+from vlm_pack.testing.tiny_models import offline_qwen2vl_processor, qwen_tokenizer, tiny_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MICRO_BATCH = 8

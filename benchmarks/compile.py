@@ -31,7 +31,7 @@ import torch
 
 from vlm_pack import pack_batch_sequences
 from vlm_pack.hf import enable_packing
-from vlm_pack.tiny_models import tiny_model
+from vlm_pack.testing.tiny_models import tiny_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VLM_PACK_INPUTS = ("cu_seq_lens", "max_length_", "vlm_pack/")

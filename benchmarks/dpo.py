@@ -34,9 +34,9 @@ import torch
 import transformers
 from trl import DPOConfig, DPOTrainer
 
-from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
+from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
 from vlm_pack.preference import PackedDPOTrainer, PreferenceCollator
-from vlm_pack.tiny_models import offline_qwen2vl_processor, tiny_model
+from vlm_pack.testing.tiny_models import offline_qwen2vl_processor, tiny_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYOUTS = ("trl", "packed", "shared")

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from vlm_pack import pack_batch_sequences
 from vlm_pack.hf import enable_packing
 from vlm_pack.linear_attention import packed_layout, segmented_causal_conv1d, segmented_gated_delta_rule
-from vlm_pack.tiny_models import tiny_model
+from vlm_pack.testing.tiny_models import tiny_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VOCAB = 5000

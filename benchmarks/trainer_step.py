@@ -30,8 +30,8 @@ from transformers import Trainer, TrainingArguments
 
 from vlm_pack import VLMPackingCollator, enable_packing
 from vlm_pack.batch import packing_metadata
-from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
-from vlm_pack.tiny_models import offline_qwen2vl_processor, tiny_model
+from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
+from vlm_pack.testing.tiny_models import offline_qwen2vl_processor, tiny_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -20,7 +20,7 @@ from vlm_pack.hf import ATTN_IMPLEMENTATION, enable_packing, register_attention
 from vlm_pack.offline import prepare_packed_sequence_data
 from vlm_pack.offline.storage import metadata_path, split_path
 from vlm_pack.recipe import Recipe, offline_packed_datasets
-from vlm_pack.tiny_models import qwen_tokenizer_path, tiny_model
+from vlm_pack.testing.tiny_models import qwen_tokenizer_path, tiny_model
 from vlm_pack.train import train
 
 

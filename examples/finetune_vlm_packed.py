@@ -19,7 +19,7 @@ from vlm_pack.collator import VLMPackingCollator
 from vlm_pack.demo import demo_examples
 from vlm_pack.hf import ATTN_IMPLEMENTATION, enable_packing, register_attention
 from vlm_pack.recipe import Recipe
-from vlm_pack.tiny_models import offline_qwen2vl_processor, tiny_model
+from vlm_pack.testing.tiny_models import offline_qwen2vl_processor, tiny_model
 from vlm_pack.train import train
 
 

@@ -34,7 +34,7 @@ from vlm_pack import VLMPackingCollator  # noqa: E402
 from vlm_pack.hf import enable_packing  # noqa: E402
 from vlm_pack.offline.dataset import PackedDataset, PackedSFTDataset  # noqa: E402
 from vlm_pack.offline.storage import PackedArrays, build_index, write_packed  # noqa: E402
-from vlm_pack.tiny_models import offline_qwen2vl_processor, qwen_tokenizer, tiny_model  # noqa: E402
+from vlm_pack.testing.tiny_models import offline_qwen2vl_processor, qwen_tokenizer, tiny_model  # noqa: E402
 
 WORLD = 2
 COMPARE = "compare"  # a case's (reference key, its step-1 gradients, reference builder): scored later
@@ -141,7 +141,7 @@ def packed_sft_case(out: str, average_tokens: bool = True) -> dict:
 
 def token_budget_case(out: str) -> dict:
     from vlm_pack.budget import TokenBudgetPackDataset, measure_lengths, plan_token_budget_packs
-    from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
+    from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
 
     processor = offline_qwen2vl_processor()
     examples = photo_examples(4, seed=3, max_side=84) + easy_vqa_examples(4, seed=3) + text_chat_examples(4, seed=3)

@@ -30,7 +30,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 @pytest.fixture(scope="session")
 def processor():
     """The offline Qwen2-VL processor (real Qwen tokenizer + image processor); built once, never mutated."""
-    from vlm_pack.tiny_models import offline_qwen2vl_processor
+    from vlm_pack.testing.tiny_models import offline_qwen2vl_processor
 
     return offline_qwen2vl_processor()
 
@@ -38,7 +38,7 @@ def processor():
 @pytest.fixture(scope="module")
 def qwen2_config():
     """A fresh tiny Qwen2-VL config, one per test module."""
-    from vlm_pack.tiny_models import tiny_config
+    from vlm_pack.testing.tiny_models import tiny_config
 
     return tiny_config("qwen2_vl")
 
@@ -58,7 +58,7 @@ def aligned_packs(tmp_path_factory):
     from pathlib import Path
 
     from vlm_pack.offline import prepare_packed_sequence_data
-    from vlm_pack.tiny_models import qwen_tokenizer_path
+    from vlm_pack.testing.tiny_models import qwen_tokenizer_path
 
     source = Path(__file__).resolve().parents[1] / "examples" / "data" / "sft_sample.jsonl"
     written = prepare_packed_sequence_data(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import TrainerCallback
 
-from vlm_pack.data import _fit, sample_photos
+from vlm_pack.testing.data import _fit, sample_photos
 from tolerance import GRAD_REL_L2
 
 TOLERANCE = GRAD_REL_L2  # a stated relative bound (tests/tolerance.py): fp32 noise here is ~5e-7 (gradients), ~1e-7 (losses)

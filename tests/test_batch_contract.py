@@ -17,14 +17,14 @@ from datasets import Dataset
 
 from vlm_pack.batch import METADATA_KEY, model_inputs
 from vlm_pack.collator import VLMPackingCollator
-from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
+from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
 from vlm_pack.hf import enable_packing
 from vlm_pack.loss import packed_cross_entropy
 from vlm_pack.models import registered_families
 from vlm_pack.offline.dataset import PackedDataset, PackedSFTDataset
 from vlm_pack.offline.storage import PackedArrays, build_index, write_packed
-from vlm_pack.tiny_families import TINY_VLM_FAMILIES
-from vlm_pack.tiny_models import (
+from vlm_pack.testing.tiny_families import TINY_VLM_FAMILIES
+from vlm_pack.testing.tiny_models import (
     TINY_FAMILIES, offline_gemma3_processor, qwen_tokenizer, tiny_config, tiny_model,
 )
 
@@ -54,7 +54,7 @@ def family_batch(family: str, processor, tokenizer, **kwargs) -> dict:
 
 
 def test_every_registered_family_is_covered():
-    # Families built by vlm_pack.tiny_families (and Mistral, Cohere 2 text) call model(**batch) with the metadata entry in
+    # Families built by vlm_pack.testing.tiny_families (and Mistral, Cohere 2 text) call model(**batch) with the metadata entry in
     # tests/test_vlm_families.py (compare: logits and the model's own loss vs each sample alone).
     covered = set(TINY_FAMILIES) | set(TINY_VLM_FAMILIES) | {"mistral", "cohere2"}
     assert {spec.name for spec in registered_families().values()} <= covered

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vlm_pack.hf import enable_packing
-from vlm_pack.tiny_models import tiny_model
+from vlm_pack.testing.tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,7 +15,7 @@ from vlm_pack.budget import TokenBudgetPackDataset, TokenBudgetPlan, measure_len
 from vlm_pack.budget.lengths import SampleLengths
 from vlm_pack.batch import model_inputs
 from vlm_pack.collator import VLMPackingCollator
-from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
+from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def _image_example(height: int, width: int) -> dict:
 @pytest.fixture(scope="module")
 def wide_collator(qwen2_config):
     """A processor whose pixel bounds let many sizes map to different token counts (4..256 tokens)."""
-    from vlm_pack.tiny_models import offline_qwen2vl_processor
+    from vlm_pack.testing.tiny_models import offline_qwen2vl_processor
 
     processor = offline_qwen2vl_processor(min_pixels=28 * 28, max_pixels=448 * 448)
     return VLMPackingCollator(processor, max_length=4096, model_config=qwen2_config)
@@ -139,7 +139,7 @@ def test_fixed_width_packs_through_a_dataloader_with_workers(collator, mix):
 def test_a_pack_through_the_model_equals_its_samples_alone(processor, mix):
     """Pack vs each sample ALONE through the stock sdpa Qwen2-VL (loss the plain HF way)."""
     from vlm_pack.hf import enable_packing
-    from vlm_pack.tiny_models import tiny_model
+    from vlm_pack.testing.tiny_models import tiny_model
 
     stock = tiny_model("qwen2_vl", attn_implementation="sdpa")
     packed_model = enable_packing(tiny_model("qwen2_vl", attn_implementation="sdpa"))
@@ -216,7 +216,7 @@ def test_token_budget_packs_train_exactly_in_the_hf_trainer(processor, mix, tmp_
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from vlm_pack.hf import enable_packing
-    from vlm_pack.tiny_models import tiny_model
+    from vlm_pack.testing.tiny_models import tiny_model
 
     chosen = [mix[0], mix[12], mix[25], mix[1], mix[13], mix[26]]
     packed_model = enable_packing(tiny_model("qwen2_vl", layers=1))
@@ -279,7 +279,7 @@ def _gemma4_processor():
     from transformers.models.gemma4 import Gemma4Processor, Gemma4VideoProcessor
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
 
-    from vlm_pack.tiny_models import gemma3_tokenizer, gemma4_image_processor, official_template
+    from vlm_pack.testing.tiny_models import gemma3_tokenizer, gemma4_image_processor, official_template
 
     processor = Gemma4Processor(Gemma4AudioFeatureExtractor(), gemma4_image_processor(), gemma3_tokenizer(),
                                 Gemma4VideoProcessor(),
@@ -290,8 +290,8 @@ def _gemma4_processor():
 
 
 def _family_collator(family: str) -> VLMPackingCollator:
-    from vlm_pack.tiny_families import tiny_vlm, tiny_vlm_processor
-    from vlm_pack.tiny_models import offline_gemma3_processor, tiny_config
+    from vlm_pack.testing.tiny_families import tiny_vlm, tiny_vlm_processor
+    from vlm_pack.testing.tiny_models import offline_gemma3_processor, tiny_config
 
     if family in ("gemma3", "gemma4"):
         processor = offline_gemma3_processor() if family == "gemma3" else _gemma4_processor()

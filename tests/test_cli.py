@@ -15,7 +15,7 @@ from vlm_pack.cli import SUBCOMMANDS, build_parser, main
 from vlm_pack.offline.output import LOCK_NAME
 from vlm_pack.offline.prepare import prepare_packed_sequence_data
 from vlm_pack.offline.verify import find_packed_dir
-from vlm_pack.tiny_models import qwen_tokenizer_path
+from vlm_pack.testing.tiny_models import qwen_tokenizer_path
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "examples" / "data" / "sft_sample.jsonl"
@@ -146,7 +146,7 @@ def test_verify_names_several_candidates_or_the_expected_layout(tmp_path, warm_c
 
 
 def test_plan_vlm_warns_when_packs_are_fewer_than_data_parallel_ranks(tmp_path, processor, qwen2_config, capsys):
-    from vlm_pack.data import text_chat_examples
+    from vlm_pack.testing.data import text_chat_examples
 
     processor.save_pretrained(tmp_path / "ckpt")
     qwen2_config.save_pretrained(tmp_path / "ckpt")

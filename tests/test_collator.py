@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from vlm_pack.collator import CollatorStats, VLMPackingCollator, model_inputs
 from vlm_pack.config import PackingConfig
-from vlm_pack.data import easy_vqa_examples, photo_examples, sample_photos, text_chat_examples
-from vlm_pack.tiny_models import qwen_tokenizer, qwen_tokenizer_path, tiny_model
+from vlm_pack.testing.data import easy_vqa_examples, photo_examples, sample_photos, text_chat_examples
+from vlm_pack.testing.tiny_models import qwen_tokenizer, qwen_tokenizer_path, tiny_model
 
 IGNORE = -100
 

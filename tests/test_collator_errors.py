@@ -9,9 +9,9 @@ from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 from vlm_pack.collator import VLMPackingCollator
-from vlm_pack.data import sample_photos
+from vlm_pack.testing.data import sample_photos
 from vlm_pack.rope_index import MRopeIndex
-from vlm_pack.tiny_models import qwen_tokenizer, tiny_config
+from vlm_pack.testing.tiny_models import qwen_tokenizer, tiny_config
 
 
 # ``processor``, ``qwen2_config`` and ``collator`` come from conftest.py.

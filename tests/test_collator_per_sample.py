@@ -6,9 +6,9 @@ import torch
 
 import vlm_pack.collator as collator_module
 from vlm_pack.collator import VLMPackingCollator
-from vlm_pack.data import text_chat_examples
+from vlm_pack.testing.data import text_chat_examples
 from vlm_pack.packing import pack_batch_sequences
-from vlm_pack.tiny_models import qwen_tokenizer
+from vlm_pack.testing.tiny_models import qwen_tokenizer
 
 
 @pytest.fixture(scope="module")

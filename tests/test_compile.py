@@ -11,7 +11,7 @@ import torch._dynamo.testing
 
 from vlm_pack import attention, pack_batch_sequences
 from vlm_pack.hf import enable_packing
-from vlm_pack.tiny_models import tiny_model
+from vlm_pack.testing.tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,7 +17,7 @@ from PIL import Image
 from vlm_pack.attention import varlen_attention
 from vlm_pack.batch import mask_first_labels
 from vlm_pack.collator import VLMPackingCollator
-from vlm_pack.data import photo_examples, text_chat_examples
+from vlm_pack.testing.data import photo_examples, text_chat_examples
 
 IGNORE = -100
 

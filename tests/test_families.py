@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from vlm_pack import pack_batch_sequences
 from vlm_pack.hf import enable_packing
 from vlm_pack.models import UnsupportedModelError, get_family, registered_families
-from vlm_pack.tiny_models import tiny_config, tiny_model
+from vlm_pack.testing.tiny_models import tiny_config, tiny_model
 
 from tolerance import NoiseFloor, fp64_copy, max_abs
 
@@ -146,7 +146,7 @@ def test_a_packed_forward_fills_no_cache_and_the_config_is_left_alone(family):
 def test_processor_of_another_family_is_refused(processor):
     """Qwen2-VL's processor emits per-token mm_token_type_ids, which Gemma 3 does not take: a clear error."""
     from vlm_pack.collator import VLMPackingCollator
-    from vlm_pack.data import photo_examples
+    from vlm_pack.testing.data import photo_examples
 
     collator = VLMPackingCollator(processor, max_length=512, model_config=tiny_config("gemma3"))
     with pytest.raises(ValueError, match="'mm_token_type_ids' with one value per token, which the gemma3 family"):

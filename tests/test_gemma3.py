@@ -7,7 +7,7 @@ CPU). Tiny model: 3 text layers (sliding window 6, full, sliding: the third show
 layers), 1 SigLIP block, 16 soft tokens per image.
 
 Substituted (no hub here): the Gemma tokenizer is the real Qwen tokenizer with Gemma 3's special tokens added
-(``vlm_pack.tiny_models.gemma3_tokenizer``); the chat template is ``vlm_pack.chat.GEMMA_TEMPLATE`` (Gemma turn
+(``vlm_pack.testing.tiny_models.gemma3_tokenizer``); the chat template is ``vlm_pack.chat.GEMMA_TEMPLATE`` (Gemma turn
 format with ``{% generation %}`` blocks). The processor and image processor are transformers' own Gemma 3 classes.
 Images come from ``skimage.data``.
 """
@@ -27,7 +27,7 @@ from vlm_pack.attention import available_backends, document_block_mask, varlen_a
 from vlm_pack.collator import VLMPackingCollator, model_inputs
 from vlm_pack.hf import enable_packing
 from vlm_pack.models import ImageBlockRule, UnsupportedModelError, get_family
-from vlm_pack.tiny_models import offline_gemma3_processor, tiny_config, tiny_model
+from vlm_pack.testing.tiny_models import offline_gemma3_processor, tiny_config, tiny_model
 
 from tolerance import NoiseFloor, assert_grads_close, fp64_copy, fp64_inputs, max_abs
 LAYERS = 3

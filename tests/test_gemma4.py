@@ -26,7 +26,7 @@ import vlm_pack.hf as hf
 from vlm_pack import pack_batch_sequences
 from vlm_pack.hf import enable_packing
 from vlm_pack.models import ImageBlockRule, UnsupportedModelError, get_family
-from vlm_pack.tiny_models import gemma4_image_processor, tiny_config
+from vlm_pack.testing.tiny_models import gemma4_image_processor, tiny_config
 
 from tolerance import NoiseFloor, assert_grads_close, fp64_copy, max_abs
 BOI, EOI, IMAGE = 5001, 5002, 151671  # image begin/end are ordinary tokens to the model

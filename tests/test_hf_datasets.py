@@ -8,9 +8,9 @@ from datasets import Dataset
 
 from vlm_pack import to_hf_dataset
 from vlm_pack.collator import VLMPackingCollator
-from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
+from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
 from vlm_pack.offline.dataset import PackedDataset
-from vlm_pack.tiny_models import qwen_tokenizer, tiny_config
+from vlm_pack.testing.tiny_models import qwen_tokenizer, tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -204,7 +204,7 @@ def test_vlm_packed_text_and_vision_equal_per_sample(family):
 
     Run in float64: the comparison is then exact up to ~1e-12 (fp32 differs by ~2e-5 only through rounding of
     these tiny models' large activations)."""
-    from vlm_pack.tiny_models import tiny_model
+    from vlm_pack.testing.tiny_models import tiny_model
 
     spy_name = f"vlm_pack_spy_{family}"
     register_attention(spy_name)

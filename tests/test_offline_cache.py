@@ -13,7 +13,7 @@ import pytest
 from vlm_pack.offline import prepare
 from vlm_pack.offline.prepare import prepare_packed_sequence_data
 from vlm_pack.offline.storage import open_packed
-from vlm_pack.tiny_models import qwen_tokenizer_path
+from vlm_pack.testing.tiny_models import qwen_tokenizer_path
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "examples" / "data" / "sft_sample.jsonl"

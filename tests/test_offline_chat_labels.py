@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from vlm_pack.offline.prepare import prepare_packed_sequence_data
 from vlm_pack.offline.storage import open_packed
-from vlm_pack.tiny_models import qwen_tokenizer_path
+from vlm_pack.testing.tiny_models import qwen_tokenizer_path
 
 CONVERSATIONS = [
     # the reply also occurs, earlier, in the user's question

@@ -9,7 +9,7 @@ import pytest
 
 from vlm_pack.cli import main
 from vlm_pack.offline.storage import open_packed
-from vlm_pack.tiny_models import qwen_tokenizer_path
+from vlm_pack.testing.tiny_models import qwen_tokenizer_path
 
 SAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "data" / "sft_sample.jsonl"
 GOOD = [json.loads(line) for line in SAMPLE.read_text().splitlines()[:3]]

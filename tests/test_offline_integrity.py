@@ -19,7 +19,7 @@ from vlm_pack.offline.output import LOCK_NAME, OutputLockedError, RunOutput
 from vlm_pack.offline.prepare import prepare_packed_sequence_data
 from vlm_pack.offline.storage import metadata_path, open_packed, read_metadata, sibling_paths, split_path
 from vlm_pack.offline.verify import verify_packed
-from vlm_pack.tiny_models import qwen_tokenizer_path
+from vlm_pack.testing.tiny_models import qwen_tokenizer_path
 
 SAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "data" / "sft_sample.jsonl"
 RECORDS = [json.loads(line) for line in SAMPLE.read_text().splitlines()]

@@ -11,7 +11,7 @@ from vlm_pack.cli import main
 from vlm_pack.offline.dataset import PackedSFTDataset
 from vlm_pack.offline.prepare import ALPACA_PROMPT, prepare_packed_sequence_data
 from vlm_pack.offline.storage import PACK_INDEX_DTYPE, open_packed, read_metadata
-from vlm_pack.tiny_models import qwen_tokenizer_path
+from vlm_pack.testing.tiny_models import qwen_tokenizer_path
 
 SAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "data" / "sft_sample.jsonl"
 TOKENIZER_DIR = qwen_tokenizer_path()

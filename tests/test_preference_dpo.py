@@ -21,7 +21,7 @@ from preference_helpers import _WORDS, TOLERANCE, GradientsAtStep, pair_examples
 from vlm_pack.batch import METADATA_KEY
 from vlm_pack.preference import LOSS_TYPES, PackedDPOTrainer, PreferenceCollator, sequence_logps
 from vlm_pack.preference_attention import SHARED_PREFIX_KWARG, shared_prefix_keys
-from vlm_pack.tiny_models import offline_gemma3_processor, offline_qwen2vl_processor, tiny_model
+from vlm_pack.testing.tiny_models import offline_gemma3_processor, offline_qwen2vl_processor, tiny_model
 
 
 

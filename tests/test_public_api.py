@@ -19,3 +19,20 @@ def test_unknown_attribute_is_an_attribute_error():
 def test_cli_has_every_subcommand():
     help_text = build_parser().format_help()
     assert all(name in help_text for name in SUBCOMMANDS)
+
+
+def test_library_never_imports_the_fixtures():
+    """Every module of the library but the demo (a user of it) imports without loading ``vlm_pack.testing``."""
+    import pkgutil
+    import subprocess
+    import sys
+
+    import vlm_pack
+
+    modules = [m.name for m in pkgutil.walk_packages(vlm_pack.__path__, "vlm_pack.")
+               if not m.name.startswith("vlm_pack.testing") and m.name not in ("vlm_pack.demo", "vlm_pack.__main__")]
+    code = ("import importlib, sys\n"
+            f"for name in {modules!r}:\n    importlib.import_module(name)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('vlm_pack.testing')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

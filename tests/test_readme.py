@@ -2,8 +2,8 @@
 
 The rules a README block follows (a new block that breaks them fails here):
 
-* A block is self-contained: its first lines build what it uses (the shipped stand-ins of ``vlm_pack.tiny_models``,
-  ``vlm_pack.tiny_families``, ``vlm_pack.data``, ``vlm_pack.assets``), or its first line is
+* A block is self-contained: its first lines build what it uses (the shipped stand-ins of ``vlm_pack.testing.tiny_models``,
+  ``vlm_pack.testing.tiny_families``, ``vlm_pack.testing.data``, ``vlm_pack.assets``), or its first line is
   ``# continues the block above``: it then runs right after that block, in the same scratch folder (files the
   block above wrote) and, for python, the same namespace. Nothing is injected.
 * A self-contained block and the blocks continuing it form one test case (parametrized, so ``pytest -n 2`` runs

@@ -36,7 +36,7 @@ def test_max_seqlen_covers_a_long_fill_segment(lengths, multiple, pad_to_length)
 
 
 def test_image_inside_an_assistant_turn_gets_no_labels(collator, processor):
-    from vlm_pack.data import sample_photos
+    from vlm_pack.testing.data import sample_photos
 
     photo = sample_photos(56)["chelsea"]
     answer = "A cat, sitting."

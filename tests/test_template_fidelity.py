@@ -22,8 +22,8 @@ from vlm_pack.chat import load_image
 from vlm_pack.collator import VLMPackingCollator
 from vlm_pack.hf import enable_packing
 from vlm_pack.offline.encoding import SampleEncoder, SampleFormat
-from vlm_pack.tiny_families import TINY_VLM_FAMILIES, tiny_vlm, tiny_vlm_processor
-from vlm_pack.tiny_models import (
+from vlm_pack.testing.tiny_families import TINY_VLM_FAMILIES, tiny_vlm, tiny_vlm_processor
+from vlm_pack.testing.tiny_models import (
     offline_gemma3_processor, offline_qwen2vl_processor, official_template, qwen_tokenizer, tiny_config, tiny_model,
 )
 

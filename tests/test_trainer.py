@@ -24,13 +24,13 @@ import vlm_pack.models
 import vlm_pack.offline.dataset
 from vlm_pack.batch import model_inputs
 from vlm_pack.collator import VLMPackingCollator
-from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
+from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
 from vlm_pack.hf import enable_packing
 from vlm_pack.models import get_family
 from vlm_pack.offline.dataset import PackedDataset, PackedSFTDataset
 from vlm_pack.offline.storage import PackedArrays, build_index, write_packed
-from vlm_pack.tiny_families import TINY_VLM_FAMILIES, tiny_vlm, tiny_vlm_processor
-from vlm_pack.tiny_models import TINY_FAMILIES, offline_gemma3_processor, qwen_tokenizer, tiny_config, tiny_model
+from vlm_pack.testing.tiny_families import TINY_VLM_FAMILIES, tiny_vlm, tiny_vlm_processor
+from vlm_pack.testing.tiny_models import TINY_FAMILIES, offline_gemma3_processor, qwen_tokenizer, tiny_config, tiny_model
 
 from tolerance import GRAD_REL_L2
 
@@ -140,7 +140,7 @@ def run_recipe(family, processor, tokenizer, tmp_path, **trainer_kwargs):
 
 @pytest.mark.parametrize("family", TINY_VLM_FAMILIES)
 def test_trainer_gradient_accumulation_equals_unpacked_other_vlms(family, tmp_path):
-    """Every family of vlm_pack.tiny_families (LLaVA-OneVision, Mistral3, InternVL, Idefics3, SmolVLM, GLM-4V and
+    """Every family of vlm_pack.testing.tiny_families (LLaVA-OneVision, Mistral3, InternVL, Idefics3, SmolVLM, GLM-4V and
     its MoE / 4.6V, the Qwen MoE VLMs, the LLaVA family, Aya / Cohere 2 Vision): their own offline processors and
     models, the same recipe and reference as below."""
     processor = tiny_vlm_processor(family)

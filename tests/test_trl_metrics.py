@@ -15,9 +15,9 @@ import vlm_pack
 from test_trainer import sft_config
 from vlm_pack.batch import model_inputs
 from vlm_pack.collator import VLMPackingCollator
-from vlm_pack.data import text_chat_examples
+from vlm_pack.testing.data import text_chat_examples
 from vlm_pack.hf import enable_packing
-from vlm_pack.tiny_models import tiny_model
+from vlm_pack.testing.tiny_models import tiny_model
 
 
 @pytest.fixture(scope="module")

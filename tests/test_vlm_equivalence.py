@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from vlm_pack.collator import VLMPackingCollator, model_inputs
-from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
+from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
 from vlm_pack.hf import ATTN_IMPLEMENTATION, enable_packing
 from vlm_pack.loss import packed_cross_entropy
-from vlm_pack.tiny_models import qwen_tokenizer, tiny_model
+from vlm_pack.testing.tiny_models import qwen_tokenizer, tiny_model
 
 from tolerance import NoiseFloor, assert_grads_close, fp64_copy, fp64_inputs
 BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")

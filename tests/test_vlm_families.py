@@ -25,11 +25,11 @@ from transformers import GPT2Config
 
 from vlm_pack.batch import packing_metadata
 from vlm_pack.collator import VLMPackingCollator, model_inputs
-from vlm_pack.data import easy_vqa_examples, photo_examples, text_chat_examples
+from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
 from vlm_pack.hf import enable_packing
 from vlm_pack.models import UnsupportedModelError, get_family
-from vlm_pack.tiny_families import tiny_vlm, tiny_vlm_processor
-from vlm_pack.tiny_models import qwen_tokenizer, tiny_config
+from vlm_pack.testing.tiny_families import tiny_vlm, tiny_vlm_processor
+from vlm_pack.testing.tiny_models import qwen_tokenizer, tiny_config
 
 from tolerance import GRAD_REL_L2, NoiseFloor, fp64_copy, fp64_inputs, grad_errors
 
@@ -203,7 +203,7 @@ def edge_examples() -> list[dict]:
     """What a real SFT micro-batch holds besides plain photo Q&A: a system prompt with a one-word answer, an image
     inside an assistant turn (multi-turn), a text-only chat with a system prompt, and a sample with images of two
     different sizes (so the samples' image-token counts and crop counts differ)."""
-    from vlm_pack.data import sample_photos
+    from vlm_pack.testing.data import sample_photos
 
     photos = sample_photos(84)
     system = {"role": "system", "content": "You are a terse assistant."}
@@ -255,7 +255,7 @@ BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length
 def swap_examples(seed: int = 0) -> list[dict]:
     """Two single-image samples whose images have the SAME size (well-formed when swapped), a text-only one and
     a multi-image one."""
-    from vlm_pack.data import sample_photos
+    from vlm_pack.testing.data import sample_photos
 
     pictures = sample_photos(84)
     first, second = (
@@ -435,7 +435,7 @@ def test_mistral3_with_an_unproven_language_model_is_refused():
 def _windowed(kind: str, window: int | None, vocab_size: int):
     from transformers import Cohere2ForCausalLM, MistralForCausalLM
 
-    from vlm_pack.tiny_families import cohere2_text_config, mistral_text_config
+    from vlm_pack.testing.tiny_families import cohere2_text_config, mistral_text_config
 
     build = {"mistral": (mistral_text_config, MistralForCausalLM), "cohere2": (cohere2_text_config, Cohere2ForCausalLM)}
     config_fn, model_cls = build[kind]

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .data import easy_vqa_examples, photo_examples, text_chat_examples
+from .testing.data import easy_vqa_examples, photo_examples, text_chat_examples
 
 __all__ = ["DemoResult", "LAYOUTS", "StepRecord", "run_demo"]
 
@@ -118,7 +118,7 @@ def run_demo(steps: int = 8, micro_batch_size: int = 4, seed: int = 0, lr: float
     from .batch import packing_metadata
     from .collator import VLMPackingCollator
     from .hf import ATTN_IMPLEMENTATION, register_attention
-    from .tiny_models import offline_qwen2vl_processor, tiny_model
+    from .testing.tiny_models import offline_qwen2vl_processor, tiny_model
     from .train import train_step
 
     register_attention()

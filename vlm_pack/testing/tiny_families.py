@@ -6,7 +6,7 @@ parameters (tiny crops), and a ChatML template that marks assistant turns and wr
 placeholder. The image-token expansion, pixel layout and per-image metadata are therefore the family's real
 code; only the vocabulary (Qwen's, not the family's) and the prompt format (ChatML) are substituted.
 
-Models are built from config objects like ``vlm_pack.tiny_models`` (hidden 64, 1-2 layers, tiny vision tower,
+Models are built from config objects like ``vlm_pack.testing.tiny_models`` (hidden 64, 1-2 layers, tiny vision tower,
 larger-than-usual ``initializer_range`` so a wrong mask or position visibly changes the loss).
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, ProcessorMixin
 
-from .chat import CHATML_TEMPLATE
+from ..chat import CHATML_TEMPLATE
 from .tiny_models import TINY_VISION_TOWER, official_template, qwen_tokenizer
 
 __all__ = ["TINY_VLM_FAMILIES", "chatml_template", "tiny_vlm", "tiny_vlm_processor"]
@@ -364,7 +364,7 @@ def _qwen3_vl_moe_processor() -> ProcessorMixin:
 
 
 def _qwen3_vl_moe_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
-    """Qwen3-VL's tiny config (vlm_pack.tiny_models) with 4 experts, 2 per token, in every decoder layer."""
+    """Qwen3-VL's tiny config (vlm_pack.testing.tiny_models) with 4 experts, 2 per token, in every decoder layer."""
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
     from .tiny_models import tiny_config
@@ -383,7 +383,7 @@ def _qwen3_vl_moe_model(processor, initializer_range: float, layers: int, attn: 
 
 
 def _qwen3_5_moe_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
-    """Qwen3.5's tiny config (vlm_pack.tiny_models: DeltaNet and full-attention layers alternating, linear first)
+    """Qwen3.5's tiny config (vlm_pack.testing.tiny_models: DeltaNet and full-attention layers alternating, linear first)
     with 4 experts, 2 per token, plus the shared expert."""
     from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
@@ -685,12 +685,12 @@ _BUILDERS = {
     "qwen3_vl_moe": _Builder(
         _qwen3_vl_moe_processor,
         _qwen3_vl_moe_model,
-        "the offline Qwen2-VL processor of vlm_pack.tiny_models (14-px patches), as the tiny Qwen3-VL uses",
+        "the offline Qwen2-VL processor of vlm_pack.testing.tiny_models (14-px patches), as the tiny Qwen3-VL uses",
     ),
     "qwen3_5_moe": _Builder(
         _qwen3_vl_moe_processor,
         _qwen3_5_moe_model,
-        "the offline Qwen2-VL processor of vlm_pack.tiny_models (14-px patches), as the tiny Qwen3.5 uses",
+        "the offline Qwen2-VL processor of vlm_pack.testing.tiny_models (14-px patches), as the tiny Qwen3.5 uses",
     ),
     "llava": _Builder(
         _llava_processor,

@@ -51,7 +51,7 @@ from transformers import (
 )
 from transformers.configuration_utils import PreTrainedConfig
 
-from .assets import qwen_tokenizer_path
+from ..assets import qwen_tokenizer_path
 
 __all__ = [
     "TINY_FAMILIES",
