@@ -56,6 +56,7 @@ def test_every_option_has_help_and_every_subcommand_a_description():
 # `commit`: every file written to the temporary folder, none moved into place.
 INTERRUPT = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a background CI job starts with SIGINT ignored
 from vlm_pack.offline import output, prepare
 point, argv = sys.argv[1], sys.argv[2:]
 owner, name = (prepare, "tokenized_splits") if point == "tokenizing" else (output.RunOutput, "commit")
