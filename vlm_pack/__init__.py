@@ -4,10 +4,10 @@ Every name loads on first use: ``import vlm_pack`` stays cheap, and the torch-fr
 ``prepare`` on a warm cache, ``verify``) never import torch.
 """
 
-from importlib import import_module
-from typing import Any
 
 __version__ = "0.1.0"
+
+from .lazy_exports import lazy_getattr
 
 _LAZY = {
     "PackedSequenceSpecs": "config",
@@ -50,9 +50,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'vlm_pack' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

@@ -11,10 +11,10 @@ data. Here every pack holds at most ``pack_size`` tokens, micro-batch 1, like th
              in-batch packing (per-sample positions incl. mRoPE, vision tensors in sample order, cu_seq_lens)
 """
 
-from importlib import import_module
-from typing import Any
 
 # Names load on first use: `vlm-pack plan-vlm --help` imports this package and must not load torch.
+from ..lazy_exports import lazy_getattr
+
 _LAZY = {
     "TokenBudgetPackDataset": "dataset",
     "SampleLengths": "lengths",
@@ -26,9 +26,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

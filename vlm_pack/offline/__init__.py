@@ -14,8 +14,8 @@
 Names load on first use, so ``prepare`` on a warm cache and ``verify`` never import torch or transformers.
 """
 
-from importlib import import_module
-from typing import Any
+
+from ..lazy_exports import lazy_getattr
 
 _LAZY = {
     "ALGORITHMS": "algorithms",
@@ -40,9 +40,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'vlm_pack.offline' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

@@ -5,8 +5,8 @@ the trainers subclass TRL's and read per-sequence log-probs / scores from the pa
 use (TRL is imported only then).
 """
 
-from importlib import import_module
-from typing import Any
+
+from ..lazy_exports import lazy_getattr
 
 _LAZY = {
     "PreferenceCollator": "collator",
@@ -21,9 +21,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'vlm_pack.preference' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
