@@ -187,6 +187,47 @@ def test_shipped_qwen_tokenizer_keeps_its_own_template_in_the_collator_and_prepa
     assert _runs(ids, labels, tokenizer) == ["Hello there<|im_end|>\n", "<think>\n\n</think>\n\nBye<|im_end|>\n"]
 
 
+def _random_chats(n: int, seed: int) -> list[list[dict]]:
+    """Chats of 1-3 turns, with and without a system prompt; answers with edge whitespace, newlines, unicode."""
+    rng = np.random.default_rng(seed)
+    words = ["sky", " blue", "\n", "Ünïcode", "日本語", "🙂", "  ", "x" * 7, ".", "<|im_start|>"[:2], "ok"]
+
+    def text() -> str:
+        return "".join(rng.choice(words, rng.integers(1, 8))).strip() or "ok"
+
+    chats = []
+    for _ in range(n):
+        chat = [{"role": "system", "content": text()}] if rng.random() < 0.5 else []
+        for _ in range(rng.integers(1, 4)):
+            chat += [{"role": "user", "content": text()}, {"role": "assistant", "content": text()}]
+        chats.append(chat)
+    return chats
+
+
+def test_prepare_masks_follow_hugging_faces_overlap_rule(qwen_tok):
+    """``prepare`` computes its masks from the token offsets in one vectorised pass (no third rendering): on random
+    chats its tokens equal ``apply_chat_template``'s and its mask equals, token by token, HF's rule (a token is
+    marked when it overlaps an assistant span) with the spans found here by plain string search: each assistant
+    turn runs from the end of "<|im_start|>assistant\n" through "<|im_end|>\n" (the template's generation prompt
+    and terminator; the final turn keeps the empty think block the template writes)."""
+    chats = _random_chats(40, seed=4)
+    encoder = SampleEncoder(qwen_tok, SampleFormat(template="chat"), None)
+    ids, masks = encoder.encode([{"messages": c} for c in chats], [f"row {i}" for i in range(len(chats))])
+    head, tail = "<|im_start|>assistant\n", "<|im_end|>\n"
+    for chat, sample_ids, mask in zip(chats, ids, masks):
+        text = qwen_tok.apply_chat_template(chat, tokenize=False)
+        assert sample_ids == qwen_tok.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+        spans, start = [], 0
+        while (start := text.find(head, start)) >= 0:
+            begin = start + len(head)
+            start = text.index(tail, begin) + len(tail)
+            spans.append((begin, start))
+        assert len(spans) == sum(m["role"] == "assistant" for m in chat)
+        offsets = qwen_tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        expected = [int(any(end > b and begin < e for b, e in spans)) for begin, end in offsets]
+        assert mask.tolist() == expected
+
+
 def _template(answer: str) -> str:
     return ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ " + answer + " if m.role == 'assistant' else "
             "m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -261,6 +302,8 @@ MEDIA_TOKENS.update({name: MEDIA_TOKENS["glm4v"] for name in ("glm4v_moe", "glm4
 MEDIA_TOKENS.update({name: ["<image>"] for name in ("llava", "llava_next", "llava_next_video", "vipllava", "video_llava")})
 MEDIA_TOKENS.update({name: ["<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>"]
                      for name in ("aya_vision", "cohere2_vision")})
+# Image markup that holds plain text: Aya Vision's tile labels "TILE_1", ... between its start/end markers.
+MEDIA_SPANS = {"aya_vision": ("<|START_OF_IMG|>", "<|END_OF_IMG|>")}
 LABEL_FAMILIES = ["qwen2_vl", "gemma3", *TINY_VLM_FAMILIES]
 
 
@@ -305,6 +348,15 @@ def test_image_inside_an_assistant_turn_is_never_a_target(name):
     labelled = assistant.nonzero()
     assert len(inside) and labelled.min() < inside.min() and inside.max() < labelled.max()  # inside the answer
     keep = assistant & ~torch.isin(ids, media)
+    if name in MEDIA_SPANS:  # everything from the start marker through the end marker
+        start, end = processor.tokenizer.convert_tokens_to_ids(MEDIA_SPANS[name])
+        ids_list, inside_span = ids.tolist(), False
+        for i, token in enumerate(ids_list):
+            inside_span = inside_span or token == start
+            if inside_span:
+                keep[i] = False
+            inside_span = inside_span and token != end
+        assert (~keep & assistant & ~torch.isin(ids, media)).any()  # plain-text tile labels inside the answer
     labels = ids.masked_fill(~keep, IGNORE)
     labels[0] = IGNORE
 

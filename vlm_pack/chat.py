@@ -334,6 +334,7 @@ def encode_conversations(
     chat_template: ChatTemplate,
     vision_rows: Mapping[str, str] | None = None,
     unlabelled_ids: Sequence[int] = (),
+    unlabelled_spans: Sequence[tuple[int, int]] = (),
 ) -> list[dict[str, torch.Tensor]]:
     """Render and tokenise normalised conversations in ONE processor call; returns one dict per sample.
 
@@ -343,7 +344,8 @@ def encode_conversations(
     if the sample has images or videos. Tokens are those of ``chat_template.template`` (the model's own, see
     :mod:`vlm_pack.chat_template`); ``labels`` equal ``input_ids`` on assistant tokens and -100 elsewhere. Image
     and video tokens never get labels: neither tokens the processor types as media (``mm_token_type_ids`` /
-    ``token_type_ids`` != 0) nor ``unlabelled_ids`` (the placeholder ids and the family's vision markers).
+    ``token_type_ids`` != 0) nor ``unlabelled_ids`` (the placeholder ids and the family's vision markers) nor
+    any token of an ``unlabelled_spans`` ``(open id, close id)`` span, both ends included.
     ``vision_rows``: the family's ``FamilySpec.vision_rows`` (what each row of a vision tensor belongs to). If the
     processor fails, the error names the first sample it fails on.
     """
@@ -377,11 +379,19 @@ def encode_conversations(
             if not isinstance(value, torch.Tensor) and key not in ("attention_mask", *_PER_VIDEO_LISTS):
                 sample[key] = torch.tensor(value[i], dtype=torch.long).unsqueeze(0)
         assistant = sample.pop("assistant_masks").bool() & ~torch.isin(sample["input_ids"], media)
+        for open_id, close_id in unlabelled_spans:
+            assistant &= ~_inside_spans(sample["input_ids"], open_id, close_id)
         for media_key in ("mm_token_type_ids", "token_type_ids"):  # media tokens never get labels
             if media_key in sample:
                 assistant &= sample[media_key] == 0
         sample["labels"] = sample["input_ids"].masked_fill(~assistant, IGNORE_INDEX)
     return samples
+
+
+def _inside_spans(ids: torch.Tensor, open_id: int, close_id: int) -> torch.Tensor:
+    """True from each ``open_id`` through the next ``close_id`` (both included), along the last dimension."""
+    opens, closes = (ids == open_id).long(), (ids == close_id).long()
+    return (opens.cumsum(-1) - closes.cumsum(-1) + closes) > 0
 
 
 def _as_text(conversation: list[dict]) -> list[dict]:

@@ -168,16 +168,42 @@ def render_with_assistant_masks(
         raise ValueError(f"TRL's training variant of {chat.name} renders this batch differently from the template "
                          f"itself, and {chat.unlocatable}")
     marked = _texts(processor, [_with_sentinels(conversation) for conversation in conversations], chat.template)
+    spans = [_sentinel_spans(conversation, text, with_marks, chat, index)
+             for index, (conversation, text, with_marks) in enumerate(zip(conversations, plain, marked))]
+    if not kwargs.keys() - {"tokenizer_kwargs"} and not hasattr(processor, "image_processor"):
+        return _tokenize_spans(processor, plain, spans, kwargs.get("tokenizer_kwargs") or {})
     pieced = []
-    for index, (conversation, text, with_marks) in enumerate(zip(conversations, plain, marked)):
-        spans = _sentinel_spans(conversation, text, with_marks, chat, index)
+    for conversation, text, text_spans in zip(conversations, plain, spans):
         pieces, start = [], 0
-        for begin, end in spans:
+        for begin, end in text_spans:
             pieces += [(text[start:begin], False), (text[begin:end], True)]
             start = end
         pieces.append((text[start:], False))
         pieced.append([{**conversation[0], _PIECES_KEY: pieces}, *conversation[1:]])
     return call(_PIECES_TEMPLATE, pieced)
+
+
+def _tokenize_spans(
+    tokenizer: Any, texts: list[str], spans: list[list[tuple[int, int]]], tokenizer_kwargs: Mapping[str, Any]
+) -> dict[str, list]:
+    """What ``apply_chat_template(..., tokenize=True, return_assistant_tokens_mask=True)`` returns for ``texts``
+    already rendered (a tokenizer, no media): the same tokens (``add_special_tokens=False``) and the same mask rule
+    (a token is marked when it overlaps a span), the mask computed from the offsets in one vectorised pass instead
+    of a third rendering through the pieces template and a Python loop over every token."""
+    import numpy as np
+
+    out = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, **tokenizer_kwargs)
+    masks = []
+    for offsets, text_spans in zip(out["offset_mapping"], spans):
+        offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+        bounds = np.asarray(text_spans, dtype=np.int64).reshape(-1, 2)
+        # the first span ending after the token starts; the token overlaps it when it ends after that span starts
+        span = np.searchsorted(bounds[:, 1], offsets[:, 0], side="right")
+        inside = span < len(bounds)
+        mask = np.zeros(len(offsets), dtype=np.uint8)
+        mask[inside] = offsets[inside, 1] > bounds[span[inside], 0]
+        masks.append(mask)
+    return {"input_ids": out["input_ids"], "assistant_masks": masks}
 
 
 def _texts(processor: Any, conversations: list[list[dict]], template: str) -> list[str]:

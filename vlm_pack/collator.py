@@ -142,6 +142,7 @@ class VLMPackingCollator:
                 "positions and per-token keys follow the model's family (e.g. mRoPE computed per sample)"
             )
         self.unlabelled_ids = _media_token_ids(processor, self.family)
+        self.unlabelled_spans = _media_span_ids(processor, self.family)
         refusal = None if self.family is None else self.family.context_parallel_refusal
         if context_parallel_size > 1 and refusal is not None:
             raise ValueError(f"context_parallel_size={context_parallel_size} with a {self.family.name} model: {refusal}")
@@ -226,7 +227,7 @@ class VLMPackingCollator:
         samples, dropped, images = [], [], 0
         vision_rows = None if self.family is None else self.family.vision_rows
         encoded = encode_conversations(self.processor, conversations, self.chat, vision_rows,
-                                       self.unlabelled_ids)
+                                       self.unlabelled_ids, self.unlabelled_spans)
         empty = []
         for index, features in enumerate(encoded):
             length = features["input_ids"].shape[1]
@@ -398,6 +399,15 @@ def _media_token_ids(processor: Any, family: FamilySpec | None) -> tuple[int, ..
     vocab = tokenizer.get_vocab()
     ids += [vocab.get(token) for token in tokens if isinstance(token, str)]
     return tuple(sorted({i for i in ids if isinstance(i, int) and i != unknown}))
+
+
+def _media_span_ids(processor: Any, family: FamilySpec | None) -> tuple[tuple[int, int], ...]:
+    """The family's ``media_spans`` as id pairs (pairs the vocabulary lacks are skipped, like ``media_tokens``)."""
+    if family is None:
+        return ()
+    vocab = getattr(processor, "tokenizer", processor).get_vocab()
+    pairs = ((vocab.get(open_), vocab.get(close)) for open_, close in family.media_spans)
+    return tuple((o, c) for o, c in pairs if o is not None and c is not None)
 
 
 def _pad_id(tokenizer: Any) -> int:

@@ -115,7 +115,9 @@ class FamilySpec:
     ``media_tokens``: the tokens the family's processor writes around or between image / video placeholders
     (vision start/end markers, tile separators); like the placeholders themselves (``processor.image_token_id``
     / ``video_token_id``) they never carry labels, even inside an assistant turn. Tokens missing from a
-    tokenizer's vocabulary are ignored.
+    tokenizer's vocabulary are ignored. ``media_spans``: ``(open, close)`` token pairs; every token from an
+    ``open`` through the next ``close`` is image markup and never carries labels (Aya Vision writes its tile
+    labels "TILE_1", "TILE_2", ... as plain text between ``<|START_OF_IMG|>`` and ``<|END_OF_IMG|>``).
     """
 
     name: str
@@ -136,6 +138,7 @@ class FamilySpec:
     vision_rows: Mapping[str, RowUnit] = field(default_factory=dict)
     image_text: Callable[[Any, list[tuple[int, int]]], list[tuple[str, int]]] | None = None
     media_tokens: tuple[str, ...] = ()
+    media_spans: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if (self.positions == "mrope") != (self.rope_index_model is not None):
