@@ -633,6 +633,36 @@ def _video_llava_model(processor, initializer_range: float, layers: int, attn: s
     return VideoLlavaForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
+# ---------------------------------------------------------------- DeepSeek-VL (SigLIP, Llama text)
+
+# Images resized (longest edge) and padded to 28x28 squares of 7-px patches: 16 <image_placeholder> tokens each.
+_DEEPSEEK_VL_SIDE = 28
+
+
+def _deepseek_vl_processor() -> ProcessorMixin:
+    from transformers import DeepseekVLImageProcessor, DeepseekVLProcessor
+
+    return DeepseekVLProcessor(
+        image_processor=DeepseekVLImageProcessor(size={"height": _DEEPSEEK_VL_SIDE, "width": _DEEPSEEK_VL_SIDE}),
+        tokenizer=_tokenizer({"image_token": "<image_placeholder>"}),
+        num_image_tokens=(_DEEPSEEK_VL_SIDE // 7) ** 2,
+        chat_template=chatml_template("<image_placeholder>"),
+    )
+
+
+def _deepseek_vl_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import DeepseekVLConfig, DeepseekVLForConditionalGeneration
+
+    text = _qwen2_text(len(processor.tokenizer), initializer_range, layers)
+    config = DeepseekVLConfig(
+        vision_config={"model_type": "siglip_vision_model", **TINY_VISION_TOWER, "image_size": _DEEPSEEK_VL_SIDE,
+                       "patch_size": 7},
+        text_config={**text, "model_type": "llama", "head_dim": _HIDDEN // 4},
+        image_token_id=processor.image_token_id,
+    )
+    return DeepseekVLForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
 @dataclass(frozen=True)
 class _Builder:
     processor: Callable[[], ProcessorMixin]
@@ -734,6 +764,12 @@ _BUILDERS = {
         _video_llava_processor,
         _video_llava_model,
         "as vipllava, with VideoLlavaImageProcessor / VideoLlavaProcessor (images only: videos are refused)",
+    ),
+    "deepseek_vl": _Builder(
+        _deepseek_vl_processor,
+        _deepseek_vl_model,
+        "Qwen tokenizer + '<image_placeholder>' and ChatML instead of DeepSeek's; real DeepseekVLImageProcessor "
+        "(28-px padded squares) and DeepseekVLProcessor; SigLIP tower and Llama language model",
     ),
 }
 TINY_VLM_FAMILIES = tuple(_BUILDERS)
