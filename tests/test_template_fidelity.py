@@ -302,6 +302,7 @@ MEDIA_TOKENS.update({name: MEDIA_TOKENS["glm4v"] for name in ("glm4v_moe", "glm4
 MEDIA_TOKENS.update({name: ["<image>"] for name in ("llava", "llava_next", "llava_next_video", "vipllava", "video_llava")})
 MEDIA_TOKENS.update({name: ["<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>"]
                      for name in ("aya_vision", "cohere2_vision")})
+MEDIA_TOKENS.update({name: ["<image_placeholder>"] for name in ("deepseek_vl", "deepseek_vl_hybrid")})
 # Image markup that holds plain text: Aya Vision's tile labels "TILE_1", ... between its start/end markers.
 MEDIA_SPANS = {"aya_vision": ("<|START_OF_IMG|>", "<|END_OF_IMG|>")}
 LABEL_FAMILIES = ["qwen2_vl", "gemma3", *TINY_VLM_FAMILIES]

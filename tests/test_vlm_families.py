@@ -182,7 +182,8 @@ EXACT_CASES = [
 ]
 # Families registered later are proven on edge_examples() (a superset of the mixed batch) instead.
 EDGE_FAMILIES = ["qwen3_vl_moe", "llava", "llava_next", "llava_next_video", "glm4v_moe", "qwen3_5_moe",
-                 "aya_vision", "glm46v", "vipllava", "cohere2_vision", "video_llava"]
+                 "aya_vision", "glm46v", "vipllava", "cohere2_vision", "video_llava", "deepseek_vl",
+                 "deepseek_vl_hybrid"]
 FAMILIES = [family for family, _, _ in EXACT_CASES] + EDGE_FAMILIES
 # Composite families whose language model is a separate registered text family (the others bring their own).
 TEXT_BACKBONE_FAMILIES = [f for f in FAMILIES if f not in ("glm4v", "glm4v_moe", "glm46v", "qwen3_vl_moe",
@@ -350,6 +351,21 @@ def test_corruption_llava_next_image_sizes_follow_their_image(family):
 
 
 @torch.no_grad()
+def test_corruption_deepseek_vl_hybrid_high_res_rows_follow_their_image():
+    """DeepSeek-VL-Hybrid's high_res_pixel_values (the SAM tower's copy) have one row per image like pixel_values:
+    the high-resolution rows of the two same-size images swapped alone (the SigLIP rows left in place) are caught."""
+    setup = setup_for("deepseek_vl_hybrid")
+    examples = swap_examples()
+    refs = references(setup, examples)
+    batch = setup.collator(examples)
+    assert batch["high_res_pixel_values"].shape[0] == batch["pixel_values"].shape[0] == 5  # one row per image
+    refs[3].logits.check(logit_error(batch, packed_logits(setup.packed, batch), refs))
+    swapped = batch["high_res_pixel_values"][[1, 0, 2, 3, 4]]
+    assert refs[3].logits.is_far(logit_error(batch, packed_logits(setup.packed, batch, high_res_pixel_values=swapped),
+                                             refs))
+
+
+@torch.no_grad()
 def test_corruption_qwen3_5_moe_deltanet_state_carried_across_samples(monkeypatch):
     """Qwen3.5-MoE's DeltaNet layers must restart per sample: enable_packing installs the boundary-aware forward
     on its own MoE-model class, and the state carried over the whole row (boundaries ignored) is caught."""
@@ -407,6 +423,8 @@ def test_unproven_language_model_is_refused(family):
     ("MllamaConfig", "cross-attention isolation over packed rows is not implemented", "another sample's image"),
     ("Qwen2_5OmniThinkerConfig", "the Omni thinker.s time-aligned mRoPE", "wrong position"),
     ("Idefics2Config", "labels cannot be placed for Idefics2", "labels land on the wrong tokens"),
+    ("FastVlmConfig", "the vision tower must not mix images", "depend on the other samples' images"),
+    ("PerceptionLMConfig", "PerceptionLM's pixel_values hold one stack of tiles per image", "different tile counts"),
 ])
 def test_known_unproven_families_are_refused_with_the_missing_rule(config_class, rule, wrong):
     """Families whose exact packing needs a rule vlm_pack lacks: the refusal names the rule and what

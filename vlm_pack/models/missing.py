@@ -60,6 +60,21 @@ MISSING_RULES: dict[str, MissingRule] = {
     "qwen2_5_omni_thinker": _OMNI,
     "qwen3_omni_moe": _OMNI,
     "qwen3_omni_moe_thinker": _OMNI,
+    "fast_vlm": MissingRule(
+        "the vision tower must not mix images, and FastVLM's (timm FastViT-MCi, every ConvMlp a BatchNorm2d that "
+        "inference_mode does not fold) normalises by the statistics of every image in the forward while training; "
+        "vlm_pack has no rule keeping such a tower in eval mode or running it per sample",
+        "in training mode each image's features depend on the other samples' images of the packed row (not "
+        "measured here: the timm tower needs the PyPI package timm, which the test environment lacks)",
+    ),
+    "perception_lm": MissingRule(
+        "PerceptionLM's pixel_values hold one stack of tiles per image (thumbnail + up to max_num_tiles crops, a "
+        "count that depends on the aspect ratio) and the model flattens images x tiles; vlm_pack has no rule "
+        "joining stacks of different lengths into one packed tensor (the processor itself cannot stack them)",
+        "collation fails (measured: the processor's 'stack expects each tensor to be equal size') as soon as two "
+        "images of a micro-batch have different tile counts; the timm Perception Encoder tower was not built here "
+        "(the PyPI package timm is missing)",
+    ),
     "phi4_multimodal": MissingRule(
         "audio inputs are not packed and Phi-4-multimodal's image embedding (per-sample crops with its own "
         "attention mask) is not proven",

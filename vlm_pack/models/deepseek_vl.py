@@ -1,0 +1,24 @@
+"""DeepSeek-VL and DeepSeek-VL-Hybrid: features placed by image-token id, 1-D positions per sample.
+
+Rules (proven in tests/test_vlm_families.py): the vision tower and aligner run per image (``get_image_features`` is
+called without the text kwargs), every image becomes the same ``num_image_tokens`` ``<image_placeholder>`` tokens
+(the processor pads each image to a square of the tower's size), and ``masked_scatter`` fills them in sample order.
+``pixel_values`` has one row per image. The language model is a proven text family (Llama in the checkpoints),
+causal over the packed row split at ``cu_seq_lens_q``, positions restarting per sample. DeepSeek-VL-Hybrid adds a
+SAM tower on a high-resolution copy of each image (``high_res_pixel_values``, one row per image; windowed and global
+attention inside the image only) whose features join the SigLIP ones per image token: same rules.
+"""
+
+from . import FamilySpec, register_family, text_backbone
+
+_PROOF = "tests/test_vlm_families.py"
+_TEXT = (text_backbone("llama", "qwen2", "qwen3"),)
+
+DEEPSEEK_VL = register_family(FamilySpec(
+    name="deepseek_vl", model_types=("deepseek_vl",), proof=_PROOF, vision_rows={"pixel_values": "image"},
+    extra_checks=_TEXT,
+))
+DEEPSEEK_VL_HYBRID = register_family(FamilySpec(
+    name="deepseek_vl_hybrid", model_types=("deepseek_vl_hybrid",), proof=_PROOF,
+    vision_rows={"pixel_values": "image", "high_res_pixel_values": "image"}, extra_checks=_TEXT,
+))
