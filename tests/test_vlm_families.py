@@ -182,7 +182,7 @@ EXACT_CASES = [
 ]
 # Families registered later are proven on edge_examples() (a superset of the mixed batch) instead.
 EDGE_FAMILIES = ["qwen3_vl_moe", "llava", "llava_next", "llava_next_video", "glm4v_moe", "qwen3_5_moe",
-                 "aya_vision", "glm46v", "vipllava", "cohere2_vision", "video_llava"]
+                 "aya_vision", "glm46v", "vipllava", "cohere2_vision", "video_llava", "lighton_ocr"]
 FAMILIES = [family for family, _, _ in EXACT_CASES] + EDGE_FAMILIES
 # Composite families whose language model is a separate registered text family (the others bring their own).
 TEXT_BACKBONE_FAMILIES = [f for f in FAMILIES if f not in ("glm4v", "glm4v_moe", "glm46v", "qwen3_vl_moe",
@@ -395,9 +395,10 @@ def test_unproven_language_model_is_refused(family):
     with pytest.raises(UnsupportedModelError, match=rf"{family} model with language model 'gpt2' \(proven"):
         get_family(config)
     if family not in ("mistral3", "aya_vision", "cohere2_vision"):
-        config.text_config = tiny_config("qwen2")
+        kind = "qwen3" if family == "lighton_ocr" else "qwen2"  # LightOnOCR's one proven language model
+        config.text_config = tiny_config(kind)
         config.text_config.layer_types = ["sliding_attention", "full_attention"]
-        with pytest.raises(UnsupportedModelError, match=r"language model 'qwen2' with layer types"):
+        with pytest.raises(UnsupportedModelError, match=rf"language model '{kind}' with layer types"):
             get_family(config)
 
 
