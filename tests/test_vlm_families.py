@@ -408,6 +408,7 @@ def test_unproven_language_model_is_refused(family):
     ("MllamaConfig", "cross-attention isolation over packed rows is not implemented", "another sample's image"),
     ("Qwen2_5OmniThinkerConfig", "the Omni thinker.s time-aligned mRoPE", "wrong position"),
     ("Idefics2Config", "labels cannot be placed for Idefics2", "labels land on the wrong tokens"),
+    ("GotOcr2Config", "chats cannot be encoded for GOT-OCR2", "the processor rejects every chat batch"),
 ])
 def test_known_unproven_families_are_refused_with_the_missing_rule(config_class, rule, wrong):
     """Families whose exact packing needs a rule vlm_pack lacks: the refusal names the rule and what
@@ -419,6 +420,28 @@ def test_known_unproven_families_are_refused_with_the_missing_rule(config_class,
         get_family(config)
     with pytest.warns(UserWarning, match=rule):
         assert get_family(config, allow_unproven=True).name == f"unproven:{config.model_type}"
+
+
+def test_got_ocr2_processor_rejects_chat_batches():
+    """The measurement behind GOT-OCR2's missing rule: its processor (real class, Qwen tokenizer plus its image
+    tokens, a ChatML template) rejects chat batches, with and without images, even with multi_page; so the collator
+    cannot encode one even with allow_unproven=True."""
+    from transformers import GotOcr2Config, GotOcr2ImageProcessor, GotOcr2Processor
+
+    from vlm_pack.testing.tiny_families import chatml_template
+
+    tokenizer = qwen_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<img>", "</img>", "<imgpad>"]},
+                                 replace_extra_special_tokens=False)
+    processor = GotOcr2Processor(image_processor=GotOcr2ImageProcessor(size={"height": 56, "width": 56}),
+                                 tokenizer=tokenizer, chat_template=chatml_template("<img><imgpad></img>"))
+    with pytest.warns(UserWarning, match="chats cannot be encoded for GOT-OCR2"):
+        collator = VLMPackingCollator(processor, max_length=2048, model_config=GotOcr2Config(), allow_unproven=True)
+    for multi_page in (False, True):
+        processor.multi_page = multi_page
+        for examples in (photo_examples(2, seed=2, max_side=56), text_chat_examples(2, seed=2)):
+            with pytest.raises(ValueError, match="sample 0: the processor rejected it"):
+                collator(examples)
 
 
 def test_mistral3_with_an_unproven_language_model_is_refused():
