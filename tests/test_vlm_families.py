@@ -182,10 +182,11 @@ EXACT_CASES = [
 ]
 # Families registered later are proven on edge_examples() (a superset of the mixed batch) instead.
 EDGE_FAMILIES = ["qwen3_vl_moe", "llava", "llava_next", "llava_next_video", "glm4v_moe", "qwen3_5_moe",
-                 "aya_vision", "glm46v", "vipllava", "cohere2_vision", "video_llava", "lighton_ocr"]
+                 "aya_vision", "glm46v", "vipllava", "cohere2_vision", "video_llava", "lighton_ocr",
+                 "glm_ocr"]
 FAMILIES = [family for family, _, _ in EXACT_CASES] + EDGE_FAMILIES
 # Composite families whose language model is a separate registered text family (the others bring their own).
-TEXT_BACKBONE_FAMILIES = [f for f in FAMILIES if f not in ("glm4v", "glm4v_moe", "glm46v", "qwen3_vl_moe",
+TEXT_BACKBONE_FAMILIES = [f for f in FAMILIES if f not in ("glm4v", "glm4v_moe", "glm46v", "glm_ocr", "qwen3_vl_moe",
                                                              "qwen3_5_moe")]
 
 
@@ -314,7 +315,7 @@ def test_corruption_llava_onevision_one_image_count_for_the_whole_row():
         packed_logits(setup.packed, batch, batch_num_images=batch["batch_num_images"].sum().reshape(1))
 
 
-@pytest.mark.parametrize("family", ["glm4v", "glm4v_moe", "glm46v", "qwen3_vl_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["glm4v", "glm4v_moe", "glm46v", "glm_ocr", "qwen3_vl_moe", "qwen3_5_moe"])
 @torch.no_grad()
 def test_corruption_one_dimensional_positions(family):
     """GLM-4V's (and the MoE families') positions rule is "mrope": rows 1-3 from the model's own get_rope_index,

@@ -521,7 +521,7 @@ def _aya_vision_model(processor, initializer_range: float, layers: int, attn: st
     return AyaVisionForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
-# ---------------------------------------------------------------- GLM-4.6V, VipLLaVA
+# ---------------------------------------------------------------- GLM-4.6V, GLM-OCR, VipLLaVA
 
 
 def _glm46v_processor() -> ProcessorMixin:
@@ -541,6 +541,14 @@ def _glm46v_model(processor, initializer_range: float, layers: int, attn: str) -
 
     config = Glm46VConfig(**_glm4v_parts(processor, initializer_range, layers))
     return Glm46VForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+def _glm_ocr_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    """GLM-4V's tiny config with GLM-OCR's classes (its vision tower: no absolute position embedding, q/k norms)."""
+    from transformers import GlmOcrConfig, GlmOcrForConditionalGeneration
+
+    config = GlmOcrConfig(**_glm4v_parts(processor, initializer_range, layers))
+    return GlmOcrForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
 def _vipllava_processor() -> ProcessorMixin:
@@ -751,6 +759,11 @@ _BUILDERS = {
         _glm46v_processor,
         _glm46v_model,
         "as glm4v, with Glm46VImageProcessor / Glm46VProcessor",
+    ),
+    "glm_ocr": _Builder(
+        _glm46v_processor,
+        _glm_ocr_model,
+        "as glm46v (GLM-OCR ships Glm46VProcessor)",
     ),
     "vipllava": _Builder(
         _vipllava_processor,
