@@ -303,7 +303,7 @@ def _family_collator(family: str) -> VLMPackingCollator:
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma4", "llava_onevision", "smolvlm", "idefics3", "mistral3",
-                                    "internvl", "glm4v"])
+                                    "internvl", "glm4v", "lighton_ocr"])
 def test_planned_length_equals_the_real_processor_for_every_family(family):
     collator = _family_collator(family)
     examples = [_images_example(group) for group in _GROUPS]

@@ -297,8 +297,8 @@ MEDIA_TOKENS = {
     "glm4v": ["<|begin_of_image|>", "<|image|>", "<|end_of_image|>"],
 }
 MEDIA_TOKENS["smolvlm"] = MEDIA_TOKENS["idefics3"]
-MEDIA_TOKENS.update({name: MEDIA_TOKENS["qwen2_vl"] for name in ("qwen3_vl_moe", "qwen3_5_moe")})
-MEDIA_TOKENS.update({name: MEDIA_TOKENS["glm4v"] for name in ("glm4v_moe", "glm46v")})
+MEDIA_TOKENS.update({name: MEDIA_TOKENS["qwen2_vl"] for name in ("qwen3_vl_moe", "qwen3_5_moe", "lighton_ocr")})
+MEDIA_TOKENS.update({name: MEDIA_TOKENS["glm4v"] for name in ("glm4v_moe", "glm46v", "glm_ocr")})
 MEDIA_TOKENS.update({name: ["<image>"] for name in ("llava", "llava_next", "llava_next_video", "vipllava", "video_llava")})
 MEDIA_TOKENS.update({name: ["<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>"]
                      for name in ("aya_vision", "cohere2_vision")})

@@ -183,10 +183,10 @@ EXACT_CASES = [
 # Families registered later are proven on edge_examples() (a superset of the mixed batch) instead.
 EDGE_FAMILIES = ["qwen3_vl_moe", "llava", "llava_next", "llava_next_video", "glm4v_moe", "qwen3_5_moe",
                  "aya_vision", "glm46v", "vipllava", "cohere2_vision", "video_llava", "deepseek_vl",
-                 "deepseek_vl_hybrid"]
+                 "deepseek_vl_hybrid", "lighton_ocr", "glm_ocr"]
 FAMILIES = [family for family, _, _ in EXACT_CASES] + EDGE_FAMILIES
 # Composite families whose language model is a separate registered text family (the others bring their own).
-TEXT_BACKBONE_FAMILIES = [f for f in FAMILIES if f not in ("glm4v", "glm4v_moe", "glm46v", "qwen3_vl_moe",
+TEXT_BACKBONE_FAMILIES = [f for f in FAMILIES if f not in ("glm4v", "glm4v_moe", "glm46v", "glm_ocr", "qwen3_vl_moe",
                                                              "qwen3_5_moe")]
 
 
@@ -315,7 +315,7 @@ def test_corruption_llava_onevision_one_image_count_for_the_whole_row():
         packed_logits(setup.packed, batch, batch_num_images=batch["batch_num_images"].sum().reshape(1))
 
 
-@pytest.mark.parametrize("family", ["glm4v", "glm4v_moe", "glm46v", "qwen3_vl_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["glm4v", "glm4v_moe", "glm46v", "glm_ocr", "qwen3_vl_moe", "qwen3_5_moe"])
 @torch.no_grad()
 def test_corruption_one_dimensional_positions(family):
     """GLM-4V's (and the MoE families') positions rule is "mrope": rows 1-3 from the model's own get_rope_index,
@@ -411,9 +411,10 @@ def test_unproven_language_model_is_refused(family):
     with pytest.raises(UnsupportedModelError, match=rf"{family} model with language model 'gpt2' \(proven"):
         get_family(config)
     if family not in ("mistral3", "aya_vision", "cohere2_vision"):
-        config.text_config = tiny_config("qwen2")
+        kind = "qwen3" if family == "lighton_ocr" else "qwen2"  # LightOnOCR's one proven language model
+        config.text_config = tiny_config(kind)
         config.text_config.layer_types = ["sliding_attention", "full_attention"]
-        with pytest.raises(UnsupportedModelError, match=r"language model 'qwen2' with layer types"):
+        with pytest.raises(UnsupportedModelError, match=rf"language model '{kind}' with layer types"):
             get_family(config)
 
 
@@ -425,6 +426,7 @@ def test_unproven_language_model_is_refused(family):
     ("Idefics2Config", "labels cannot be placed for Idefics2", "labels land on the wrong tokens"),
     ("FastVlmConfig", "the vision tower must not mix images", "depend on the other samples' images"),
     ("PerceptionLMConfig", "PerceptionLM's pixel_values hold one stack of tiles per image", "different tile counts"),
+    ("GotOcr2Config", "chats cannot be encoded for GOT-OCR2", "the processor rejects every chat batch"),
 ])
 def test_known_unproven_families_are_refused_with_the_missing_rule(config_class, rule, wrong):
     """Families whose exact packing needs a rule vlm_pack lacks: the refusal names the rule and what
@@ -436,6 +438,28 @@ def test_known_unproven_families_are_refused_with_the_missing_rule(config_class,
         get_family(config)
     with pytest.warns(UserWarning, match=rule):
         assert get_family(config, allow_unproven=True).name == f"unproven:{config.model_type}"
+
+
+def test_got_ocr2_processor_rejects_chat_batches():
+    """The measurement behind GOT-OCR2's missing rule: its processor (real class, Qwen tokenizer plus its image
+    tokens, a ChatML template) rejects chat batches, with and without images, even with multi_page; so the collator
+    cannot encode one even with allow_unproven=True."""
+    from transformers import GotOcr2Config, GotOcr2ImageProcessor, GotOcr2Processor
+
+    from vlm_pack.testing.tiny_families import chatml_template
+
+    tokenizer = qwen_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<img>", "</img>", "<imgpad>"]},
+                                 replace_extra_special_tokens=False)
+    processor = GotOcr2Processor(image_processor=GotOcr2ImageProcessor(size={"height": 56, "width": 56}),
+                                 tokenizer=tokenizer, chat_template=chatml_template("<img><imgpad></img>"))
+    with pytest.warns(UserWarning, match="chats cannot be encoded for GOT-OCR2"):
+        collator = VLMPackingCollator(processor, max_length=2048, model_config=GotOcr2Config(), allow_unproven=True)
+    for multi_page in (False, True):
+        processor.multi_page = multi_page
+        for examples in (photo_examples(2, seed=2, max_side=56), text_chat_examples(2, seed=2)):
+            with pytest.raises(ValueError, match="sample 0: the processor rejected it"):
+                collator(examples)
 
 
 def test_mistral3_with_an_unproven_language_model_is_refused():

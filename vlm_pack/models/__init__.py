@@ -282,6 +282,6 @@ def _load_builtin() -> None:
         return
     _loaded = True
     from . import (  # noqa: F401
-        aya_vision, deepseek_vl, gemma3, gemma4, glm4v, glm4v_moe, glm46v, idefics3, internvl, llama, llava,
-        llava_onevision, mistral, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
+        aya_vision, deepseek_vl, gemma3, gemma4, glm4v, glm4v_moe, glm46v, glm_ocr, idefics3, internvl, lighton_ocr,
+        llama, llava, llava_onevision, mistral, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
     )

@@ -41,6 +41,15 @@ MISSING_RULES: dict[str, MissingRule] = {
         "assistant labels land on the wrong tokens after every image (measured: an answer after an image loses "
         "its labels, and a one-word answer none at all)",
     ),
+    "got_ocr2": MissingRule(
+        "chats cannot be encoded for GOT-OCR2: transformers' GotOcr2Processor builds its own OCR prompt and rejects "
+        "what apply_chat_template hands it (each sample's images as a list: 'Nested images are only supported with "
+        "multi_page'; a batch without images: 'You must provide valid images'), and vlm_pack has no encoder of its "
+        "own for it (the model itself is causal Qwen2 with per-image features, which packing would need nothing new "
+        "for)",
+        "the collator still cannot encode a batch: the processor rejects every chat batch (measured with a tiny "
+        "GotOcr2Processor, with and without multi_page)",
+    ),
     "paligemma": _PREFIX_LM,
     "llama4": MissingRule(
         "chunked attention over packed rows is not implemented (chunked layers split each sample at every "

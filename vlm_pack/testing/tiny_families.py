@@ -527,7 +527,7 @@ def _aya_vision_model(processor, initializer_range: float, layers: int, attn: st
     return AyaVisionForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
-# ---------------------------------------------------------------- GLM-4.6V, VipLLaVA
+# ---------------------------------------------------------------- GLM-4.6V, GLM-OCR, VipLLaVA
 
 
 def _glm46v_processor() -> ProcessorMixin:
@@ -547,6 +547,14 @@ def _glm46v_model(processor, initializer_range: float, layers: int, attn: str) -
 
     config = Glm46VConfig(**_glm4v_parts(processor, initializer_range, layers))
     return Glm46VForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+def _glm_ocr_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    """GLM-4V's tiny config with GLM-OCR's classes (its vision tower: no absolute position embedding, q/k norms)."""
+    from transformers import GlmOcrConfig, GlmOcrForConditionalGeneration
+
+    config = GlmOcrConfig(**_glm4v_parts(processor, initializer_range, layers))
+    return GlmOcrForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
 def _vipllava_processor() -> ProcessorMixin:
@@ -708,6 +716,39 @@ def _deepseek_vl_hybrid_model(processor, initializer_range: float, layers: int, 
     return model
 
 
+# ---------------------------------------------------------------- LightOnOCR (Pixtral vision, Qwen3 text)
+
+# As mistral3: images fit in 56 px, 7-px patches merged 2x2 (h/14 * w/14 image tokens, no break tokens). The real
+# checkpoint's vocabulary is Qwen's, so its image tokens are Qwen's own (<|image_pad|>; the config takes its id).
+_LIGHTON_TOKENS = {"image_token": "<|image_pad|>", "image_break_token": "<|vision_pad|>",
+                   "image_end_token": "<|vision_end|>"}
+
+
+def _lighton_ocr_processor() -> ProcessorMixin:
+    from transformers import LightOnOcrProcessor, PixtralImageProcessor
+
+    patch = {"height": _PIXTRAL_PATCH, "width": _PIXTRAL_PATCH}
+    return LightOnOcrProcessor(
+        image_processor=PixtralImageProcessor(size={"longest_edge": 56}, patch_size=patch),
+        tokenizer=_tokenizer(_LIGHTON_TOKENS), patch_size=_PIXTRAL_PATCH, spatial_merge_size=_PIXTRAL_MERGE,
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+def _lighton_ocr_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import LightOnOcrConfig, LightOnOcrForConditionalGeneration
+
+    text = _qwen2_text(len(processor.tokenizer), initializer_range, layers)
+    config = LightOnOcrConfig(
+        vision_config={"model_type": "pixtral", **TINY_VISION_TOWER, "head_dim": 16, "image_size": 56,
+                       "patch_size": _PIXTRAL_PATCH, "initializer_range": initializer_range},
+        text_config={**text, "model_type": "qwen3", "head_dim": _HIDDEN // 4},
+        image_token_id=processor.image_token_id,
+        spatial_merge_size=_PIXTRAL_MERGE,
+    )
+    return LightOnOcrForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
 @dataclass(frozen=True)
 class _Builder:
     processor: Callable[[], ProcessorMixin]
@@ -794,6 +835,11 @@ _BUILDERS = {
         _glm46v_model,
         "as glm4v, with Glm46VImageProcessor / Glm46VProcessor",
     ),
+    "glm_ocr": _Builder(
+        _glm46v_processor,
+        _glm_ocr_model,
+        "as glm46v (GLM-OCR ships Glm46VProcessor)",
+    ),
     "vipllava": _Builder(
         _vipllava_processor,
         _vipllava_model,
@@ -821,6 +867,13 @@ _BUILDERS = {
         _deepseek_vl_hybrid_model,
         "as deepseek_vl, with DeepseekVLHybridImageProcessor (28-px and 56-px padded squares) / "
         "DeepseekVLHybridProcessor and a one-layer SAM tower",
+    ),
+    "lighton_ocr": _Builder(
+        _lighton_ocr_processor,
+        _lighton_ocr_model,
+        "Qwen tokenizer (the checkpoint's own vocabulary; image tokens named as its processor names them) and "
+        "ChatML instead of the checkpoint's template; real PixtralImageProcessor (56-px longest edge, 7-px patches) "
+        "and LightOnOcrProcessor; Qwen3 language model",
     ),
 }
 TINY_VLM_FAMILIES = tuple(_BUILDERS)

@@ -1,0 +1,15 @@
+"""GLM-OCR: GLM-4V's rules with the 3-D RoPE of its own ``GlmOcrModel.get_rope_index``, per sample.
+
+Rules (proven in tests/test_vlm_families.py): as GLM-4V (vlm_pack/models/glm4v.py): ``[4, 1, T]`` positions
+computed per sample by the model's own rope index, ``mm_token_type_ids`` per token, the vision tower (CogViT: no
+absolute position embedding, q/k norms) per image on its own ``cu_seqlens``, features on the ``<|image|>`` tokens
+in order; the GLM language model is causal. Videos are not proven (refused).
+"""
+
+from . import FamilySpec, register_family
+
+GLM_OCR = register_family(FamilySpec(
+    name="glm_ocr", model_types=("glm_ocr",), proof="tests/test_vlm_families.py",
+    positions="mrope", rope_index_model="GlmOcrModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
+    media_tokens=("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"),
+))
