@@ -97,8 +97,8 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
 
-    processor = offline_qwen2vl_processor(min_pixels=56 * 56, max_pixels=896 * 896)
-    collator = VLMPackingCollator(processor, max_length=1 << 20, model_config=tiny_config("qwen2_vl"))
+    processor = offline_qwen2vl_processor(min_pixels=56 * 56, max_pixels=896 * 896, full_vocabulary=True)
+    collator = VLMPackingCollator(processor, max_length=1 << 20, model_config=tiny_config("qwen2_vl", full_vocabulary=True))
     with tempfile.TemporaryDirectory() as folder:
         images = write_images(Path(folder), args.distinct_images, seed=0)
         examples = vlm_mix(args.samples, images, seed=0)

@@ -92,10 +92,10 @@ def timed(fn, batch, timing: Timing, slots_of) -> None:
 
 
 def image_workload(batches: int) -> tuple[dict[str, Timing], int]:
-    processor = offline_qwen2vl_processor()
+    processor = offline_qwen2vl_processor(full_vocabulary=True)
     timer = TimedImageProcessor(processor.image_processor)
     processor.image_processor = timer
-    config = tiny_config("qwen2_vl")
+    config = tiny_config("qwen2_vl", full_vocabulary=True)
     modes = {
         "packed": VLMPackingCollator(processor, max_length=2048, model_config=config),
         "padded": VLMPackingCollator(processor, max_length=2048, model_config=config, pack_sequences_in_batch=False),
@@ -118,7 +118,7 @@ def image_workload(batches: int) -> tuple[dict[str, Timing], int]:
 
 
 def text_workload(batches: int) -> dict[str, Timing]:
-    tokenizer = qwen_tokenizer()
+    tokenizer = qwen_tokenizer(full_vocabulary=True)
     ours = VLMPackingCollator(tokenizer, max_length=4096)
     padded = VLMPackingCollator(tokenizer, max_length=4096, pack_sequences_in_batch=False)
     flattening = DataCollatorWithFlattening(return_flash_attn_kwargs=True)

@@ -70,7 +70,7 @@ def micro_batches(rounds: int, pairs: int, seed: int) -> list[list[dict]]:
 
 
 def make_trainer(layout: str, processor, batch: list[dict], out: str, seed: int):
-    model, ref = tiny_model("qwen2_vl", seed=seed), tiny_model("qwen2_vl", seed=seed + 1)
+    model, ref = (tiny_model("qwen2_vl", seed=seed + i, full_vocabulary=True) for i in (0, 1))
     args = DPOConfig(output_dir=out, per_device_train_batch_size=len(batch), optim="sgd", learning_rate=1e-3,
                      max_grad_norm=0.0, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
                      save_strategy="no", disable_tqdm=True, max_length=None)
@@ -101,7 +101,7 @@ def unpacked_tokens(batch: dict) -> int:
 
 def run(rounds: int, pairs: int, seed: int) -> dict:
     torch.set_num_threads(1)
-    processor = offline_qwen2vl_processor()
+    processor = offline_qwen2vl_processor(full_vocabulary=True)
     batches = micro_batches(rounds + 1, pairs, seed)
     out = tempfile.mkdtemp()
     trainers = {layout: make_trainer(layout, processor, batches[0], out, seed) for layout in LAYOUTS}

@@ -67,9 +67,9 @@ def timed_step(trainer: Trainer, batch: dict) -> float:
 
 def run(rounds: int, size: int, seed: int) -> dict:
     torch.set_num_threads(1)
-    processor = offline_qwen2vl_processor()
-    packed_model = enable_packing(tiny_model("qwen2_vl", seed=seed))
-    padded_model = tiny_model("qwen2_vl", seed=seed)
+    processor = offline_qwen2vl_processor(full_vocabulary=True)
+    packed_model = enable_packing(tiny_model("qwen2_vl", seed=seed, full_vocabulary=True))
+    padded_model = tiny_model("qwen2_vl", seed=seed, full_vocabulary=True)
     collators = {
         "packed": VLMPackingCollator(processor, max_length=2048, model_config=packed_model.config),
         "padded": VLMPackingCollator(processor, max_length=2048, model_config=padded_model.config,

@@ -122,14 +122,16 @@ def run_demo(steps: int = 8, micro_batch_size: int = 4, seed: int = 0, lr: float
     from .train import train_step
 
     register_attention()
-    processor = offline_qwen2vl_processor()
+    # The full 151k Qwen vocabulary, as real checkpoints have: the LM head weighs what it weighs in real training.
+    processor = offline_qwen2vl_processor(full_vocabulary=True)
     examples = demo_examples(steps * micro_batch_size, seed)
     chunks = [examples[i:i + micro_batch_size] for i in range(0, steps * micro_batch_size, micro_batch_size)]
 
     runs = {}
     for name in LAYOUTS:
         packed = name == "packed"
-        model = tiny_model("qwen2_vl", attn_implementation=ATTN_IMPLEMENTATION if packed else "sdpa", seed=seed)
+        model = tiny_model("qwen2_vl", attn_implementation=ATTN_IMPLEMENTATION if packed else "sdpa", seed=seed,
+                           full_vocabulary=True)
         model.train()
         collator = VLMPackingCollator(processor, max_length=4096, pack_sequences_in_batch=packed,
                                       model_config=model.config)

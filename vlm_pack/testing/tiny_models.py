@@ -110,10 +110,10 @@ _GEMMA_TOKENS = {
 }
 
 
-def qwen_tokenizer() -> PreTrainedTokenizerBase:
+def qwen_tokenizer(full_vocabulary: bool = False) -> PreTrainedTokenizerBase:
     """The Qwen tokenizer cut to 4096 BPE ranks (:func:`small_qwen_tokenizer_path`) with its own chat template (a
-    Qwen3 template without generation marks). Its ids fit every tiny model."""
-    return AutoTokenizer.from_pretrained(small_qwen_tokenizer_path())
+    Qwen3 template without generation marks): its ids fit every tiny model. ``full_vocabulary``: the real files."""
+    return AutoTokenizer.from_pretrained(qwen_tokenizer_path() if full_vocabulary else small_qwen_tokenizer_path())
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,15 +157,17 @@ def official_template(name: str) -> str:
 
 
 def offline_qwen2vl_processor(
-    min_pixels: int = 56 * 56, max_pixels: int = 112 * 112, tokenizer: PreTrainedTokenizerBase | None = None
+    min_pixels: int = 56 * 56, max_pixels: int = 112 * 112, tokenizer: PreTrainedTokenizerBase | None = None,
+    full_vocabulary: bool = False,
 ) -> Qwen2VLProcessor:
     """A complete ``Qwen2VLProcessor`` assembled offline: the small Qwen tokenizer + ``Qwen2VLImageProcessor``, with the
     official Qwen2-VL / Qwen2.5-VL chat template (byte-identical for both).
 
     ``min_pixels`` / ``max_pixels`` bound the resized image area, so every image becomes between 4 and 16
     merged tokens by default (a 56x56 image -> 4 tokens; a 512x512 photo -> 16): fast tests, real pipeline.
+    ``full_vocabulary``: the full Qwen tokenizer (for ``tiny_model(..., full_vocabulary=True)``).
     """
-    tokenizer = tokenizer if tokenizer is not None else qwen_tokenizer()
+    tokenizer = tokenizer if tokenizer is not None else qwen_tokenizer(full_vocabulary)
     image_processor = Qwen2VLImageProcessor(
         min_pixels=min_pixels, max_pixels=max_pixels, patch_size=_PATCH, merge_size=_MERGE, temporal_patch_size=2
     )
@@ -296,22 +298,29 @@ def _text_config(initializer_range: float, layers: int, vocab_size: int = _SMALL
     }
 
 
-def tiny_config(family: str, *, initializer_range: float = 0.2, layers: int = 2) -> PreTrainedConfig:
+def tiny_config(
+    family: str, *, initializer_range: float = 0.2, layers: int = 2, full_vocabulary: bool = False
+) -> PreTrainedConfig:
     """A fresh tiny config for ``family`` (one of ``TINY_FAMILIES``).
 
     ``initializer_range`` is larger than the usual 0.02 so that attention scores actually differ between
     tokens: an exactness test is only meaningful if a wrong mask or wrong position would change the loss.
+    ``full_vocabulary``: a Qwen VLM with the full tokenizer's 151669 ids (``qwen_tokenizer(full_vocabulary=True)``)
+    instead of the small one's, e.g. for timings where the LM head should weigh what it weighs in real models.
     """
+    if full_vocabulary and family not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"):
+        raise ValueError(f"full_vocabulary=True is for the Qwen VLM families, not {family!r}")
     if family == "gemma3":
         return _gemma3_config(initializer_range, layers)
     if family == "gemma4":
         return _gemma4_config(initializer_range, layers)
     text_family = family in _TEXT_CONFIGS or family in ("qwen3_next", "qwen3_5_text")
-    text = _text_config(initializer_range, layers, _QWEN_VOCAB if text_family else _SMALL_VOCAB)
+    text = _text_config(initializer_range, layers, _QWEN_VOCAB if text_family or full_vocabulary else _SMALL_VOCAB)
+    vision_ids = _qwen_vision_ids(full_vocabulary)
     if family == "qwen2_vl":
         vision = {"depth": 1, "embed_dim": 32, "hidden_size": _HIDDEN, "mlp_ratio": 2, "num_heads": 2}
         return Qwen2VLConfig(
-            text_config=text, vision_config=_with_patching(vision, initializer_range), **_QWEN2_VISION_TOKENS
+            text_config=text, vision_config=_with_patching(vision, initializer_range), **vision_ids
         )
     if family == "qwen2_5_vl":
         # Block 0 uses windowed attention (56 px windows: several per image), block 1 full attention.
@@ -325,7 +334,7 @@ def tiny_config(family: str, *, initializer_range: float = 0.2, layers: int = 2)
             "fullatt_block_indexes": [1],
         }
         return Qwen2_5_VLConfig(
-            text_config=text, vision_config=_with_patching(vision, initializer_range), **_QWEN2_VISION_TOKENS
+            text_config=text, vision_config=_with_patching(vision, initializer_range), **vision_ids
         )
     if family == "qwen3_vl":
         text["rope_parameters"]["mrope_interleaved"] = True
@@ -339,7 +348,7 @@ def tiny_config(family: str, *, initializer_range: float = 0.2, layers: int = 2)
             "deepstack_visual_indexes": [0],
         }
         return Qwen3VLConfig(
-            text_config=text, vision_config=_with_patching(vision, initializer_range), **_QWEN2_VISION_TOKENS
+            text_config=text, vision_config=_with_patching(vision, initializer_range), **vision_ids
         )
     if family == "qwen3_next":  # mixture of experts: 4 experts, 2 per token, plus the shared expert
         text = _hybrid_text_config(text, layers)
@@ -359,7 +368,7 @@ def tiny_config(family: str, *, initializer_range: float = 0.2, layers: int = 2)
             "num_position_embeddings": 64,
         }
         return Qwen3_5Config(
-            text_config=text, vision_config=_with_patching(vision, initializer_range), **_QWEN2_VISION_TOKENS
+            text_config=text, vision_config=_with_patching(vision, initializer_range), **vision_ids
         )
     if family in _TEXT_CONFIGS:
         text.pop("rope_parameters")
@@ -399,14 +408,13 @@ def _with_patching(vision: dict, initializer_range: float) -> dict:
     }
 
 
-# Qwen3.5 defaults to its own vocabulary's vision token ids; the small Qwen2 tokenizer used here has these
-# (<|image_pad|>, <|video_pad|>, <|vision_start|>, <|vision_end|>: added tokens 12, 13, 9, 10).
-_QWEN2_VISION_TOKENS = {
-    "image_token_id": _SMALL_RANKS + 12,
-    "video_token_id": _SMALL_RANKS + 13,
-    "vision_start_token_id": _SMALL_RANKS + 9,
-    "vision_end_token_id": _SMALL_RANKS + 10,
-}
+
+def _qwen_vision_ids(full_vocabulary: bool) -> dict[str, int]:
+    """<|image_pad|>, <|video_pad|>, <|vision_start|>, <|vision_end|> (added tokens 12, 13, 9, 10) of the small or
+    the full Qwen tokenizer (Qwen3.5's config defaults to its own vocabulary's ids, so they are always passed)."""
+    first_added = 151643 if full_vocabulary else _SMALL_RANKS
+    return {"image_token_id": first_added + 12, "video_token_id": first_added + 13,
+            "vision_start_token_id": first_added + 9, "vision_end_token_id": first_added + 10}
 
 _MODEL_CLASSES = {
     "qwen2_vl": Qwen2VLForConditionalGeneration,
@@ -431,14 +439,16 @@ def tiny_model(
     initializer_range: float = 0.2,
     layers: int = 2,
     vocab_size: int | None = None,
+    full_vocabulary: bool = False,
 ) -> PreTrainedModel:
     """A tiny random fp32 model of ``family`` in eval mode (no dropout), built from a fresh config.
 
     The same ``seed`` gives the same weights for every ``attn_implementation``, so two builds can be compared.
     Non-default implementations (e.g. ``"vlm_pack_varlen"``) must be registered before the call.
-    ``vocab_size`` shrinks the vocabulary for tests on synthetic ids (no 150k-row embedding to differentiate).
+    ``vocab_size`` shrinks the vocabulary for tests on synthetic ids (no 150k-row embedding to differentiate);
+    ``full_vocabulary``: see :func:`tiny_config`.
     """
-    config = tiny_config(family, initializer_range=initializer_range, layers=layers)
+    config = tiny_config(family, initializer_range=initializer_range, layers=layers, full_vocabulary=full_vocabulary)
     if vocab_size is not None:
         config.get_text_config().vocab_size = vocab_size
     with torch.random.fork_rng(devices=[]):
