@@ -9,6 +9,8 @@ layers (no positional encoding): the packed path applies the window inside each 
 at ``cu_seq_lens_q``, positions restarting per sample.
 """
 
+from typing import Any
+
 from . import FamilySpec, register_family, text_backbone
 
 _PROOF = "tests/test_vlm_families.py"
@@ -16,11 +18,26 @@ _LAYER_KINDS = frozenset({"full_attention", "sliding_attention"})
 
 # What both processors write around and inside an image (the placeholder expands to patch tokens).
 _MEDIA = ("<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>")
+
+
+def _aya_image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str, int]]:
+    """The processor's own image string (``replace_image_token``: "TILE_n" labels as plain text, one global tile,
+    start/end markers) for the tile count its image processor gives each size; ``_get_num_multimodal_tokens``
+    counts only the patch tokens."""
+    out = []
+    for height, width in sizes:
+        tiles = processor.image_processor.get_number_of_image_patches(height, width, {})
+        text = processor.replace_image_token({"num_patches": [tiles]}, 0)
+        out.append((text, text.count(processor.img_patch_token)))
+    return out
+
+
 COHERE2 = register_family(FamilySpec(name="cohere2", model_types=("cohere2",), proof=_PROOF, layer_kinds=_LAYER_KINDS))
 AYA_VISION = register_family(FamilySpec(
     name="aya_vision", model_types=("aya_vision",), proof=_PROOF, layer_kinds=_LAYER_KINDS,
     vision_rows={"pixel_values": "image_token"}, media_tokens=_MEDIA,
     media_spans=(("<|START_OF_IMG|>", "<|END_OF_IMG|>"),),  # its "TILE_n" tile labels are plain text in between
+    image_text=_aya_image_text,
     extra_checks=(text_backbone("cohere2"),),
 ))
 COHERE2_VISION = register_family(FamilySpec(

@@ -9,16 +9,27 @@ SAM tower on a high-resolution copy of each image (``high_res_pixel_values``, on
 attention inside the image only) whose features join the SigLIP ones per image token: same rules.
 """
 
+from typing import Any
+
 from . import FamilySpec, register_family, text_backbone
 
 _PROOF = "tests/test_vlm_families.py"
 _TEXT = (text_backbone("llama", "qwen2", "qwen3"),)
 
+
+
+def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str, int]]:
+    """Every image is padded to the tower's square: the processor's own ``num_image_tokens`` placeholders each
+    (``replace_image_token``; the processor has no ``_get_num_multimodal_tokens``)."""
+    return [(processor.replace_image_token({}, 0), processor.num_image_tokens) for _ in sizes]
+
+
 DEEPSEEK_VL = register_family(FamilySpec(
     name="deepseek_vl", model_types=("deepseek_vl",), proof=_PROOF, vision_rows={"pixel_values": "image"},
-    extra_checks=_TEXT,
+    extra_checks=_TEXT, image_text=_image_text,
 ))
 DEEPSEEK_VL_HYBRID = register_family(FamilySpec(
     name="deepseek_vl_hybrid", model_types=("deepseek_vl_hybrid",), proof=_PROOF,
     vision_rows={"pixel_values": "image", "high_res_pixel_values": "image"}, extra_checks=_TEXT,
+    image_text=_image_text,
 ))

@@ -11,6 +11,8 @@ several vision layers' features per image before its projector: still per image,
 images (``pixel_values_images``, one row per image) follow LLaVA's rules; its videos are not proven (refused).
 """
 
+from typing import Any
+
 from . import FamilySpec, register_family, text_backbone
 
 _PROOF = "tests/test_vlm_families.py"
@@ -30,7 +32,25 @@ LLAVA_NEXT_VIDEO = register_family(FamilySpec(
 VIPLLAVA = register_family(FamilySpec(
     name="vipllava", model_types=("vipllava",), proof=_PROOF, vision_rows={"pixel_values": "image"}, extra_checks=_TEXT,
 ))
+
+
+def _video_llava_image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str, int]]:
+    """Every image is resized and center-cropped to ``crop_size``: the processor's own placeholder string for an
+    image of that size (``replace_image_token``; no ``_get_num_multimodal_tokens``). Without the crop the size
+    would follow each image's aspect ratio, which is not planned: refused."""
+    import numpy as np
+
+    image_processor = processor.image_processor
+    if not getattr(image_processor, "do_center_crop", False):
+        raise ValueError("token-budget planning for Video-LLaVA needs the image processor's center crop "
+                         "(do_center_crop=True, as the checkpoints ship): without it image sizes vary")
+    crop = image_processor.crop_size
+    text = processor.replace_image_token({"pixel_values_images": [np.zeros((3, crop["height"], crop["width"]))]}, 0)
+    return [(text, text.count(processor.image_token))] * len(sizes)
+
+
 VIDEO_LLAVA = register_family(FamilySpec(
     name="video_llava", model_types=("video_llava",), proof=_PROOF,
     vision_rows={"pixel_values_images": "image", "pixel_values": "image"}, extra_checks=_TEXT,
+    image_text=_video_llava_image_text,
 ))
