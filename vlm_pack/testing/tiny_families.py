@@ -664,16 +664,21 @@ def _deepseek_vl_processor() -> ProcessorMixin:
     )
 
 
+def _deepseek_vl_parts(processor, initializer_range: float, layers: int) -> dict:
+    """Config fields both DeepSeek-VL families share: a SigLIP tower on 28-px squares and a Llama language model."""
+    text = _qwen2_text(len(processor.tokenizer), initializer_range, layers)
+    return {
+        "vision_config": {"model_type": "siglip_vision_model", **TINY_VISION_TOWER, "image_size": _DEEPSEEK_VL_SIDE,
+                          "patch_size": 7},
+        "text_config": {**text, "model_type": "llama", "head_dim": _HIDDEN // 4},
+        "image_token_id": processor.image_token_id,
+    }
+
+
 def _deepseek_vl_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
     from transformers import DeepseekVLConfig, DeepseekVLForConditionalGeneration
 
-    text = _qwen2_text(len(processor.tokenizer), initializer_range, layers)
-    config = DeepseekVLConfig(
-        vision_config={"model_type": "siglip_vision_model", **TINY_VISION_TOWER, "image_size": _DEEPSEEK_VL_SIDE,
-                       "patch_size": 7},
-        text_config={**text, "model_type": "llama", "head_dim": _HIDDEN // 4},
-        image_token_id=processor.image_token_id,
-    )
+    config = DeepseekVLConfig(**_deepseek_vl_parts(processor, initializer_range, layers))
     return DeepseekVLForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
@@ -698,16 +703,12 @@ def _deepseek_vl_hybrid_processor() -> ProcessorMixin:
 def _deepseek_vl_hybrid_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
     from transformers import DeepseekVLHybridConfig, DeepseekVLHybridForConditionalGeneration
 
-    text = _qwen2_text(len(processor.tokenizer), initializer_range, layers)
     config = DeepseekVLHybridConfig(
-        vision_config={"model_type": "siglip_vision_model", **TINY_VISION_TOWER, "image_size": _DEEPSEEK_VL_SIDE,
-                       "patch_size": 7},
+        **_deepseek_vl_parts(processor, initializer_range, layers),
         high_res_vision_config={"model_type": "sam_vision_model", "hidden_size": 32, "output_channels": 16,
                                 "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": _DEEPSEEK_VL_HIGH_RES,
                                 "patch_size": 7, "window_size": 4, "global_attn_indexes": [0], "num_pos_feats": 16,
                                 "mlp_dim": 64, "initializer_range": initializer_range},
-        text_config={**text, "model_type": "llama", "head_dim": _HIDDEN // 4},
-        image_token_id=processor.image_token_id,
     )
     model = DeepseekVLHybridForConditionalGeneration._from_config(config, attn_implementation=attn,
                                                                   dtype=torch.float32)
