@@ -23,10 +23,21 @@ class MissingRule:
     unproven: str
 
 
-_PREFIX_LM = MissingRule(
-    "prefix-LM attention over packed rows is not implemented (the image + prompt prefix of each sample attends both "
-    "ways; Gemma 2 language models add attention-logit softcapping, which the packed attention refuses)",
-    "the prefix would attend causally (max |dlogit| 5.97 measured on a tiny PaliGemma)",
+_PALIGEMMA = MissingRule(
+    "chats cannot be encoded for PaliGemma: transformers' PaliGemmaProcessor writes its BOS after the last <image> "
+    "of the rendered chat (and a newline at its end), so the assistant-token mask, computed on the text before "
+    "that insertion, lands len(bos_token) characters early on every assistant turn after the last image "
+    "(labelling the end of the assistant header); it fails on a batch of samples of different lengths (labels "
+    "built with numpy from ragged input_ids), refuses a sample without images, and marks every chat token as prefix "
+    "(token_type_ids all 0, so the stock model would let the answer attend both ways). vlm_pack has no encoder of "
+    "its own for it. The prefix-LM attention itself would fit the image-block rule (one block per sample: its "
+    "token_type_ids == 0 prefix, read by PaliGemmaModel) with the text layers made causal again (PaliGemmaConfig "
+    "sets use_bidirectional_attention=True and leaves causality to a mask that packing drops); PaliGemma 2's "
+    "Gemma 2 language model adds attention-logit softcapping, which the packed attention refuses",
+    "the collator fails on any batch of two samples of different lengths and labels a sample alone on its "
+    "assistant header (measured with a tiny PaliGemmaProcessor); the model's text layers, non-causal by config, "
+    "attend both ways over each whole sample, answers included (max |dlogit| 9.5 measured on a tiny PaliGemma "
+    "with the processor's own prefix/suffix encoding)",
 )
 _OMNI = MissingRule(
     "the Omni thinker's time-aligned mRoPE (audio and video positions interleaved in time) is not computed per "
@@ -50,7 +61,7 @@ MISSING_RULES: dict[str, MissingRule] = {
         "the collator still cannot encode a batch: the processor rejects every chat batch (measured with a tiny "
         "GotOcr2Processor, with and without multi_page)",
     ),
-    "paligemma": _PREFIX_LM,
+    "paligemma": _PALIGEMMA,
     "llama4": MissingRule(
         "chunked attention over packed rows is not implemented (chunked layers split each sample at every "
         "attention_chunk_size tokens counted from the sample's start); its NoPE layers and MoE router are not proven",
