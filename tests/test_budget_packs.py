@@ -3,6 +3,8 @@ equal to each sample run alone through the stock model, pickle-free storage that
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -321,6 +323,20 @@ def test_planned_length_equals_the_real_processor_for_every_family(family):
     planned = measure_lengths(examples, collator, progress=False)
     assert planned.tokens.tolist() == _materialised_lengths(collator, examples)
     assert planned.images.tolist() == [len(group) for group in _GROUPS]
+
+
+def test_idefics2_plan_needs_the_processor_text_expansion():
+    """Corruption: each Idefics2 image planned as its own expansion (markers around its image tokens, tokenised in
+    context) instead of the processor's text expansion misses the marker it merges between adjacent images and
+    the space it puts after an image: the plan no longer equals the materialised lengths."""
+    collator = _family_collator("idefics2")
+    latents = collator.processor.image_seq_len
+    image = f"<fake_token_around_image>{'<image>' * latents}<fake_token_around_image>"
+    collator.family = dataclasses.replace(collator.family, expand_text=None,
+                                          image_text=lambda _, sizes: [(image, latents)] * len(sizes))
+    examples = [_images_example(group) for group in _GROUPS]
+    planned = measure_lengths(examples, collator, progress=False).tokens.tolist()
+    assert planned != _materialised_lengths(collator, examples)
 
 
 def test_fixed_width_overflow_names_the_dataset_sample(collator, mix):

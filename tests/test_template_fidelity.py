@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from PIL import Image
 from transformers.image_utils import load_image as hf_load_image
 
-from vlm_pack.chat import load_image
+from vlm_pack.chat import carry_assistant_mask, load_image
 from vlm_pack.collator import VLMPackingCollator
 from vlm_pack.hf import enable_packing
+from vlm_pack.models import get_family
 from vlm_pack.offline.encoding import SampleEncoder, SampleFormat
 from vlm_pack.testing.tiny_families import TINY_VLM_FAMILIES, tiny_vlm, tiny_vlm_processor
 from vlm_pack.testing.tiny_models import (
@@ -297,6 +298,7 @@ MEDIA_TOKENS = {
     "glm4v": ["<|begin_of_image|>", "<|image|>", "<|end_of_image|>"],
 }
 MEDIA_TOKENS["smolvlm"] = MEDIA_TOKENS["idefics3"]
+MEDIA_TOKENS["idefics2"] = ["<image>", "<fake_token_around_image>"]
 MEDIA_TOKENS.update({name: MEDIA_TOKENS["qwen2_vl"] for name in ("qwen3_vl_moe", "qwen3_5_moe", "lighton_ocr")})
 MEDIA_TOKENS.update({name: MEDIA_TOKENS["glm4v"] for name in ("glm4v_moe", "glm46v", "glm_ocr")})
 MEDIA_TOKENS.update({name: ["<image>"] for name in ("llava", "llava_next", "llava_next_video", "vipllava", "video_llava")})
@@ -332,6 +334,49 @@ def _training_template(processor) -> str:
     return official_template(f"{name}_training")
 
 
+def _answer_span(processor, chat: list[dict], length: int) -> torch.Tensor:
+    """Mask of the answer (its text and <|im_end|>) among the ``length`` tokens of ``chat`` (one user turn, then the
+    answer; ChatML) encoded by the processor: from the end of the processor's own tokens of the prompt
+    (add_generation_prompt) to the end of its tokens of the chat without the template's final newline. Independent
+    of any assistant mask: the processor expands images in the text alone."""
+    prompt = processor.apply_chat_template(chat[:1], add_generation_prompt=True, tokenize=False)
+    full = processor.apply_chat_template(chat, tokenize=False)
+    assert full.endswith("<|im_end|>\n")
+    start, end = (len(processor(text=[text])["input_ids"][0]) for text in (prompt, full[:-1]))
+    assert len(processor(text=[full])["input_ids"][0]) == length
+    return (torch.arange(length) >= start) & (torch.arange(length) < end)
+
+
+def test_idefics2_mask_carried_through_the_expansion_is_needed():
+    """Corruption: Idefics2's processor mask (computed before its image expansion) taken as is labels the image's
+    markers and misses the answer's last tokens, so it differs from the answer span the collator labels."""
+    processor, model = _family("idefics2")
+    chat = _assistant_image_chat()
+    out = processor.apply_chat_template([chat], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids = torch.as_tensor(out["input_ids"][0])
+    own = torch.as_tensor(out["assistant_masks"][0]).bool()
+    answer = _answer_span(processor, chat, len(ids))
+    media = torch.isin(ids, torch.tensor(processor.tokenizer.convert_tokens_to_ids(MEDIA_TOKENS["idefics2"])))
+    labels = VLMPackingCollator(processor, max_length=4096, model_config=model.config)([{"messages": chat}])["labels"]
+    assert torch.equal(labels[0][1:] != IGNORE, (answer & ~media)[1:])
+    assert not torch.equal(own & ~media, answer & ~media)
+    assert (answer & ~media & ~own).any()  # answer tokens the processor's mask leaves unlabelled
+
+
+def test_carried_mask_fails_closed():
+    """carry_assistant_mask (ids: 9 the placeholder, 8 a marker): equal text maps one to one, a re-tokenised head
+    takes its tokens' mask, added tokens (a BOS) the next token's; a head straddling an assistant border, or image
+    runs that do not match the placeholders, are refused naming the sample."""
+    media = {8, 9}
+    assert carry_assistant_mask([1, 9, 2, 3], [0, 1, 1, 1], [1, 8, 9, 9, 8, 4, 5, 3], media, "sample 0") == [
+        0, 0, 0, 0, 0, 1, 1, 1]
+    assert carry_assistant_mask([1, 2], [0, 1], [0, 1, 2], media, "sample 0") == [0, 0, 1]
+    with pytest.raises(ValueError, match="sample 3: the processor re-tokenised text"):
+        carry_assistant_mask([9, 2, 3], [0, 0, 1], [8, 9, 8, 4, 5], media, "sample 3")
+    with pytest.raises(ValueError, match="sample 2: the processor wrote 2 image runs for 1 runs"):
+        carry_assistant_mask([9, 9, 2], [0, 0, 1], [8, 9, 8, 2, 8, 9, 8, 2], media, "sample 2")
+
+
 @pytest.mark.parametrize("name", LABEL_FAMILIES)
 def test_image_inside_an_assistant_turn_is_never_a_target(name):
     """Labels == the reference mask without the family's image tokens; gradients of the packed model on the
@@ -345,6 +390,8 @@ def test_image_inside_an_assistant_turn_is_never_a_target(name):
     ids = out["input_ids"][0]
     media = torch.tensor(processor.tokenizer.convert_tokens_to_ids(MEDIA_TOKENS[name]))
     assistant = torch.as_tensor(out["assistant_masks"][0]).bool()
+    if get_family(model.config).mask_before_expansion:  # the processor's own mask is off by the expansion
+        assistant = _answer_span(processor, chat, len(ids))
     inside = torch.isin(ids, media).nonzero()
     labelled = assistant.nonzero()
     assert len(inside) and labelled.min() < inside.min() and inside.max() < labelled.max()  # inside the answer

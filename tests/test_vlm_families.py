@@ -183,7 +183,7 @@ EXACT_CASES = [
 # Families registered later are proven on edge_examples() (a superset of the mixed batch) instead.
 EDGE_FAMILIES = ["qwen3_vl_moe", "llava", "llava_next", "llava_next_video", "glm4v_moe", "qwen3_5_moe",
                  "aya_vision", "glm46v", "vipllava", "cohere2_vision", "video_llava", "deepseek_vl",
-                 "deepseek_vl_hybrid", "lighton_ocr", "glm_ocr"]
+                 "deepseek_vl_hybrid", "lighton_ocr", "glm_ocr", "idefics2"]
 FAMILIES = [family for family, _, _ in EXACT_CASES] + EDGE_FAMILIES
 # Composite families whose language model is a separate registered text family (the others bring their own).
 TEXT_BACKBONE_FAMILIES = [f for f in FAMILIES if f not in ("glm4v", "glm4v_moe", "glm46v", "glm_ocr", "qwen3_vl_moe",
@@ -423,7 +423,6 @@ def test_unproven_language_model_is_refused(family):
     ("Llama4Config", "chunked attention over packed rows is not implemented", "attend across chunk borders"),
     ("MllamaConfig", "cross-attention isolation over packed rows is not implemented", "another sample's image"),
     ("Qwen2_5OmniThinkerConfig", "the Omni thinker.s time-aligned mRoPE", "wrong position"),
-    ("Idefics2Config", "labels cannot be placed for Idefics2", "labels land on the wrong tokens"),
     ("FastVlmConfig", "the vision tower must not mix images", "depend on the other samples' images"),
     ("PerceptionLMConfig", "PerceptionLM's pixel_values hold one stack of tiles per image", "different tile counts"),
     ("GotOcr2Config", "chats cannot be encoded for GOT-OCR2", "the processor rejects every chat batch"),

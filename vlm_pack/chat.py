@@ -37,6 +37,7 @@ __all__ = [
     "CHATML_TEMPLATE",
     "ChatTemplate",
     "IMAGE_PLACEHOLDER",
+    "carry_assistant_mask",
     "encode_conversations",
     "image_size",
     "load_image",
@@ -335,6 +336,7 @@ def encode_conversations(
     vision_rows: Mapping[str, str] | None = None,
     unlabelled_ids: Sequence[int] = (),
     unlabelled_spans: Sequence[tuple[int, int]] = (),
+    mask_before_expansion: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Render and tokenise normalised conversations in ONE processor call; returns one dict per sample.
 
@@ -347,7 +349,10 @@ def encode_conversations(
     ``token_type_ids`` != 0) nor ``unlabelled_ids`` (the placeholder ids and the family's vision markers) nor
     any token of an ``unlabelled_spans`` ``(open id, close id)`` span, both ends included.
     ``vision_rows``: the family's ``FamilySpec.vision_rows`` (what each row of a vision tensor belongs to). If the
-    processor fails, the error names the first sample it fails on.
+    processor fails, the error names the first sample it fails on. ``mask_before_expansion``: the family's
+    ``FamilySpec.mask_before_expansion`` (the processor's assistant mask is that of the unexpanded text): the mask
+    is then carried from the template's own tokens (each placeholder one token) onto the expanded ones
+    (:func:`carry_assistant_mask`).
     """
     rendered = conversations
     if not hasattr(processor, "image_processor"):  # text templates expect string content
@@ -361,6 +366,8 @@ def encode_conversations(
             except Exception as exc:
                 raise ValueError(f"sample {index}: {_reason(exc)}") from exc
         raise batch_error
+    if mask_before_expansion:
+        out["assistant_masks"] = _expanded_masks(processor, rendered, chat_template, out["input_ids"], unlabelled_ids)
     images, videos = ([media_parts(c, kind) for c in conversations] for kind in ("image", "video"))
     samples: list[dict[str, torch.Tensor]] = [{} for _ in conversations]
     # Per-image tensors some processors return as a list (Gemma 3's pixel_values): one row per image.
@@ -386,6 +393,74 @@ def encode_conversations(
                 assistant &= sample[media_key] == 0
         sample["labels"] = sample["input_ids"].masked_fill(~assistant, IGNORE_INDEX)
     return samples
+
+
+def _expanded_masks(
+    processor: Any, conversations: list[list[dict]], chat_template: ChatTemplate,
+    expanded: Sequence[Sequence[int]], media_ids: Sequence[int],
+) -> list[list[int]]:
+    """Assistant masks of the processor's ``expanded`` ids, carried from the chats tokenised by the tokenizer alone
+    (the template's text, each image placeholder one token), whose mask is exact."""
+    before = render_with_assistant_masks(processor.tokenizer, conversations, chat_template)
+    return [carry_assistant_mask(ids, mask, after, set(media_ids), f"sample {index}")
+            for index, (ids, mask, after) in enumerate(zip(before["input_ids"], before["assistant_masks"], expanded))]
+
+
+def carry_assistant_mask(
+    before: Sequence[int], mask: Sequence[int], after: Sequence[int], media_ids: set[int], where: str
+) -> list[int]:
+    """The assistant ``mask`` of token ids ``before`` placeholder expansion, carried onto ``after`` (the ids the
+    processor wrote); fails closed with a ``ValueError`` naming ``where``.
+
+    Both sequences are cut into text runs at their runs of ``media_ids`` (the placeholder and its markers): the
+    k-th media run of ``after`` is the expansion of the k-th of ``before``, and media tokens get no mask. Equal text
+    runs map one to one. A processor may rewrite only the START of a text run (Idefics2 puts a space before text
+    that follows an image, which re-tokenises its first word; a tokenizer may add a BOS): the tokens past the
+    longest common tail map one to one, the rewritten head takes the mask of the tokens it replaces (which must
+    agree) or, where it only adds tokens, that of the first token after it. Anything else is refused.
+    """
+    runs_before, runs_after = _text_runs(before, media_ids), _text_runs(after, media_ids)
+    if len(runs_before) != len(runs_after):
+        raise ValueError(
+            f"{where}: the processor wrote {len(runs_after) - 1} image runs for {len(runs_before) - 1} runs of image "
+            "placeholders in the chat, so the assistant mask cannot be carried through its expansion"
+        )
+    carried = [0] * len(after)
+    for (b0, b1), (a0, a1) in zip(runs_before, runs_after):
+        tail = 0
+        while tail < min(b1 - b0, a1 - a0) and before[b1 - 1 - tail] == after[a1 - 1 - tail]:
+            tail += 1
+        head_before, head_after = range(b0, b1 - tail), range(a0, a1 - tail)
+        for offset in range(tail):
+            carried[a1 - 1 - offset] = int(mask[b1 - 1 - offset])
+        if not head_after:
+            if head_before:
+                raise ValueError(f"{where}: the processor dropped text tokens {list(before[b0:b1 - tail])} of the "
+                                 "chat, so the assistant mask cannot be carried through its expansion")
+            continue
+        source = {int(mask[i]) for i in head_before} if head_before else {int(mask[b1 - tail])} if tail else set()
+        if len(source) != 1:
+            raise ValueError(
+                f"{where}: the processor re-tokenised text {list(before[b0:b1 - tail])} -> "
+                f"{list(after[a0:a1 - tail])} across an assistant-turn border (or added tokens to an empty text run), "
+                "so the assistant mask cannot be carried through its expansion"
+            )
+        value = source.pop()
+        for i in head_after:
+            carried[i] = value
+    return carried
+
+
+def _text_runs(ids: Sequence[int], media_ids: set[int]) -> list[tuple[int, int]]:
+    """``[start, end)`` of each text run of ``ids`` around its maximal runs of ``media_ids`` (media runs + 1)."""
+    runs, start = [], 0
+    for i, token in enumerate(ids):
+        if token in media_ids:
+            if i == 0 or ids[i - 1] not in media_ids:
+                runs.append((start, i))
+            start = i + 1
+    runs.append((start, len(ids)))
+    return runs
 
 
 def _inside_spans(ids: torch.Tensor, open_id: int, close_id: int) -> torch.Tensor:

@@ -227,7 +227,8 @@ class VLMPackingCollator:
         samples, dropped, images = [], [], 0
         vision_rows = None if self.family is None else self.family.vision_rows
         encoded = encode_conversations(self.processor, conversations, self.chat, vision_rows,
-                                       self.unlabelled_ids, self.unlabelled_spans)
+                                       self.unlabelled_ids, self.unlabelled_spans,
+                                       self.family is not None and self.family.mask_before_expansion)
         empty = []
         for index, features in enumerate(encoded):
             length = features["input_ids"].shape[1]

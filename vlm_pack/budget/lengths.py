@@ -6,7 +6,9 @@ comes from the processor's own rule (``processor._get_num_multimodal_tokens``, t
 pixels, patch and merge size) applied to the image size read from the file header. Families whose processor
 adds text around an image (Gemma 3's newlines and markers, Gemma 4's markers), counts multi-image samples
 differently (LLaVA-OneVision) or has no such hook (SmolVLM) declare ``FamilySpec.image_text``: the placeholder
-is replaced by that text and tokenised in context, as the processor does. ``TokenBudgetPackDataset`` checks
+is replaced by that text and tokenised in context, as the processor does. Families whose expansion needs no image
+size but rewrites the text around images (Idefics2) declare ``FamilySpec.expand_text``: the processor's own text
+expansion gives the ids. ``TokenBudgetPackDataset`` checks
 every planned length against the materialised one, so a family whose processor expands differently fails
 loudly, never silently.
 """
@@ -115,7 +117,9 @@ def _measure_chunk(collator: Any, examples: Sequence[Any], first: int) -> tuple[
     processor = collator.processor
     tokenizer = getattr(processor, "tokenizer", processor)
     image_text = getattr(collator.family, "image_text", None)
-    counter = _VisionTokenCounter(processor, image_text is None) if collator.has_images else None
+    expand_text = getattr(collator.family, "expand_text", None)
+    counter = (_VisionTokenCounter(processor, image_text is None and expand_text is None)
+               if collator.has_images else None)
     conversations = [
         normalize_example(example, first + row, reserved_tokens=collator.reserved_tokens,
                           allow_images=collator.has_images, decode_images=False)
@@ -129,7 +133,9 @@ def _measure_chunk(collator: Any, examples: Sequence[Any], first: int) -> tuple[
                  if part["type"] != "text"]
         parts = [part for _, part in turns]
         sizes = [_vision_size(part, f"{where}, turn {turn}") for turn, part in turns]
-        if image_text is not None and any(part["type"] == "image" for part in parts):
+        if expand_text is not None:  # the processor's own text expansion counts the images (below)
+            sizes = [size for size, part in zip(sizes, parts) if part["type"] != "image"]
+        elif image_text is not None and any(part["type"] == "image" for part in parts):
             image_sizes = [size for size, part in zip(sizes, parts) if part["type"] == "image"]
             expanded = image_text(processor, image_sizes)
             texts[row] = _expand_images(texts[row], processor.image_token, [text for text, _ in expanded], where)
@@ -139,7 +145,12 @@ def _measure_chunk(collator: Any, examples: Sequence[Any], first: int) -> tuple[
         images[row] = len(parts)
         image_tokens[row] += sum(per_part)
         tokens[row] = sum(per_part) - len(sizes)  # each placeholder becomes its count of tokens
-    tokens += [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    if expand_text is not None:
+        ids = expand_text(processor, texts)
+        image_tokens += [int(np.count_nonzero(np.asarray(row) == processor.image_token_id)) for row in ids]
+    else:
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    tokens += [len(row) for row in ids]
     return tokens, image_tokens, images
 
 

@@ -118,6 +118,13 @@ class FamilySpec:
     tokenizer's vocabulary are ignored. ``media_spans``: ``(open, close)`` token pairs; every token from an
     ``open`` through the next ``close`` is image markup and never carries labels (Aya Vision writes its tile
     labels "TILE_1", "TILE_2", ... as plain text between ``<|START_OF_IMG|>`` and ``<|END_OF_IMG|>``).
+    ``mask_before_expansion``: the processor's ``apply_chat_template`` reports the assistant mask of the text
+    BEFORE it expands each image placeholder (Idefics2's ``__call__`` returns no replacement offsets), so that mask
+    is off by the expansion; the collator carries the mask of the unexpanded tokens through the expansion instead
+    (``vlm_pack.chat.carry_assistant_mask``). ``expand_text``: ``(processor, rendered texts) -> token ids`` of
+    each text with its image placeholders expanded by the processor's own text rule, for token-budget planning of
+    families whose expansion needs no image size but rewrites the text around it (Idefics2 merges the markers of
+    adjacent images and puts a space after an image); it replaces ``image_text`` and the image-token count.
     """
 
     name: str
@@ -139,6 +146,8 @@ class FamilySpec:
     image_text: Callable[[Any, list[tuple[int, int]]], list[tuple[str, int]]] | None = None
     media_tokens: tuple[str, ...] = ()
     media_spans: tuple[tuple[str, str], ...] = ()
+    mask_before_expansion: bool = False
+    expand_text: Callable[[Any, list[str]], list[list[int]]] | None = None
 
     def __post_init__(self) -> None:
         if (self.positions == "mrope") != (self.rope_index_model is not None):
@@ -282,6 +291,6 @@ def _load_builtin() -> None:
         return
     _loaded = True
     from . import (  # noqa: F401
-        aya_vision, deepseek_vl, gemma3, gemma4, glm4v, glm4v_moe, glm46v, glm_ocr, idefics3, internvl, lighton_ocr,
-        llama, llava, llava_onevision, mistral, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
+        aya_vision, deepseek_vl, gemma3, gemma4, glm4v, glm4v_moe, glm46v, glm_ocr, idefics2, idefics3, internvl,
+        lighton_ocr, llama, llava, llava_onevision, mistral, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
     )

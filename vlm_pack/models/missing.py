@@ -46,12 +46,6 @@ _OMNI = MissingRule(
 )
 
 MISSING_RULES: dict[str, MissingRule] = {
-    "idefics2": MissingRule(
-        "labels cannot be placed for Idefics2: transformers' Idefics2Processor reports the assistant-token mask of a "
-        "chat before it expands each <image> into its image tokens, and vlm_pack has no mask of its own for it",
-        "assistant labels land on the wrong tokens after every image (measured: an answer after an image loses "
-        "its labels, and a one-word answer none at all)",
-    ),
     "got_ocr2": MissingRule(
         "chats cannot be encoded for GOT-OCR2: transformers' GotOcr2Processor builds its own OCR prompt and rejects "
         "what apply_chat_template hands it (each sample's images as a list: 'Nested images are only supported with "

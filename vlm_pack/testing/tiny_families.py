@@ -211,6 +211,40 @@ def _internvl_model(processor, initializer_range: float, layers: int, attn: str)
     return InternVLForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
+# ---------------------------------------------------------------- Idefics2 (perceiver resampler, Mistral text)
+
+# Images resized to 28-56 px (7-px patches; the processor pads each batch's images to its largest and returns the
+# pixel mask); a 1-layer perceiver resamples every image to 4 latents: 4 <image> tokens per image, framed by
+# <fake_token_around_image>. TRL ships no Idefics2 template: ChatML.
+_IDEFICS2_LATENTS = 4
+
+
+def _idefics2_processor() -> ProcessorMixin:
+    from transformers import Idefics2ImageProcessor, Idefics2Processor
+
+    return Idefics2Processor(
+        image_processor=Idefics2ImageProcessor(size={"shortest_edge": 28, "longest_edge": 56},
+                                               do_image_splitting=False),
+        tokenizer=_tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>"]),
+        image_seq_len=_IDEFICS2_LATENTS,
+        chat_template=chatml_template("<image>"),
+    )
+
+
+def _idefics2_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import Idefics2Config, Idefics2ForConditionalGeneration
+
+    config = Idefics2Config(
+        vision_config={**TINY_VISION_TOWER, "image_size": 56, "patch_size": 7, "initializer_range": initializer_range},
+        perceiver_config={"resampler_n_latents": _IDEFICS2_LATENTS, "resampler_depth": 1, "resampler_n_heads": 2,
+                          "resampler_head_dim": 16, "num_key_value_heads": 1, "initializer_range": initializer_range,
+                          "hidden_size": _HIDDEN, "rms_norm_eps": 1e-6},
+        text_config=mistral_text_config(len(processor.tokenizer), initializer_range, layers).to_dict(),
+        image_token_id=processor.image_token_id,
+    )
+    return Idefics2ForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
 # ---------------------------------------------------------------- Idefics3
 
 # Images fit in 56 px and are split into 28-px tiles (up to 2x2) plus a global 28-px view; 7-px patches,
@@ -775,6 +809,12 @@ _BUILDERS = {
         _internvl_model,
         "Qwen tokenizer + '<img>'/'</img>'/'<IMG_CONTEXT>'/'<video>' tokens and ChatML instead of the checkpoint's; "
         "real GotOcr2ImageProcessor (28-px tiles, up to 4 + thumbnail) and InternVLProcessor",
+    ),
+    "idefics2": _Builder(
+        _idefics2_processor,
+        _idefics2_model,
+        "Qwen tokenizer + '<image>', '<fake_token_around_image>', '<end_of_utterance>' and ChatML instead of the "
+        "checkpoint's; real Idefics2ImageProcessor (28-56 px, no splitting) and Idefics2Processor; Mistral text",
     ),
     "idefics3": _Builder(
         _idefics3_processor,
