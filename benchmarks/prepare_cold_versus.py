@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from prepare_rerun import run, write_sharegpt  # this script's folder (benchmarks/) is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,9 +32,7 @@ def cold_prepare(root: Path, args: argparse.Namespace, work: Path) -> float:
     cmd = [sys.executable, "-m", "vlm_pack.cli", "prepare", "--input", args.input, "--tokenizer", args.tokenizer,
            "--output-dir", str(work / "out"), "--cache-dir", str(work / "cache"), "--pack-sizes", args.pack_size,
            "--max-seq-length", args.pack_size, "--overwrite", "--no-progress"]
-    start = time.perf_counter()
-    subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(root)}, check=True, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    return run(cmd, root)
 
 
 def main() -> None:
@@ -53,9 +53,6 @@ def main() -> None:
                              text=True).stdout.strip() or str(old)
     new_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True).stdout.strip()
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from prepare_rerun import write_sharegpt
-
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         args.input = f"{tmp}/sharegpt_{args.sharegpt}.jsonl"

@@ -404,7 +404,7 @@ def _media_token_ids(processor: Any, family: FamilySpec | None) -> tuple[int, ..
 
 def _media_span_ids(processor: Any, family: FamilySpec | None) -> tuple[tuple[int, int], ...]:
     """The family's ``media_spans`` as id pairs (pairs the vocabulary lacks are skipped, like ``media_tokens``)."""
-    if family is None:
+    if family is None or not family.media_spans:  # no second get_vocab() (150k entries) for families without spans
         return ()
     vocab = getattr(processor, "tokenizer", processor).get_vocab()
     pairs = ((vocab.get(open_), vocab.get(close)) for open_, close in family.media_spans)
