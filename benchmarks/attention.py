@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vlm_pack.attention import available_backends, varlen_attention
+from vlm_pack.attention.varlen import available_backends, varlen_attention
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from torch.utils.data import DistributedSampler
 
-from vlm_pack.distributed import BalancedPackingSampler
+from vlm_pack.core.distributed import BalancedPackingSampler
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = 8

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from vlm_pack.budget import measure_lengths, plan_token_budget_packs
-from vlm_pack.collator import VLMPackingCollator
+from vlm_pack.data.collator import VLMPackingCollator
 from vlm_pack.testing.data import _PHOTO_QUESTIONS, sample_photos, text_chat_examples
 from vlm_pack.testing.tiny_models import offline_qwen2vl_processor, tiny_config
 

@@ -1,7 +1,7 @@
 """`vlm-pack --help` and each subcommand's `--help`: wall time of a fresh process, as a user types it.
 
 Each measurement runs the console script that sits next to this interpreter (``vlm-pack``, falling back to
-``python -m vlm_pack.cli``) in a new process; rounds interleave the commands, with the bare interpreter start-up
+``python -m vlm_pack.cli.main``) in a new process; rounds interleave the commands, with the bare interpreter start-up
 (``python -c pass``) as the floor. Also records which heavy modules one process imports for all the help texts
 (none of torch / transformers may load). Prints medians [min-max] and writes ``benchmarks/results/cli_help.md``.
 
@@ -21,14 +21,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vlm_pack.cli import SUBCOMMANDS  # noqa: E402  (light: the parser modules are imported per command)
+from vlm_pack.cli.main import SUBCOMMANDS  # noqa: E402  (light: the parser modules are imported per command)
 
 HEAVY = ("torch", "transformers", "datasets", "numba", "numpy")
 
 
 def console_script() -> list[str]:
     script = Path(sys.executable).parent / "vlm-pack"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "vlm_pack.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "vlm_pack.cli.main"]
 
 
 def timed(cmd: list[str]) -> float:
@@ -38,7 +38,7 @@ def timed(cmd: list[str]) -> float:
 
 
 def heavy_imports() -> list[str]:
-    code = ("import sys; from vlm_pack.cli import SUBCOMMANDS, main\n"
+    code = ("import sys; from vlm_pack.cli.main import SUBCOMMANDS, main\n"
             "for argv in [['--help']] + [[name, '--help'] for name in SUBCOMMANDS]:\n"
             "    try: main(argv)\n"
             "    except SystemExit: pass\n"

@@ -29,9 +29,9 @@ import torch
 import transformers
 from transformers import DataCollatorWithFlattening
 
-from vlm_pack.batch import packing_metadata
-from vlm_pack.chat import encode_conversations, normalize_example
-from vlm_pack.collator import VLMPackingCollator
+from vlm_pack.core.batch import packing_metadata
+from vlm_pack.data.chat import encode_conversations, normalize_example
+from vlm_pack.data.collator import VLMPackingCollator
 from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
 from vlm_pack.testing.tiny_models import offline_qwen2vl_processor, qwen_tokenizer, tiny_config
 

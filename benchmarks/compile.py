@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from vlm_pack import pack_batch_sequences
-from vlm_pack.hf import enable_packing
+from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.testing.tiny_models import tiny_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -117,7 +117,7 @@ def flex_recompiles(batches: int, width: int = 256) -> dict:
     two layer kinds (causal, causal with a 32-token window): recompiles per kind after its first call."""
     import numpy as np
 
-    from vlm_pack.attention import varlen_attention
+    from vlm_pack.attention.varlen import varlen_attention
 
     torch._dynamo.reset()
     log = RecompileLog()

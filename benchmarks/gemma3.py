@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
 from vlm_pack import pack_batch_sequences
-from vlm_pack.attention import varlen_attention
-from vlm_pack.hf import enable_packing
+from vlm_pack.attention.varlen import varlen_attention
+from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.models.gemma3 import IMAGE_BLOCKS
 
 RESULTS = Path(__file__).resolve().parent / "results"

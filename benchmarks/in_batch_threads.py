@@ -2,7 +2,7 @@
 
 Collation often runs inside a busy training process. OpenMP kernels split small copies across threads; when
 another core is taken, each parallel kernel waits for a descheduled thread. The core therefore runs CPU
-packing on one intra-op thread (``vlm_pack.packing._OneIntraOpThread``). This script starts its own
+packing on one intra-op thread (``vlm_pack.core.packing._OneIntraOpThread``). This script starts its own
 background load (one busy-looping process per core but one, stopped at exit) and times, interleaved:
 
 * ``1 thread``: ``torch.set_num_threads(1)`` around the call (the reference);
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from in_batch import padded_batch, sharegpt_like_lengths  # noqa: E402
 
-from vlm_pack import packing  # noqa: E402
+from vlm_pack.core import packing  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -8,7 +8,7 @@ percentile spread), fp32, one intra-op thread:
    ``packed`` (one row, ``enable_packing``: varlen attention + per-sample DeltaNet) vs ``padded`` (the stock sdpa
    model on the same samples right-padded to the longest, with an attention mask). Rate = real tokens / s.
 2. One DeltaNet layer's sequence mixing (causal conv + chunked gated delta rule, forward + backward) on a packed
-   row: ``segments`` (our exact torch path, ``vlm_pack.linear_attention``) vs ``per_sample`` (transformers'
+   row: ``segments`` (our exact torch path, ``vlm_pack.attention.linear``) vs ``per_sample`` (transformers'
    reference functions run on each sample alone: the unpacked reference on the same tokens) and vs
    ``whole_row`` (the same functions on the whole row, ignoring the boundaries: wrong, but the least work).
 
@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from vlm_pack import pack_batch_sequences
-from vlm_pack.hf import enable_packing
-from vlm_pack.linear_attention import packed_layout, segmented_causal_conv1d, segmented_gated_delta_rule
+from vlm_pack.integrations.hf_model import enable_packing
+from vlm_pack.attention.linear import packed_layout, segmented_causal_conv1d, segmented_gated_delta_rule
 from vlm_pack.testing.tiny_models import tiny_model
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -1,7 +1,7 @@
 """Cold `vlm-pack prepare` of this checkout vs another checkout (e.g. an older commit), side by side.
 
 Both run the same input with the same tokenizer files, alternately (old, new, old, new, ...), each a fresh
-`python -m vlm_pack.cli prepare` process with an empty cache and output folder, so machine noise hits both alike.
+`python -m vlm_pack.cli.main prepare` process with an empty cache and output folder, so machine noise hits both alike.
 Prints per-round seconds and the new/old ratio, the median ratio, and writes
 ``benchmarks/results/prepare_cold_versus_cpu.md``.
 
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def cold_prepare(root: Path, args: argparse.Namespace, work: Path) -> float:
     """Seconds of one cold prepare by the checkout at ``root`` (fresh cache and output folder)."""
     shutil.rmtree(work, ignore_errors=True)
-    cmd = [sys.executable, "-m", "vlm_pack.cli", "prepare", "--input", args.input, "--tokenizer", args.tokenizer,
+    cmd = [sys.executable, "-m", "vlm_pack.cli.main", "prepare", "--input", args.input, "--tokenizer", args.tokenizer,
            "--output-dir", str(work / "out"), "--cache-dir", str(work / "cache"), "--pack-sizes", args.pack_size,
            "--max-seq-length", args.pack_size, "--overwrite", "--no-progress"]
     return run(cmd, root)

@@ -1,6 +1,6 @@
 """`vlm-pack prepare` end to end: a cold run vs a re-run on a warm (content-keyed) token cache.
 
-Each measurement is a fresh `python -m vlm_pack.cli prepare ...` process, as a user runs it. After one cold run
+Each measurement is a fresh `python -m vlm_pack.cli.main prepare ...` process, as a user runs it. After one cold run
 (tokenisation, fills the cache), rounds interleave: the interpreter + numpy start-up alone, the start-up with
 vlm_pack's CLI imports, and the warm re-run (`--overwrite`: hash input and tokenizer files, load the cached
 tokens, pack, write, checksum, commit; an output already made of the same content is checked and kept), and
@@ -76,7 +76,7 @@ def main() -> None:
             write_sharegpt(args.sharegpt, Path(args.input))
             args.extra = ["--max-seq-length", str(max(int(p) for p in args.pack_sizes))]  # real chats run long
         size_mb = Path(args.input).stat().st_size / 2**20
-        prepare = [py, "-m", "vlm_pack.cli", "prepare", "--input", args.input, "--tokenizer", args.tokenizer,
+        prepare = [py, "-m", "vlm_pack.cli.main", "prepare", "--input", args.input, "--tokenizer", args.tokenizer,
                    "--output-dir", tmp, "--pack-sizes", *args.pack_sizes, "--cache-dir", f"{tmp}/cache",
                    "--overwrite", "--no-progress", *args.extra]
         cold = run(prepare)
@@ -84,7 +84,7 @@ def main() -> None:
                      *prepare[prepare.index("--output-dir") + 2:]]
         cases = {
             "python + numpy start-up": [py, "-c", "import numpy"],
-            "start-up + vlm_pack CLI imports": [py, "-c", "import vlm_pack.cli, vlm_pack.offline.prepare"],
+            "start-up + vlm_pack CLI imports": [py, "-c", "import vlm_pack.cli.main, vlm_pack.offline.prepare"],
             "warm re-run (end to end)": prepare,  # output up to date: kept after checking its checksums
             "warm cache, new output folder (end to end)": elsewhere,  # packs written from the cached tokens
         }

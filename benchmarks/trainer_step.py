@@ -29,7 +29,7 @@ import transformers
 from transformers import Trainer, TrainingArguments
 
 from vlm_pack import VLMPackingCollator, enable_packing
-from vlm_pack.batch import packing_metadata
+from vlm_pack.core.batch import packing_metadata
 from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
 from vlm_pack.testing.tiny_models import offline_qwen2vl_processor, tiny_model
 

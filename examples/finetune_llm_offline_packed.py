@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from vlm_pack.hf import ATTN_IMPLEMENTATION, enable_packing, register_attention
+from vlm_pack.integrations.hf_model import ATTN_IMPLEMENTATION, enable_packing, register_attention
 from vlm_pack.offline import prepare_packed_sequence_data
 from vlm_pack.offline.storage import metadata_path, split_path
-from vlm_pack.recipe import Recipe, offline_packed_datasets
+from vlm_pack.offline.recipe import Recipe, offline_packed_datasets
 from vlm_pack.testing.tiny_models import qwen_tokenizer_path, tiny_model
-from vlm_pack.train import train
+from vlm_pack.integrations.torch_loop import train
 
 
 def load_model(recipe: Recipe):

@@ -15,12 +15,12 @@ import json
 import torch
 from torch.utils.data import DataLoader
 
-from vlm_pack.collator import VLMPackingCollator
-from vlm_pack.demo import demo_examples
-from vlm_pack.hf import ATTN_IMPLEMENTATION, enable_packing, register_attention
-from vlm_pack.recipe import Recipe
+from vlm_pack.data.collator import VLMPackingCollator
+from vlm_pack.cli.demo import demo_examples
+from vlm_pack.integrations.hf_model import ATTN_IMPLEMENTATION, enable_packing, register_attention
+from vlm_pack.offline.recipe import Recipe
 from vlm_pack.testing.tiny_models import offline_qwen2vl_processor, tiny_model
-from vlm_pack.train import train
+from vlm_pack.integrations.torch_loop import train
 
 
 def load_model_and_processor(recipe: Recipe):

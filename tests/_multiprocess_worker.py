@@ -29,9 +29,9 @@ from datasets import Dataset  # noqa: E402
 from transformers import Trainer  # noqa: E402
 
 import test_trainer as ref  # noqa: E402  (the single-process references: each sample alone, stock sdpa)
-import vlm_pack.token_mean  # noqa: E402
+import vlm_pack.integrations.token_mean  # noqa: E402
 from vlm_pack import VLMPackingCollator  # noqa: E402
-from vlm_pack.hf import enable_packing  # noqa: E402
+from vlm_pack.integrations.hf_model import enable_packing  # noqa: E402
 from vlm_pack.offline.dataset import PackedDataset, PackedSFTDataset  # noqa: E402
 from vlm_pack.offline.storage import PackedArrays, build_index, write_packed  # noqa: E402
 from vlm_pack.testing.tiny_models import offline_qwen2vl_processor, qwen_tokenizer, tiny_model  # noqa: E402
@@ -53,9 +53,9 @@ class LogCount(logging.Handler):
 
 def fresh_check() -> LogCount:
     """The token-mean check runs once per process: re-arm it for the next case and count its warnings."""
-    vlm_pack.token_mean._checked = False
+    vlm_pack.integrations.token_mean._checked = False
     counter = LogCount()
-    logger = logging.getLogger("vlm_pack.token_mean")
+    logger = logging.getLogger("vlm_pack.integrations.token_mean")
     logger.handlers = [counter]
     logger.propagate = False
     return counter
@@ -163,7 +163,7 @@ def fsdp2_case(out: str) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from vlm_pack.batch import model_inputs
+    from vlm_pack.core.batch import model_inputs
 
     samples = ref.random_samples()
     packs = PackedDataset(Dataset.from_dict({"input_ids": [s.tolist() for s in samples]}), qwen_tokenizer(), 40)
@@ -236,7 +236,7 @@ class Recording:
 def sampler_case(out: str) -> dict:
     """32 samples, micro-batch 2 x 2 ranks x accumulation 2: 8 micro-batches per rank and epoch, 4 optimizer
     steps. Run 1 trains 2 epochs saving at step 6 (mid epoch 1); run 2 resumes from that checkpoint."""
-    from vlm_pack.hf_sampler import BalancedBatchSampler
+    from vlm_pack.integrations.sampler import BalancedBatchSampler
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(4, 40, 32)

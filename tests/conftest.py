@@ -46,7 +46,7 @@ def qwen2_config():
 @pytest.fixture(scope="module")
 def collator(processor, qwen2_config):
     """The default packing collator for Qwen2-VL (max_length 512), one per test module."""
-    from vlm_pack.collator import VLMPackingCollator
+    from vlm_pack.data.collator import VLMPackingCollator
 
     return VLMPackingCollator(processor, max_length=512, model_config=qwen2_config)
 
@@ -84,7 +84,7 @@ def boundaries_dropped(monkeypatch):
     """Corruption: the packed attention sees the whole row as ONE segment (sample boundaries ignored)."""
     import torch
 
-    import vlm_pack.hf as hf
+    import vlm_pack.integrations.hf_model as hf
 
     original = hf.varlen_attention
 

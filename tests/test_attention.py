@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import flex_attention
 
-from vlm_pack import attention
-from vlm_pack.attention import (
+from vlm_pack.attention import varlen as attention
+from vlm_pack.attention.varlen import (
     BACKENDS,
     available_backends,
     dense_attention,
@@ -640,7 +640,7 @@ def test_flex_builds_one_block_mask_per_batch_and_layer_kind(monkeypatch):
 
 
 def test_doctor_prints_every_backend_and_why(broken_flash_attn, capsys):
-    from vlm_pack.cli import main
+    from vlm_pack.cli.main import main
 
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader, DistributedSampler
 
-from vlm_pack.distributed import BalancedPackingSampler
+from vlm_pack.core.distributed import BalancedPackingSampler
 
 
 def _long_tail(n, seed=0):
@@ -217,7 +217,7 @@ def test_for_trainer_reads_trainer_arguments_and_selects_the_resumed_epoch(tmp_p
     from transformers import TrainingArguments
     from transformers.trainer_callback import CallbackHandler
 
-    from vlm_pack.hf_sampler import BalancedBatchSampler
+    from vlm_pack.integrations.sampler import BalancedBatchSampler
 
     args = TrainingArguments(str(tmp_path), per_device_train_batch_size=3, gradient_accumulation_steps=2, data_seed=5,
                              dataloader_drop_last=True, use_cpu=True, report_to="none")

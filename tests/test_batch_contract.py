@@ -1,4 +1,4 @@
-"""The batch contract (vlm_pack.batch): every producer's output goes straight into ``model(**batch)``.
+"""The batch contract (vlm_pack.core.batch): every producer's output goes straight into ``model(**batch)``.
 
 * the one bookkeeping entry ``batch["vlm_pack"]`` is inert for every registered family (same logits and loss
   as the batch without it), while the old top-level bookkeeping crashes a Qwen2.5-VL forward;
@@ -15,11 +15,11 @@ import pytest
 import torch
 from datasets import Dataset
 
-from vlm_pack.batch import METADATA_KEY, model_inputs
-from vlm_pack.collator import VLMPackingCollator
+from vlm_pack.core.batch import METADATA_KEY, model_inputs
+from vlm_pack.data.collator import VLMPackingCollator
 from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
-from vlm_pack.hf import enable_packing
-from vlm_pack.loss import packed_cross_entropy
+from vlm_pack.integrations.hf_model import enable_packing
+from vlm_pack.core.loss import packed_cross_entropy
 from vlm_pack.models import registered_families
 from vlm_pack.offline.dataset import PackedDataset, PackedSFTDataset
 from vlm_pack.offline.storage import PackedArrays, build_index, write_packed

@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 
-from vlm_pack.hf import enable_packing
+from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.testing.tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -15,8 +15,8 @@ from PIL import Image
 
 from vlm_pack.budget import TokenBudgetPackDataset, TokenBudgetPlan, measure_lengths, plan_token_budget_packs
 from vlm_pack.budget.lengths import SampleLengths
-from vlm_pack.batch import model_inputs
-from vlm_pack.collator import VLMPackingCollator
+from vlm_pack.core.batch import model_inputs
+from vlm_pack.data.collator import VLMPackingCollator
 from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
 from vlm_pack.testing.tiny_families import TINY_VLM_FAMILIES
 
@@ -143,7 +143,7 @@ def test_fixed_width_packs_through_a_dataloader_with_workers(collator, mix):
 
 def test_a_pack_through_the_model_equals_its_samples_alone(processor, mix):
     """Pack vs each sample ALONE through the stock sdpa Qwen2-VL (loss the plain HF way)."""
-    from vlm_pack.hf import enable_packing
+    from vlm_pack.integrations.hf_model import enable_packing
     from vlm_pack.testing.tiny_models import tiny_model
 
     stock = tiny_model("qwen2_vl", attn_implementation="sdpa")
@@ -190,7 +190,7 @@ def test_plan_vlm_cli_writes_a_plan_that_trains(tmp_path, processor, qwen2_confi
     import json
 
     from vlm_pack.budget.cli import read_chat_jsonl
-    from vlm_pack.cli import main
+    from vlm_pack.cli.main import main
 
     processor.save_pretrained(tmp_path / "ckpt")
     qwen2_config.save_pretrained(tmp_path / "ckpt")
@@ -229,7 +229,7 @@ def test_token_budget_packs_train_exactly_in_the_hf_trainer(processor, mix, tmp_
     mean of every sample run ALONE through the stock sdpa model (plain shifted cross entropy)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from vlm_pack.hf import enable_packing
+    from vlm_pack.integrations.hf_model import enable_packing
     from vlm_pack.testing.tiny_models import tiny_model
 
     chosen = [mix[0], mix[12], mix[25], mix[1], mix[13], mix[26]]

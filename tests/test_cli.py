@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vlm_pack.cli import SUBCOMMANDS, build_parser, main
+from vlm_pack.cli.main import SUBCOMMANDS, build_parser, main
 from vlm_pack.offline.output import LOCK_NAME
 from vlm_pack.offline.prepare import prepare_packed_sequence_data
 from vlm_pack.offline.verify import find_packed_dir
@@ -27,7 +27,7 @@ def _python(code: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_help_of_every_subcommand_imports_neither_torch_nor_transformers():
-    code = ("import sys; from vlm_pack.cli import SUBCOMMANDS, main\n"
+    code = ("import sys; from vlm_pack.cli.main import SUBCOMMANDS, main\n"
             "for argv in [['--help']] + [[name, '--help'] for name in SUBCOMMANDS]:\n"
             "    try: main(argv)\n"
             "    except SystemExit as e: assert e.code == 0, argv\n"
@@ -65,7 +65,7 @@ def interrupted(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGINT)
     return real(*args, **kwargs)
 setattr(owner, name, interrupted)
-from vlm_pack.cli import main
+from vlm_pack.cli.main import main
 sys.exit(main(argv))
 """
 

@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer
 
-from vlm_pack.collator import CollatorStats, VLMPackingCollator, model_inputs
-from vlm_pack.config import PackingConfig
+from vlm_pack.data.collator import CollatorStats, VLMPackingCollator, model_inputs
+from vlm_pack.core.config import PackingConfig
 from vlm_pack.testing.data import easy_vqa_examples, photo_examples, sample_photos, text_chat_examples
 from vlm_pack.testing.tiny_models import qwen_tokenizer, qwen_tokenizer_path, tiny_model
 

@@ -8,9 +8,9 @@ from PIL import Image
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
-from vlm_pack.collator import VLMPackingCollator
+from vlm_pack.data.collator import VLMPackingCollator
 from vlm_pack.testing.data import sample_photos
-from vlm_pack.rope_index import MRopeIndex
+from vlm_pack.core.rope_index import MRopeIndex
 from vlm_pack.testing.tiny_models import qwen_tokenizer, tiny_config
 
 

@@ -4,10 +4,10 @@ is identical to the one the padded route (right-pad, then ``pack_batch_sequences
 import pytest
 import torch
 
-import vlm_pack.collator as collator_module
-from vlm_pack.collator import VLMPackingCollator
+import vlm_pack.data.collator as collator_module
+from vlm_pack.data.collator import VLMPackingCollator
 from vlm_pack.testing.data import text_chat_examples
-from vlm_pack.packing import pack_batch_sequences
+from vlm_pack.core.packing import pack_batch_sequences
 from vlm_pack.testing.tiny_models import qwen_tokenizer
 
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch._dynamo.testing
 
-from vlm_pack import attention, pack_batch_sequences
-from vlm_pack.hf import enable_packing
+from vlm_pack import pack_batch_sequences
+from vlm_pack.attention import varlen as attention
+from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.testing.tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

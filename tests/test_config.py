@@ -11,8 +11,8 @@ import torch
 import yaml
 
 from vlm_pack import PackedSequenceSpecs, PackingConfig
-from vlm_pack.config import check_field_types
-from vlm_pack.recipe import DataSpec, ModelSpec, Recipe, TrainSpec, offline_packed_datasets
+from vlm_pack.core.config import check_field_types
+from vlm_pack.offline.recipe import DataSpec, ModelSpec, Recipe, TrainSpec, offline_packed_datasets
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vlm_pack import PackedBatch, pack_batch_sequences, pad_multiple
-from vlm_pack.packing import segment_ids
-from vlm_pack.context_parallel import (
+from vlm_pack.core.packing import segment_ids
+from vlm_pack.core.context_parallel import (
     gather_from_context_parallel,
     partition_for_context_parallel,
     unpartition_context_parallel,

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from vlm_pack.attention import varlen_attention
-from vlm_pack.batch import mask_first_labels
-from vlm_pack.collator import VLMPackingCollator
+from vlm_pack.attention.varlen import varlen_attention
+from vlm_pack.core.batch import mask_first_labels
+from vlm_pack.data.collator import VLMPackingCollator
 from vlm_pack.testing.data import photo_examples, text_chat_examples
 
 IGNORE = -100

@@ -2,7 +2,7 @@
 
 import pytest
 
-from vlm_pack.demo import LAYOUTS, DemoResult, StepRecord, run_demo
+from vlm_pack.cli.demo import LAYOUTS, DemoResult, StepRecord, run_demo
 
 
 def test_demo_layouts_losses_agree():

@@ -24,19 +24,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_pack import pack_batch_sequences, pad_multiple
-from vlm_pack.packing import segment_ids as library_segment_ids
-from vlm_pack.context_parallel import (
+from vlm_pack.core.packing import segment_ids as library_segment_ids
+from vlm_pack.core.context_parallel import (
     context_parallel_all_gather,
     context_parallel_gather_index,
     partition_for_context_parallel,
     zigzag_indices,
 )
-from vlm_pack.distributed import (
+from vlm_pack.core.distributed import (
     all_reduce_gradients,
     reduce_per_sample_mean_loss,
     reduce_per_token_loss,
 )
-from vlm_pack.loss import (
+from vlm_pack.core.loss import (
     loss_sum_and_count,
     packed_cross_entropy,
     per_sample_loss_sums,
@@ -226,7 +226,7 @@ def _check_matches_torch_all_gather(group):
     """Our all-gather equals torch.distributed.nn.functional.all_gather + reordering, forward and backward."""
     from torch.distributed.nn.functional import all_gather as torch_all_gather
 
-    from vlm_pack.context_parallel import gather_from_context_parallel
+    from vlm_pack.core.context_parallel import gather_from_context_parallel
 
     def all_gather(tensor, group):
         with warnings.catch_warnings():  # deprecated in torch 2.14 in favour of functional collectives
@@ -361,7 +361,7 @@ def test_grad_sync_mean_scales_by_the_group_size(monkeypatch):
     """Group of 4 ranks holding the same stats (the all-reduce multiplies by 4): with gradient AVERAGING the
     share must be 4x the summing share, so that averaged gradients equal the global ones. The spawned test
     checks the same on a real gloo group."""
-    import vlm_pack.distributed as distributed
+    import vlm_pack.core.distributed as distributed
 
     monkeypatch.setattr(distributed, "_group_size", lambda group: 4)
     monkeypatch.setattr(distributed, "_all_reduce_sum", lambda stats, group: stats * 4)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vlm_pack.recipe import Recipe
+from vlm_pack.offline.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from vlm_pack import pack_batch_sequences
-from vlm_pack.hf import enable_packing
+from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.models import UnsupportedModelError, get_family, registered_families
 from vlm_pack.testing.tiny_models import tiny_config, tiny_model
 
@@ -118,7 +118,7 @@ def test_enable_packing_refuses_and_opt_out_warns():
 def test_collator_refuses_unknown_family_and_missing_model_config(processor):
     from transformers import GPT2Config
 
-    from vlm_pack.collator import VLMPackingCollator
+    from vlm_pack.data.collator import VLMPackingCollator
 
     with pytest.raises(UnsupportedModelError, match="'gpt2'"):
         VLMPackingCollator(processor, max_length=64, model_config=GPT2Config())
@@ -145,7 +145,7 @@ def test_a_packed_forward_fills_no_cache_and_the_config_is_left_alone(family):
 
 def test_processor_of_another_family_is_refused(processor):
     """Qwen2-VL's processor emits per-token mm_token_type_ids, which Gemma 3 does not take: a clear error."""
-    from vlm_pack.collator import VLMPackingCollator
+    from vlm_pack.data.collator import VLMPackingCollator
     from vlm_pack.testing.data import photo_examples
 
     collator = VLMPackingCollator(processor, max_length=512, model_config=tiny_config("gemma3"))

@@ -7,7 +7,7 @@ CPU). Tiny model: 3 text layers (sliding window 6, full, sliding: the third show
 layers), 1 SigLIP block, 16 soft tokens per image.
 
 Substituted (no hub here): the Gemma tokenizer is the real Qwen tokenizer with Gemma 3's special tokens added
-(``vlm_pack.testing.tiny_models.gemma3_tokenizer``); the chat template is ``vlm_pack.chat.GEMMA_TEMPLATE`` (Gemma turn
+(``vlm_pack.testing.tiny_models.gemma3_tokenizer``); the chat template is ``vlm_pack.data.chat.GEMMA_TEMPLATE`` (Gemma turn
 format with ``{% generation %}`` blocks). The processor and image processor are transformers' own Gemma 3 classes.
 Images come from ``skimage.data``.
 """
@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from skimage import data
 
-import vlm_pack.attention as attention
-import vlm_pack.hf as hf
-from vlm_pack.attention import available_backends, document_block_mask, varlen_attention
-from vlm_pack.collator import VLMPackingCollator, model_inputs
-from vlm_pack.hf import enable_packing
+import vlm_pack.attention.varlen as attention
+import vlm_pack.integrations.hf_model as hf
+from vlm_pack.attention.varlen import available_backends, document_block_mask, varlen_attention
+from vlm_pack.data.collator import VLMPackingCollator, model_inputs
+from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.models import ImageBlockRule, UnsupportedModelError, get_family
 from vlm_pack.testing.tiny_models import offline_gemma3_processor, tiny_config, tiny_model
 

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from PIL import Image
 from skimage import data
 
-import vlm_pack.hf as hf
+import vlm_pack.integrations.hf_model as hf
 from vlm_pack import pack_batch_sequences
-from vlm_pack.hf import enable_packing
+from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.models import ImageBlockRule, UnsupportedModelError, get_family
 from vlm_pack.testing.tiny_models import gemma4_image_processor, tiny_config
 

@@ -7,7 +7,7 @@ import torch
 from datasets import Dataset
 
 from vlm_pack import to_hf_dataset
-from vlm_pack.collator import VLMPackingCollator
+from vlm_pack.data.collator import VLMPackingCollator
 from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
 from vlm_pack.offline.dataset import PackedDataset
 from vlm_pack.testing.tiny_models import qwen_tokenizer, tiny_config

@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
-from vlm_pack import hf
-from vlm_pack.hf import ATTN_IMPLEMENTATION, enable_packing, packing_attention_forward, register_attention
-from vlm_pack.loss import packed_cross_entropy
-from vlm_pack.packing import pack_batch_sequences
+from vlm_pack.integrations import hf_model as hf
+from vlm_pack.integrations.hf_model import ATTN_IMPLEMENTATION, enable_packing, packing_attention_forward, register_attention
+from vlm_pack.core.loss import packed_cross_entropy
+from vlm_pack.core.packing import pack_batch_sequences
 
 from tolerance import NoiseFloor, assert_grads_close, fp64_copy, max_abs
 
@@ -114,7 +114,7 @@ def test_packed_position_ids_without_boundaries_are_still_exact(caplog):
     tokens, mask = padded(ids)
     batch = pack_batch_sequences(tokens, attention_mask=mask)
     hf._warned_position_ids = False
-    with caplog.at_level(logging.WARNING, logger="vlm_pack.hf"), torch.no_grad():
+    with caplog.at_level(logging.WARNING, logger="vlm_pack.integrations.hf_model"), torch.no_grad():
         logits = model(input_ids=batch.tokens, position_ids=batch.position_ids, use_cache=False).logits[0]
     expected, floor = stock_reference(llama("sdpa"), ids)
     floor.check(max_abs(logits, torch.cat(expected)))

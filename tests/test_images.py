@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlm_pack.chat import load_image
+from vlm_pack.data.chat import load_image
 
 
 def rgb(image: Image.Image) -> np.ndarray:

@@ -17,11 +17,11 @@ import types
 import pytest
 import torch
 
-from vlm_pack import linear_attention as la
-from vlm_pack.collator import VLMPackingCollator, model_inputs
+from vlm_pack.attention import linear as la
+from vlm_pack.data.collator import VLMPackingCollator, model_inputs
 from vlm_pack.testing.data import photo_examples, text_chat_examples
-from vlm_pack.hf import enable_packing
-from vlm_pack.linear_attention import install_linear_attention_packing, remove_linear_attention_packing
+from vlm_pack.integrations.hf_model import enable_packing
+from vlm_pack.attention.linear import install_linear_attention_packing, remove_linear_attention_packing
 from vlm_pack.models import UnsupportedModelError, get_family
 from vlm_pack.testing.tiny_models import tiny_config, tiny_model
 

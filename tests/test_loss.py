@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vlm_pack.packing import segment_ids
-from vlm_pack.loss import (
+from vlm_pack.core.packing import segment_ids
+from vlm_pack.core.loss import (
     loss_sum_and_count,
     packed_cross_entropy,
     per_sample_loss_sums,

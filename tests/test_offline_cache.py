@@ -86,7 +86,7 @@ def test_warm_rerun_imports_neither_transformers_nor_torch(tmp_path):
     """The CLI on a warm cache: only hashing, packing and writing (measured in benchmarks/prepare_rerun.py)."""
     args = ["prepare", "--input", str(SAMPLE), "--tokenizer", TOKENIZER, "--output-dir", str(tmp_path),
             "--pack-sizes", "2048", "--cache-dir", str(tmp_path / "cache"), "--overwrite", "--no-progress"]
-    code = ("import sys; from vlm_pack.cli import main; code = main(sys.argv[1:]); "
+    code = ("import sys; from vlm_pack.cli.main import main; code = main(sys.argv[1:]); "
             "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'numba') if m in sys.modules)); "
             "sys.exit(code)")
     prepare_packed_sequence_data(SAMPLE, TOKENIZER, tmp_path / "cold", [2048], cache_dir=str(tmp_path / "cache"),
@@ -166,7 +166,7 @@ def test_a_corrupted_token_cache_entry_is_named_and_rebuilt(tmp_path, target):
 
 
 def main_verify(folder) -> int:
-    from vlm_pack.cli import main
+    from vlm_pack.cli.main import main
 
     return main(["verify", str(folder)])
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from vlm_pack.cli import main
+from vlm_pack.cli.main import main
 from vlm_pack.offline.storage import open_packed
 from vlm_pack.testing.tiny_models import qwen_tokenizer_path
 

@@ -9,9 +9,9 @@ from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from vlm_pack import get_packed_seq_params
-from vlm_pack.batch import model_inputs
-from vlm_pack.hf import ATTN_IMPLEMENTATION, enable_packing
-from vlm_pack.loss import loss_sum_and_count, shift_packed_labels
+from vlm_pack.core.batch import model_inputs
+from vlm_pack.integrations.hf_model import ATTN_IMPLEMENTATION, enable_packing
+from vlm_pack.core.loss import loss_sum_and_count, shift_packed_labels
 from vlm_pack.offline import storage
 from vlm_pack.offline.algorithms import packing_stats
 from vlm_pack.offline.dataset import PackedDataset, PackedSFTDataset

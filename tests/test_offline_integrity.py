@@ -11,7 +11,7 @@ import signal
 import numpy as np
 import pytest
 
-from vlm_pack.cli import main
+from vlm_pack.cli.main import main
 from vlm_pack.offline import output, prepare, storage
 from vlm_pack.offline.cache import TokenCache
 from vlm_pack.offline.dataset import PackedSFTDataset

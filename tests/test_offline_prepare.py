@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from vlm_pack.cli import main
+from vlm_pack.cli.main import main
 from vlm_pack.offline.dataset import PackedSFTDataset
 from vlm_pack.offline.prepare import ALPACA_PROMPT, prepare_packed_sequence_data
 from vlm_pack.offline.storage import PACK_INDEX_DTYPE, open_packed, read_metadata

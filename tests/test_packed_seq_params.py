@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vlm_pack import get_packed_seq_params, pack_batch_sequences
-from vlm_pack.packed_seq_params import seq_idx_from_cu_seqlens, trim_cu_seqlens
+from vlm_pack.core.packed_seq_params import seq_idx_from_cu_seqlens, trim_cu_seqlens
 
 
 def test_trim_at_argmin():

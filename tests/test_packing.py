@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vlm_pack import pack_batch_sequences, pack_sequences, pad_multiple
-from vlm_pack import packing
+from vlm_pack.core import packing
 
 
 def right_padded(lengths, pad=0, width=None, start=1):

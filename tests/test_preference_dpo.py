@@ -18,9 +18,9 @@ import torch
 from trl import DPOConfig, DPOTrainer
 
 from preference_helpers import _WORDS, TOLERANCE, GradientsAtStep, pair_examples, relative_l2, word_tokenizer
-from vlm_pack.batch import METADATA_KEY
+from vlm_pack.core.batch import METADATA_KEY
 from vlm_pack.preference import LOSS_TYPES, PackedDPOTrainer, PreferenceCollator, sequence_logps
-from vlm_pack.preference_attention import SHARED_PREFIX_KWARG, shared_prefix_keys
+from vlm_pack.attention.shared_prefix import SHARED_PREFIX_KWARG, shared_prefix_keys
 from vlm_pack.testing.tiny_models import offline_gemma3_processor, offline_qwen2vl_processor, tiny_model
 
 
@@ -209,8 +209,8 @@ def test_refusals(tmp):
 def test_shared_prefix_rule_equals_dense_mask(one_thread):
     """The key-gather rule through varlen_attention equals SDPA with the explicit "prefix shared by two
     continuations" mask over the whole row (a prompt of 5, continuations of 4 and 1 + 3, then a plain sequence)."""
-    from vlm_pack.attention import varlen_attention
-    from vlm_pack.preference_attention import gather_shared_keys
+    from vlm_pack.attention.varlen import varlen_attention
+    from vlm_pack.attention.shared_prefix import gather_shared_keys
 
     torch.manual_seed(0)
     lengths, prefixes = [9, 4, 6], [(0, 0), (0, 4), (0, 0)]  # segment 1 = prompt[-1] + rejected, sees prompt[:4]

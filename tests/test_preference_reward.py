@@ -15,7 +15,7 @@ from transformers import LlamaForSequenceClassification, Qwen2ForSequenceClassif
 from trl import RewardConfig, RewardTrainer
 
 from preference_helpers import _WORDS, TOLERANCE, GradientsAtStep, pair_examples, relative_l2, word_tokenizer
-from vlm_pack.batch import METADATA_KEY
+from vlm_pack.core.batch import METADATA_KEY
 from vlm_pack.preference import PackedRewardTrainer, RewardCollator, sequence_scores
 from vlm_pack.testing.tiny_models import tiny_config
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vlm_pack.cli import main
-from vlm_pack.stats import analyse_lengths, suggest_pack_size
+from vlm_pack.cli.main import main
+from vlm_pack.cli.stats import analyse_lengths, suggest_pack_size
 
 SAMPLE = Path(__file__).resolve().parents[1] / "examples" / "data" / "sft_sample.jsonl"
 

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from PIL import Image
 from transformers.image_utils import load_image as hf_load_image
 
-from vlm_pack.chat import carry_assistant_mask, load_image
-from vlm_pack.collator import VLMPackingCollator
-from vlm_pack.hf import enable_packing
+from vlm_pack.data.chat import carry_assistant_mask, load_image
+from vlm_pack.data.collator import VLMPackingCollator
+from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.models import get_family
 from vlm_pack.offline.encoding import SampleEncoder, SampleFormat
 from vlm_pack.testing.tiny_families import TINY_VLM_FAMILIES, tiny_vlm, tiny_vlm_processor

@@ -3,9 +3,9 @@
 import torch
 
 from vlm_pack import pack_batch_sequences
-from vlm_pack.hf import ATTN_IMPLEMENTATION, register_attention
+from vlm_pack.integrations.hf_model import ATTN_IMPLEMENTATION, register_attention
 from vlm_pack.testing.tiny_models import tiny_model
-from vlm_pack.train import batch_loss, train_step
+from vlm_pack.integrations.torch_loop import batch_loss, train_step
 
 
 def padded_batch():

@@ -22,10 +22,10 @@ from trl import SFTConfig, SFTTrainer
 import vlm_pack
 import vlm_pack.models
 import vlm_pack.offline.dataset
-from vlm_pack.batch import model_inputs
-from vlm_pack.collator import VLMPackingCollator
+from vlm_pack.core.batch import model_inputs
+from vlm_pack.data.collator import VLMPackingCollator
 from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
-from vlm_pack.hf import enable_packing
+from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.models import get_family
 from vlm_pack.offline.dataset import PackedDataset, PackedSFTDataset
 from vlm_pack.offline.storage import PackedArrays, build_index, write_packed

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from transformers import AutoConfig, Trainer, TrainingArguments
 
 import vlm_pack
-from vlm_pack.batch import model_inputs
-from vlm_pack.collator import VLMPackingCollator
+from vlm_pack.core.batch import model_inputs
+from vlm_pack.data.collator import VLMPackingCollator
 from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
-from vlm_pack.hf import enable_packing
+from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.testing.tiny_models import tiny_model
 
 TOLERANCE = 1e-4  # relative, on fp32 losses; per-token losses: absolute

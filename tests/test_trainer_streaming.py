@@ -16,7 +16,7 @@ from datasets import load_dataset
 from test_trainer import reference_grads, relative_error, sft_config, trainer_grads, training_args
 from vlm_pack import PackedSFTTrainer, VLMPackingCollator, enable_packing, to_hf_dataset
 from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
-from vlm_pack.hf import DISPATCH_FIX
+from vlm_pack.integrations.hf_model import DISPATCH_FIX
 from vlm_pack.testing.tiny_models import tiny_model
 from tolerance import GRAD_REL_L2
 

@@ -13,10 +13,10 @@ from trl import SFTTrainer
 
 import vlm_pack
 from test_trainer import sft_config
-from vlm_pack.batch import model_inputs
-from vlm_pack.collator import VLMPackingCollator
+from vlm_pack.core.batch import model_inputs
+from vlm_pack.data.collator import VLMPackingCollator
 from vlm_pack.testing.data import text_chat_examples
-from vlm_pack.hf import enable_packing
+from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.testing.tiny_models import tiny_model
 
 

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from vlm_pack.batch import packing_metadata
-from vlm_pack.chat import CHATML_TEMPLATE
-from vlm_pack.collator import VLMPackingCollator, model_inputs
+from vlm_pack.core.batch import packing_metadata
+from vlm_pack.data.chat import CHATML_TEMPLATE
+from vlm_pack.data.collator import VLMPackingCollator, model_inputs
 from vlm_pack.testing.data import photo_examples, sample_photos, text_chat_examples
-from vlm_pack.hf import enable_packing
+from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.testing.tiny_models import offline_qwen2vl_processor, tiny_model
 
 from tolerance import NoiseFloor, assert_grads_close, fp64_copy, fp64_inputs, max_abs

@@ -21,10 +21,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlm_pack.collator import VLMPackingCollator, model_inputs
+from vlm_pack.data.collator import VLMPackingCollator, model_inputs
 from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
-from vlm_pack.hf import ATTN_IMPLEMENTATION, enable_packing
-from vlm_pack.loss import packed_cross_entropy
+from vlm_pack.integrations.hf_model import ATTN_IMPLEMENTATION, enable_packing
+from vlm_pack.core.loss import packed_cross_entropy
 from vlm_pack.testing.tiny_models import qwen_tokenizer, tiny_model
 
 from tolerance import NoiseFloor, assert_grads_close, fp64_copy, fp64_inputs
@@ -272,7 +272,7 @@ def test_model_is_really_on_packing_attention():
 def test_reference_is_independent_of_our_attention(llama_setup, monkeypatch):
     """Corrupt our attention in a way a lone sample sees too (softmax scale x 1.25): against our own model run
     per sample the packed losses would still agree; against the stock sdpa reference they do not."""
-    import vlm_pack.hf as hf
+    import vlm_pack.integrations.hf_model as hf
 
     model, collator, stock = llama_setup
     examples = text_chat_examples(3, seed=2)

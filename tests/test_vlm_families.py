@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config
 
-from vlm_pack.batch import packing_metadata
-from vlm_pack.collator import VLMPackingCollator, model_inputs
+from vlm_pack.core.batch import packing_metadata
+from vlm_pack.data.collator import VLMPackingCollator, model_inputs
 from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
-from vlm_pack.hf import enable_packing
+from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.models import UnsupportedModelError, get_family
 from vlm_pack.testing.tiny_families import tiny_vlm, tiny_vlm_processor
 from vlm_pack.testing.tiny_models import qwen_tokenizer, tiny_config
@@ -369,7 +369,7 @@ def test_corruption_deepseek_vl_hybrid_high_res_rows_follow_their_image():
 def test_corruption_qwen3_5_moe_deltanet_state_carried_across_samples(monkeypatch):
     """Qwen3.5-MoE's DeltaNet layers must restart per sample: enable_packing installs the boundary-aware forward
     on its own MoE-model class, and the state carried over the whole row (boundaries ignored) is caught."""
-    from vlm_pack import linear_attention as la
+    from vlm_pack.attention import linear as la
 
     setup = setup_for("qwen3_5_moe")
     deltanets = [m for m in setup.packed.modules() if type(m).__name__ == "Qwen3_5MoeGatedDeltaNet"]

@@ -85,7 +85,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoConfig, AutoProcessor
 
-    from ..collator import VLMPackingCollator
+    from ..data.collator import VLMPackingCollator
     from .lengths import measure_lengths
     from .plan import plan_token_budget_packs
 

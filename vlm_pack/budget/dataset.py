@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..batch import packing_metadata
+from ..core.batch import packing_metadata
 from .plan import TokenBudgetPlan
 
 __all__ = ["TokenBudgetPackDataset"]

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..chat import image_size, normalize_example
+from ..data.chat import image_size, normalize_example
 
 __all__ = ["SampleLengths", "measure_lengths"]
 

@@ -121,7 +121,7 @@ class FamilySpec:
     ``mask_before_expansion``: the processor's ``apply_chat_template`` reports the assistant mask of the text
     BEFORE it expands each image placeholder (Idefics2's ``__call__`` returns no replacement offsets), so that mask
     is off by the expansion; the collator carries the mask of the unexpanded tokens through the expansion instead
-    (``vlm_pack.chat.carry_assistant_mask``). ``expand_text``: ``(processor, rendered texts) -> token ids`` of
+    (``vlm_pack.data.chat.carry_assistant_mask``). ``expand_text``: ``(processor, rendered texts) -> token ids`` of
     each text with its image placeholders expanded by the processor's own text rule, for token-budget planning of
     families whose expansion needs no image size but rewrites the text around it (Idefics2 merges the markers of
     adjacent images and puts a space after an image); it replaces ``image_text`` and the image-token count.

@@ -1,7 +1,7 @@
 """GLM-4V (GLM-4.1V): 3-D rope positions from the model's own ``Glm4vModel.get_rope_index``, per sample.
 
 Rules (proven in tests/test_vlm_families.py): like Qwen2-VL, positions are ``[4, 1, T]`` (row 0 a per-sample
-text arange, rows 1-3 temporal/height/width computed per sample by ``vlm_pack.rope_index.MRopeIndex`` calling
+text arange, rows 1-3 temporal/height/width computed per sample by ``vlm_pack.core.rope_index.MRopeIndex`` calling
 GLM's own ``get_rope_index``); ``mm_token_type_ids`` is per token; ``pixel_values`` rows are patches split by
 ``image_grid_thw``; the vision tower runs per image on its own ``cu_seqlens`` (never ours: the text kwargs do
 not reach it) and its features fill the ``<|image|>`` tokens in order. Videos are not proven (refused).

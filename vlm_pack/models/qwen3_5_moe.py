@@ -3,7 +3,7 @@ mixture-of-experts MLPs.
 
 Rules (proven in tests/test_vlm_families.py against each sample alone through the stock sdpa model): as Qwen3.5
 (vlm_pack/models/qwen3_5.py) on the MoE model's own classes: ``enable_packing`` installs the boundary-aware
-forward of ``vlm_pack.linear_attention`` on every ``Qwen3_5MoeGatedDeltaNet`` (causal-conv window and recurrent
+forward of ``vlm_pack.attention.linear`` on every ``Qwen3_5MoeGatedDeltaNet`` (causal-conv window and recurrent
 state restart at each sample boundary); ``full_attention`` layers are causal over the packed row split at
 ``cu_seq_lens_q``; positions are ``[4, 1, T]`` from ``Qwen3_5MoeModel.get_rope_index`` per sample. Experts are
 picked per token. Refused: context parallelism (the DeltaNet state would have to pass between ranks) and
@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..linear_attention import CONTEXT_PARALLEL_REFUSAL, install_linear_attention_packing
+from ..attention.linear import CONTEXT_PARALLEL_REFUSAL, install_linear_attention_packing
 from . import FamilySpec, register_family, router_aux_loss_refused
 
 DELTANET_CLASS = "Qwen3_5MoeGatedDeltaNet"
 
 
 def _restart_deltanet(model: Any) -> None:
-    """Boundary-aware forward on every Qwen3_5MoeGatedDeltaNet of the model (vlm_pack.linear_attention)."""
+    """Boundary-aware forward on every Qwen3_5MoeGatedDeltaNet of the model (vlm_pack.attention.linear)."""
     install_linear_attention_packing(model, (DELTANET_CLASS,))
 
 

@@ -67,7 +67,7 @@ def add_prepare_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     return p
 
 
-add_parser = add_prepare_parser  # the name the `vlm-pack` dispatcher (vlm_pack/cli.py) looks up
+add_parser = add_prepare_parser  # the name the `vlm-pack` dispatcher (vlm_pack/cli/main.py) looks up
 
 
 def run_prepare(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """Offline packing, step 2: serve packs for training.
 
 * :class:`PackedSFTDataset` reads what ``vlm-pack prepare`` wrote (memory-mapped, no pickle) and its
-  ``collate_fn`` turns ONE pack (micro-batch size 1) into a model-ready batch (``vlm_pack.batch``):
+  ``collate_fn`` turns ONE pack (micro-batch size 1) into a model-ready batch (``vlm_pack.core.batch``):
   ``input_ids``, ``labels`` (aligned with the tokens, -100 outside responses and at every sample's first token;
   the shift happens in the loss, inside each sample), ``position_ids`` (restarting per sample), all ``[1, T]``,
   and the Hugging Face varlen kwargs ``cu_seq_lens_q/k`` (1-D int32, physical boundaries) and
@@ -26,8 +26,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..batch import METADATA_KEY, mask_first_labels
-from ..packing import IGNORE_INDEX, pack_batch_sequences
+from ..core.batch import METADATA_KEY, mask_first_labels
+from ..core.packing import IGNORE_INDEX, pack_batch_sequences
 from .algorithms import group_by_pack, pack_lengths, packing_stats
 from .storage import gather_segments, metadata_entry_for, open_packed, read_metadata
 

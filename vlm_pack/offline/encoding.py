@@ -7,7 +7,7 @@ Templates:
   map it onto tokens.
 * ``chat``: the tokenizer's own chat template (or ``chat_template``), tokens exactly as ``apply_chat_template``
   gives them; assistant spans from its ``{% generation %}`` blocks, TRL's training variant of it, or per-message
-  sentinels proven by re-rendering (``vlm_pack.chat_template``), mapped onto tokens by
+  sentinels proven by re-rendering (``vlm_pack.data.chat_template``), mapped onto tokens by
   ``apply_chat_template(return_assistant_tokens_mask=True)``. Labels never come from searching the reply's text, so a reply that also
   occurs in the prompt, in a system prompt or in an earlier turn is labelled where the assistant said it.
 * ``auto`` (default): ``chat`` when the first record has the messages field and no prompt field, else ``alpaca``.
@@ -70,7 +70,7 @@ class SampleFormat:
                 for m in messages
             ):
                 raise ValueError(f"{where}: field {self.messages_field!r} must be a list of {{role, content}} strings")
-            from ..chat_template import check_role
+            from ..data.chat_template import check_role
 
             for turn, message in enumerate(messages):
                 check_role(message["role"], f"{where}, turn {turn}")
@@ -106,7 +106,7 @@ class SampleEncoder:
         self.max_seq_length = max_seq_length
         self.chat_template = None
         if fmt.template == "chat":
-            from ..chat_template import resolve_chat_template
+            from ..data.chat_template import resolve_chat_template
 
             self.chat_template = resolve_chat_template(tokenizer, chat_template)
 
@@ -166,9 +166,9 @@ class SampleEncoder:
         return out["input_ids"], masks
 
     def _render(self, conversations: list[list[dict]]):
-        from ..chat_template import render_with_assistant_masks
+        from ..data.chat_template import render_with_assistant_masks
 
-        return render_with_assistant_masks(  # the tokenizer's own template's tokens (vlm_pack.chat_template)
+        return render_with_assistant_masks(  # the tokenizer's own template's tokens (vlm_pack.data.chat_template)
             self.tokenizer, conversations, self.chat_template,
             tokenizer_kwargs={"verbose": False},  # no "longer than the model's maximum" warning: we truncate
         )

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..chat_template import RENDERING_RULE
+from ..data.chat_template import RENDERING_RULE
 from .algorithms import ALGORITHMS, PackingStats, check_seed, group_by_pack, pack_lengths, packing_stats
 from .cache import TokenCache, cache_key, output_key, packs_key, tokenizer_fingerprint
 from .encoding import (
@@ -48,7 +48,8 @@ from .encoding import (
     check_records,
     tokenize_records,
 )
-from .output import RunOutput, check_output_name
+from ..core.output_name import check_output_name
+from .output import RunOutput
 from .records import Records, read_dataset_dir, read_jsonl
 from .storage import (
     FORMAT,

@@ -10,7 +10,7 @@ Row layout, pair by pair: ``prompt + chosen`` then ``prompt + rejected`` (each s
 positions per sequence: 0..L-1, or mRoPE from the model's own ``get_rope_index``), vision tensors in row order.
 With ``shared_prompts=True`` a pair is ``prompt + chosen`` then ``prompt[-1] + rejected``: the prompt (its images
 and vision encoding) is computed once, the rejected segment sees the prompt through the
-``vlm_pack.preference_attention`` rule and its positions continue from the prompt end.
+``vlm_pack.attention.shared_prefix`` rule and its positions continue from the prompt end.
 
 Every completion token ``t`` is scored at the row slot holding the token before it in ITS sequence:
 ``batch["vlm_pack"]["preference"]`` carries ``shift_labels`` (``[1, T]``: the target id scored at each slot, -100
@@ -29,11 +29,11 @@ import numpy as np
 import torch
 from transformers.configuration_utils import PreTrainedConfig
 
-from ..batch import METADATA_KEY
+from ..core.batch import METADATA_KEY
 from ..models import FamilySpec, get_family
-from ..packing import IGNORE_INDEX, pack_sequences
-from ..preference_attention import SHARED_PREFIX_KWARG, shared_prefix_keys
-from ..rope_index import MRopeIndex
+from ..core.packing import IGNORE_INDEX, pack_sequences
+from ..attention.shared_prefix import SHARED_PREFIX_KWARG, shared_prefix_keys
+from ..core.rope_index import MRopeIndex
 
 __all__ = ["PREFERENCE_KEY", "PreferenceCollator"]
 

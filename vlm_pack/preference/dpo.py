@@ -21,8 +21,8 @@ from trl import DPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
-from ..batch import METADATA_KEY
-from ..hf import enable_packing
+from ..core.batch import METADATA_KEY
+from ..integrations.hf_model import enable_packing
 from .collator import PREFERENCE_KEY, PreferenceCollator
 from .losses import PairLogps, check_dpo_options, dpo_loss
 

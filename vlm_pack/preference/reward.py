@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from trl import RewardTrainer
 
-from ..batch import METADATA_KEY
-from ..hf import enable_packing
-from ..packing import pack_sequences
+from ..core.batch import METADATA_KEY
+from ..integrations.hf_model import enable_packing
+from ..core.packing import pack_sequences
 
 __all__ = ["PackedRewardTrainer", "RewardCollator", "sequence_scores"]
 

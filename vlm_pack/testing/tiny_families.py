@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, ProcessorMixin
 
-from ..chat import CHATML_TEMPLATE
+from ..data.chat import CHATML_TEMPLATE
 from .tiny_models import TINY_VISION_TOWER, official_template, qwen_tokenizer
 
 __all__ = ["TINY_VLM_FAMILIES", "chatml_template", "tiny_vlm", "tiny_vlm_processor"]

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .packing import segment_ids
+from ..core.packing import segment_ids
 
 __all__ = [
     "BACKENDS",

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from .chat import normalize_example
-from .offline.dataset import PackedDataset, PackedSFTDataset
+from ..data.chat import normalize_example
+from .dataset import PackedDataset, PackedSFTDataset
 
 __all__ = ["to_hf_dataset"]
 

@@ -106,8 +106,8 @@ def reduce_per_sample_mean_loss(
 
     Both inputs are ``[G]``, keyed by GLOBAL sample id (``G`` samples in the step's global batch across the
     DP x CP group): this rank's partial loss sum and loss-token count of every sample, zero for samples it
-    does not hold. E.g. ``vlm_pack.loss.per_sample_loss_sums`` on the rank's slice (segment ids from
-    ``vlm_pack.packing.segment_ids(cu_seqlens_padded, zigzag_indices(...))``), placed at
+    does not hold. E.g. ``vlm_pack.core.loss.per_sample_loss_sums`` on the rank's slice (segment ids from
+    ``vlm_pack.core.packing.segment_ids(cu_seqlens_padded, zigzag_indices(...))``), placed at
     ``dp_rank * samples_per_rank`` with ``F.pad``. One all-reduce of ``2 * G`` values; samples without loss
     tokens are skipped; never NaN.
     """

@@ -6,7 +6,7 @@
   ``attention_mask.sum()`` counts for the same samples padded). ``mean_token_accuracy`` needs no change: TRL scores
   the labels of the row, and each sample's first label is -100, so no prediction across a boundary is counted.
 * ``dispatch_batches`` off: accelerate's default for an ``IterableDataset`` slices every tensor of a batch along
-  dim 0, which no packed batch survives (see :func:`vlm_pack.hf.packed_forward_hook`); each process then reads and
+  dim 0, which no packed batch survives (see :func:`vlm_pack.integrations.hf_model.packed_forward_hook`); each process then reads and
   packs its own samples. An explicit ``dispatch_batches=True`` is refused.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from trl import SFTTrainer
 
-from .hf import DISPATCH_FIX
+from .hf_model import DISPATCH_FIX
 
 __all__ = ["PackedSFTTrainer"]
 

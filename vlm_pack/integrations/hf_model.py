@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import dense_attention, varlen_attention
-from .models import ImageBlockRule, get_family
-from .preference_attention import SHARED_PREFIX_KWARG, gather_shared_keys
+from ..attention.varlen import dense_attention, varlen_attention
+from ..models import ImageBlockRule, get_family
+from ..attention.shared_prefix import SHARED_PREFIX_KWARG, gather_shared_keys
 from .token_mean import install_token_mean_check
 
 __all__ = [
@@ -231,7 +231,7 @@ def packing_attention_forward(
                 "rows carry their boundaries in cu_seq_lens_*; padding slots belong to a fill segment)"
             )
         shared = kwargs.get(SHARED_PREFIX_KWARG)
-        if shared is not None and causal:  # pairs sharing their prompt: see vlm_pack.preference_attention
+        if shared is not None and causal:  # pairs sharing their prompt: see vlm_pack.attention.shared_prefix
             if blocks is not None:
                 raise ValueError(f"{SHARED_PREFIX_KWARG} cannot be combined with bidirectional image blocks")
             key, value, cu_k, max_k = gather_shared_keys(shared, key, value)

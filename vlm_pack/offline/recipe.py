@@ -1,6 +1,6 @@
 """Fine-tuning recipes from YAML: model, data, training loop settings and the packing config, all typed.
 
-A recipe file has four sections; ``packing`` is a :class:`~vlm_pack.config.PackingConfig`::
+A recipe file has four sections; ``packing`` is a :class:`~vlm_pack.core.config.PackingConfig`::
 
     model:    {family: qwen2_vl, checkpoint: null}      # tiny random model, or a local HF checkpoint path
     data:     {source: demo_mix, num_samples: 48}       # or a JSONL path (chat "messages" / prompt+response)
@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 
-from .config import PackingConfig, check_field_types, read_yaml, reject_unknown_keys
-from .offline.dataset import PackedSFTDataset
+from ..core.config import PackingConfig, check_field_types, read_yaml, reject_unknown_keys
+from .dataset import PackedSFTDataset
 
 __all__ = ["DataSpec", "ModelSpec", "Recipe", "TrainSpec", "offline_packed_datasets"]
 

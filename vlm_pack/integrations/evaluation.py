@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .batch import METADATA_KEY
-from .packing import IGNORE_INDEX, segment_ids
+from ..core.batch import METADATA_KEY
+from ..core.packing import IGNORE_INDEX, segment_ids
 
 __all__ = ["PackedEvaluation", "SamplePrediction", "split_predictions"]
 

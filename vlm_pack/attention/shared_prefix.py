@@ -12,7 +12,7 @@ exact), FlexAttention (document mask with ``cu_seqlens_q != cu_seqlens_k``) and 
 it unchanged; the prefix's keys are read twice, its projections, MLPs and vision encoder run once.
 
 The collator puts a :func:`shared_prefix_keys` dict under the forward kwarg ``SHARED_PREFIX_KWARG``;
-``vlm_pack.hf.packing_attention_forward`` applies it to causal calls on the packed row (vision towers and other
+``vlm_pack.integrations.hf_model.packing_attention_forward`` applies it to causal calls on the packed row (vision towers and other
 calls are left alone). Image blocks (Gemma 3) need self-attention segments and are refused with it.
 """
 

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from .output_name import check_output_name
 from .packing import pad_multiple
 
 __all__ = ["PackedSequenceSpecs", "PackingConfig", "check_field_types", "load_yaml_section", "reject_unknown_keys"]
@@ -26,7 +27,7 @@ class PackedSequenceSpecs:
     ``pad_to_max_length``. ``pad_seq_to_mult`` aligns each sequence inside a pack (context parallelism).
     ``packed_train_data_path`` / ``packed_val_data_path`` (``training_<size>.npy`` / ``validation_<size>.npy``) and
     ``packed_metadata_path`` (``<size>_metadata.jsonl``) name what ``vlm-pack prepare`` wrote; they must exist
-    when set, and :func:`vlm_pack.recipe.offline_packed_datasets` opens them. ``tokenizer_model_name`` names the
+    when set, and :func:`vlm_pack.offline.recipe.offline_packed_datasets` opens them. ``tokenizer_model_name`` names the
     ``packed/<tokenizer_model_name>/`` folder packs are prepared into (default: the tokenizer's folder name).
     """
 
@@ -42,8 +43,6 @@ class PackedSequenceSpecs:
     def __post_init__(self) -> None:
         check_field_types(self, "packed_sequence_specs.")
         if self.tokenizer_model_name is not None:
-            from .offline.output import check_output_name
-
             check_output_name(self.tokenizer_model_name, "packed_sequence_specs.tokenizer_model_name")
 
     @property

@@ -26,13 +26,13 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_pt_utils import BatchRebalanceSampler
 
-from .distributed import BalancedPackingSampler
+from ..core.distributed import BalancedPackingSampler
 
 __all__ = ["BalancedBatchSampler"]
 
 
 class BalancedBatchSampler(BalancedPackingSampler, BatchRebalanceSampler):
-    """A :class:`~vlm_pack.distributed.BalancedPackingSampler` that Trainer accepts as its batch sampler.
+    """A :class:`~vlm_pack.core.distributed.BalancedPackingSampler` that Trainer accepts as its batch sampler.
 
     Behaviour is ``BalancedPackingSampler``'s (every sample once per epoch when the count divides
     ``num_replicas * micro_batch_size``, ``set_epoch``, ``len``); the ``BatchRebalanceSampler`` base only marks it

@@ -1,4 +1,4 @@
-"""``vlm-pack doctor`` / ``python -m vlm_pack.env``: what each attention backend would do on this machine, and why.
+"""``vlm-pack doctor`` / ``python -m vlm_pack.cli.doctor``: what each attention backend would do on this machine, and why.
 
 For bug reports: versions of the packages packing depends on, whether CUDA is visible, every varlen attention
 backend's probe (a real import, so a broken wheel shows its error), what ``backend="auto"`` picks per device and
@@ -28,8 +28,8 @@ def report() -> str:
     """The doctor's text (imports torch and probes every backend: seconds, not milliseconds)."""
     import torch
 
-    from .attention import BACKENDS, available_backends, select_backend
-    from .linear_attention import fla_error, select_linear_backend
+    from ..attention.varlen import BACKENDS, available_backends, select_backend
+    from ..attention.linear import fla_error, select_linear_backend
 
     cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name(0) if cuda else "none"

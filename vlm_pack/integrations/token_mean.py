@@ -17,7 +17,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .packing import IGNORE_INDEX
+from ..core.packing import IGNORE_INDEX
 
 __all__ = ["check_global_token_count", "install_token_mean_check"]
 

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .batch import model_inputs
-from .loss import Reduction, packed_cross_entropy
+from ..core.batch import model_inputs
+from ..core.loss import Reduction, packed_cross_entropy
 
 __all__ = ["StepResult", "batch_loss", "train", "train_step"]
 

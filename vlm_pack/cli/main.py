@@ -8,12 +8,12 @@ import sys
 
 # subcommand -> module exposing ``add_parser(subparsers)``; the parser sets ``func(args) -> int``.
 SUBCOMMANDS = {
-    "demo": "vlm_pack.demo_cli",
+    "demo": "vlm_pack.cli.demo_cli",
     "prepare": "vlm_pack.offline.cli",
     "plan-vlm": "vlm_pack.budget.cli",
-    "stats": "vlm_pack.stats",
+    "stats": "vlm_pack.cli.stats",
     "verify": "vlm_pack.offline.verify",
-    "doctor": "vlm_pack.env",
+    "doctor": "vlm_pack.cli.doctor",
 }
 
 

@@ -14,7 +14,7 @@ rebuilds K/V in global order, and ``zigzag_indices`` gives each local query its 
 mask).
 
 Labels must be shifted to next-token targets on the GLOBAL row before partitioning
-(``vlm_pack.loss.shift_packed_labels``): the next token of a chunk's last slot lives on another rank.
+(``vlm_pack.core.loss.shift_packed_labels``): the next token of a chunk's last slot lives on another rank.
 """
 
 from __future__ import annotations

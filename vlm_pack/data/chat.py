@@ -31,7 +31,7 @@ import torch
 from PIL import Image, ImageOps
 
 from .chat_template import CHATML_TEMPLATE, ChatTemplate, check_role, render_with_assistant_masks, resolve_chat_template
-from .packing import IGNORE_INDEX
+from ..core.packing import IGNORE_INDEX
 
 __all__ = [
     "CHATML_TEMPLATE",
@@ -344,7 +344,7 @@ def encode_conversations(
     Each dict holds the per-token tensors ``[1, L]`` (``input_ids``, ``labels``, ``mm_token_type_ids``, ...) and
     the sample's share of every vision tensor (``pixel_values`` rows, ``image_grid_thw`` rows, ...), present only
     if the sample has images or videos. Tokens are those of ``chat_template.template`` (the model's own, see
-    :mod:`vlm_pack.chat_template`); ``labels`` equal ``input_ids`` on assistant tokens and -100 elsewhere. Image
+    :mod:`vlm_pack.data.chat_template`); ``labels`` equal ``input_ids`` on assistant tokens and -100 elsewhere. Image
     and video tokens never get labels: neither tokens the processor types as media (``mm_token_type_ids`` /
     ``token_type_ids`` != 0) nor ``unlabelled_ids`` (the placeholder ids and the family's vision markers) nor
     any token of an ``unlabelled_spans`` ``(open id, close id)`` span, both ends included.

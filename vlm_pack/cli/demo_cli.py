@@ -1,4 +1,4 @@
-"""``vlm-pack demo`` options. Kept apart from :mod:`vlm_pack.demo` (which imports torch) so that ``--help``
+"""``vlm-pack demo`` options. Kept apart from :mod:`vlm_pack.cli.demo` (which imports torch) so that ``--help``
 answers without loading torch."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .testing.data import easy_vqa_examples, photo_examples, text_chat_examples
+from ..testing.data import easy_vqa_examples, photo_examples, text_chat_examples
 
 __all__ = ["DemoResult", "LAYOUTS", "StepRecord", "run_demo"]
 
@@ -115,11 +115,11 @@ def run_demo(steps: int = 8, micro_batch_size: int = 4, seed: int = 0, lr: float
     torch.manual_seed(seed)
     np.random.seed(seed)
     # Imported here, not at module level: `vlm-pack --help` / `prepare` must not pay for loading transformers.
-    from .batch import packing_metadata
-    from .collator import VLMPackingCollator
-    from .hf import ATTN_IMPLEMENTATION, register_attention
-    from .testing.tiny_models import offline_qwen2vl_processor, tiny_model
-    from .train import train_step
+    from ..core.batch import packing_metadata
+    from ..data.collator import VLMPackingCollator
+    from ..integrations.hf_model import ATTN_IMPLEMENTATION, register_attention
+    from ..testing.tiny_models import offline_qwen2vl_processor, tiny_model
+    from ..integrations.torch_loop import train_step
 
     register_attention()
     # The full 151k Qwen vocabulary, as real checkpoints have: the LM head weighs what it weighs in real training.

@@ -5,7 +5,7 @@ The default recipe needs nothing from this module::
     trainer = Trainer(model=enable_packing(model), data_collator=collator, args=args, train_dataset=examples)
 
 It is exact under gradient accumulation because (1) batches are model-ready with -100 on every sample's first
-label (``vlm_pack.batch``), so the model's own whole-row shifted loss never crosses a boundary and Trainer's
+label (``vlm_pack.core.batch``), so the model's own whole-row shifted loss never crosses a boundary and Trainer's
 ``num_items_in_batch`` counts exactly the targets, and (2) ``enable_packing`` sets ``accepts_loss_kwargs`` for
 families whose loss honours ``num_items_in_batch`` (``FamilySpec.loss_honours_num_items``).
 
@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from transformers import TrainerCallback
 
-from .loss import per_sample_loss_sums
-from .packing import IGNORE_INDEX, segment_ids
+from ..core.loss import per_sample_loss_sums
+from ..core.packing import IGNORE_INDEX, segment_ids
 from .token_mean import check_global_token_count
 
 __all__ = ["SampleMeanLoss", "compute_loss_func"]

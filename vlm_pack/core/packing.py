@@ -70,7 +70,7 @@ class PackedBatch:
 
     ``tokens``, ``labels``, ``loss_mask`` and ``padding_mask`` are ``[1, T]``; ``position_ids`` is ``[1, T]`` or
     ``[C, 1, T]`` (mRoPE channels). ``labels`` stay aligned with ``tokens`` (unshifted, Hugging Face
-    convention); shift them inside each sample with ``vlm_pack.loss.shift_packed_labels``.
+    convention); shift them inside each sample with ``vlm_pack.core.loss.shift_packed_labels``.
     """
 
     tokens: torch.Tensor

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .offline.algorithms import ALGORITHMS, PackingStats, pack_lengths, packing_stats
-from .offline.encoding import TEMPLATES, SampleFormat
-from .offline.prepare import TokenizerSource, tokenized_splits
+from ..offline.algorithms import ALGORITHMS, PackingStats, pack_lengths, packing_stats
+from ..offline.encoding import TEMPLATES, SampleFormat
+from ..offline.prepare import TokenizerSource, tokenized_splits
 
 __all__ = ["PackSizeReport", "analyse_lengths", "load_lengths", "plot_stats", "suggest_pack_size", "add_parser"]
 
@@ -51,7 +51,7 @@ def load_lengths(data: str | Path, tokenizer: str | None = None, fmt: SampleForm
             raise ValueError(f"{path}: expected a 1-D integer array of lengths, got {lengths.dtype} {lengths.shape}")
         return lengths.astype(np.int64)
     if tokenizer is None:
-        from .assets import qwen_tokenizer_path
+        from ..assets import qwen_tokenizer_path
 
         tokenizer = str(qwen_tokenizer_path())
     splits, _ = tokenized_splits(path, TokenizerSource(tokenizer), fmt or SampleFormat(),

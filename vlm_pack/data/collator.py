@@ -11,9 +11,9 @@ Per micro-batch::
 
 The packed batch carries NO ``attention_mask``: with one, HF's own packed-boundary detection switches off
 and samples attend to each other (sdpa / eager / flash without ``cu_seq_lens``). The batch is model-ready
-(``vlm_pack.batch``): ``model(**batch)`` is exact, bookkeeping sits in ``batch["vlm_pack"]`` (``cu_seqlens``,
+(``vlm_pack.core.batch``): ``model(**batch)`` is exact, bookkeeping sits in ``batch["vlm_pack"]`` (``cu_seqlens``,
 ``cu_seqlens_padded``, ``seq_lengths``, ``stats``), and the first label of every sample is -100. Custom loops
-feed ``model_inputs(batch)`` and compute the loss with ``vlm_pack.loss`` on ``batch["labels"]`` /
+feed ``model_inputs(batch)`` and compute the loss with ``vlm_pack.core.loss`` on ``batch["labels"]`` /
 ``batch["cu_seq_lens_q"]`` (labels are unshifted; the shift happens inside each sample).
 """
 
@@ -29,12 +29,12 @@ import numpy as np
 import torch
 from transformers.configuration_utils import PreTrainedConfig
 
-from .batch import METADATA_KEY, mask_first_labels, model_inputs
+from ..core.batch import METADATA_KEY, mask_first_labels, model_inputs
 from .chat import encode_conversations, media_parts, normalize_example, resolve_chat_template
-from .config import PackingConfig
-from .packing import IGNORE_INDEX, PackedBatch, pack_batch_sequences, pack_sequences, pad_multiple
-from .models import FamilySpec, get_family
-from .rope_index import MRopeIndex
+from ..core.config import PackingConfig
+from ..core.packing import IGNORE_INDEX, PackedBatch, pack_batch_sequences, pack_sequences, pad_multiple
+from ..models import FamilySpec, get_family
+from ..core.rope_index import MRopeIndex
 
 __all__ = ["CollatorStats", "TOKEN_ALIGNED_KEYS", "VLMPackingCollator", "model_inputs"]
 
@@ -92,7 +92,7 @@ class VLMPackingCollator:
     multimodal processor; optional with a text tokenizer (then positions restart at 0 per sample).
     ``chat_template``: the template to render with (default: the processor's own). Tokens are always that
     template's; assistant spans come from its ``{% generation %}`` blocks, TRL's training variant of it, or
-    per-message sentinels proven by re-rendering (``vlm_pack.chat_template``); otherwise it is refused.
+    per-message sentinels proven by re-rendering (``vlm_pack.data.chat_template``); otherwise it is refused.
     ``on_empty``: a sample left without any label (e.g. an empty answer once rendered) raises (``"error"``) or is
     dropped with a counted warning (``"drop"``); a batch without any label always raises.
     """

@@ -1,6 +1,6 @@
 """Megatron-style THD metadata (``PackedSeqParams``) from a packed batch.
 
-Accepts a :class:`~vlm_pack.packing.PackedBatch`, the dict of the in-batch collator, or a dict batch from the
+Accepts a :class:`~vlm_pack.core.packing.PackedBatch`, the dict of the in-batch collator, or a dict batch from the
 offline path, where ``cu_seqlens`` may arrive as ``[1, N]`` right-padded with ``-1`` sentinels (fixed shapes for
 collation / CUDA graphs). :func:`packed_boundaries` is the one place that knows where each path keeps them.
 """
@@ -62,7 +62,7 @@ def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> torc
     """Segment id of every token, int32 ``[1, T]`` as Megatron-Core's ``PackedSeqParams.seq_idx`` is:
     ``[0, 5, 7, 11]`` with 16 tokens -> ``[[0]*5 + [1]*2 + [2]*4 + [3]*5]``.
 
-    Tokens past ``cu_seqlens[-1]`` form one more segment. No host sync (``vlm_pack.packing.segment_ids``).
+    Tokens past ``cu_seqlens[-1]`` form one more segment. No host sync (``vlm_pack.core.packing.segment_ids``).
     """
     return segment_ids(cu_seqlens, int(total_tokens)).to(torch.int32).unsqueeze(0)
 
