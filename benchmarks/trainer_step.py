@@ -1,6 +1,6 @@
 """A Hugging Face ``Trainer`` step, packed vs padded: real tokens per second on the same micro-batches.
 
-Both sides are what a user gets from the README recipe with ``transformers.Trainer``:
+Both sides are what a user gets from the recipe of docs/trainer_and_trl.md with ``transformers.Trainer``:
 
 * packed: ``enable_packing(model)`` + ``VLMPackingCollator`` (one row, ``cu_seq_lens_*``, no attention mask);
 * padded: the stock ``sdpa`` model + the same collator with ``pack_sequences_in_batch=False`` (right-padded

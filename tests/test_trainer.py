@@ -1,4 +1,4 @@
-"""transformers.Trainer and TRL's SFTTrainer with the README recipes are exact under gradient accumulation.
+"""transformers.Trainer and TRL's SFTTrainer with the recipes of docs/trainer_and_trl.md are exact under gradient accumulation.
 
 Step-1 gradients of ``Trainer(model=enable_packing(model), data_collator=collator)`` (micro-batch 4, 2 accumulation
 steps, SGD, no clipping) equal the unpacked reference: each sample forwarded ALONE through a stock ``sdpa`` model,
@@ -131,7 +131,7 @@ def references(processor, tokenizer):
 
 
 def run_recipe(family, processor, tokenizer, tmp_path, **trainer_kwargs):
-    """The README recipe: enable_packing + the collator, nothing else."""
+    """The docs/trainer_and_trl.md recipe: enable_packing + the collator, nothing else."""
     proc, examples = family_setup(family, processor, tokenizer)
     model = enable_packing(tiny_model(family, layers=layers_for(family)))
     collator = VLMPackingCollator(proc, max_length=512, model_config=model.config)

@@ -55,8 +55,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--input", required=True, help="chat JSONL ({'messages': [...]} per line; image paths relative "
                                                    "to the file)")
     p.add_argument("--processor", required=True,
-                   help="local processor folder (AutoProcessor.from_pretrained); README \"Token-budget packs\" saves "
-                        "a tiny offline one to try")
+                   help="local processor folder (AutoProcessor.from_pretrained); docs/token_budget_packs.md "
+                        "saves a tiny offline one to try")
     p.add_argument("--model-config", default=None, help="local model folder with config.json (default: --processor)")
     p.add_argument("--output", required=True, help="plan folder to write (replaced atomically)")
     p.add_argument("--pack-size", type=int, required=True, help="tokens per pack")
