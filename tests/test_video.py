@@ -245,3 +245,15 @@ def test_video_layout_of_another_family_is_refused(qwen3):
     with pytest.raises(ValueError, match=r"runs of \[4, 4\] tokens, but the qwen2_vl model's rope index expects "
                                          r"one run per video \(\[8\]\).*Qwen3VLProcessor"):
         packer(clip)
+
+
+def test_token_budget_planning_refuses_qwen3_vl_video(qwen3):
+    """Token-budget plans count a video from its size; Qwen3-VL's timestamps make that count wrong: refused early."""
+    from vlm_pack.budget.lengths import measure_lengths
+
+    processor, stock, _, _ = qwen3
+    collator = VLMPackingCollator(processor, max_length=1024, model_config=stock.config)
+    with pytest.raises(ValueError, match="sample 0: token-budget planning cannot count a qwen3_vl video"):
+        measure_lengths([video_example("chelsea", 4, 56)], collator, progress=False)
+    assert measure_lengths(examples()[1:3], collator, progress=False).tokens.tolist() == [
+        collator([e])["input_ids"].shape[1] for e in examples()[1:3]]  # images and text still plan exactly
