@@ -169,6 +169,9 @@ def test_packed_row_without_bookkeeping_is_refused_when_the_aux_loss_is_on():
         model(**model_inputs(batch))  # aux loss off: nothing needed
         with pytest.raises(ValueError, match=r"output_router_logits=True on a packed row without its bookkeeping"):
             model(**model_inputs(batch), output_router_logits=True)
+        ones = torch.ones_like(batch["input_ids"])  # an all-ones mask passes attention, but would count every slot
+        with pytest.raises(ValueError, match=r"packed row given an attention_mask .*model\(\*\*batch\)"):
+            model(**batch, attention_mask=ones, output_router_logits=True)
 
 
 def test_trl_sft_trainer_router_loss_packed_equals_padded(tmp_path):

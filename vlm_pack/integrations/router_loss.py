@@ -96,7 +96,11 @@ def _inject(module: torch.nn.Module, args: tuple, kwargs: dict):
     if kwargs.get("cu_seq_lens_q") is None or not router_loss_on(module.config, kwargs):
         return None
     if kwargs.get("attention_mask") is not None or len(args) > 1:
-        return None  # a mask given with a packed row: the attention refuses it, naming the fix
+        raise ValueError(
+            "output_router_logits=True on a packed row given an attention_mask (or positional arguments): the "
+            "router load-balancing loss would read that mask instead of the row's real slots. Call model(**batch) "
+            "with the packed batch as it is (no attention_mask)"
+        )
     reference = _width(args, kwargs)
     mask = real_slot_mask(kwargs.get(METADATA_KEY), reference.shape[1], reference.device)
     setattr(mask, _MARK, True)
