@@ -133,6 +133,12 @@ def test_packed_router_loss_equals_the_padded_micro_batch(family):
     errors["aux_slots_counted"] = abs(float(wrong.aux_loss - want.aux_loss))
     errors["loss_slots_counted"] = abs(float(wrong.loss - want.loss))
     assert aux_floor.is_far(errors["aux_slots_counted"]) and loss_floor.is_far(errors["loss_slots_counted"])
+    with torch.no_grad():  # the aux loss is a statistic of the whole micro-batch, not a mean of per-sample ones
+        single = VLMPackingCollator(setup.processor, max_length=2048, model_config=setup.stock.config,
+                                    pack_sequences_in_batch=False)
+        per_sample = torch.stack([setup.stock(**model_inputs(single([e]))).aux_loss for e in setup.examples])
+    errors["aux_per_sample_mean"] = abs(float(per_sample.mean() - want.aux_loss.detach()))
+    assert aux_floor.is_far(errors["aux_per_sample_mean"])
     MEASURED[family] = {**errors, "aux_tolerance": aux_floor.tolerance, "loss_tolerance": loss_floor.tolerance}
 
 
