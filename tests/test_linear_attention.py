@@ -22,7 +22,7 @@ from vlm_pack.data.collator import VLMPackingCollator, model_inputs
 from vlm_pack.testing.data import photo_examples, text_chat_examples
 from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.attention.linear import install_linear_attention_packing, remove_linear_attention_packing
-from vlm_pack.models import UnsupportedModelError, get_family
+from vlm_pack.models import get_family
 from vlm_pack.testing.tiny_models import tiny_config, tiny_model
 
 from tolerance import NoiseFloor, assert_grads_close, fp64_copy, fp64_inputs, max_abs
@@ -395,13 +395,6 @@ def test_context_parallel_is_refused_by_the_collator(processor):
     with pytest.raises(ValueError, match="context_parallel_size=2 with a qwen3_5 model.*state hand-off"):
         VLMPackingCollator(processor, max_length=512, model_config=config, context_parallel_size=2)
     VLMPackingCollator(processor, max_length=512, model_config=config)  # cp=1 is fine
-
-
-def test_moe_router_loss_is_refused():
-    config = tiny_config("qwen3_next")
-    config.output_router_logits = True
-    with pytest.raises(UnsupportedModelError, match="output_router_logits"):
-        get_family(config)
 
 
 def test_packed_row_without_boundary_kwargs_is_refused(text_models):

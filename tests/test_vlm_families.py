@@ -6,7 +6,8 @@ noise floor, parameter gradients of the summed per-sample losses within 1e-4 rel
 must break the comparison; unsupported variants are refused. The families registered later (EDGE_FAMILIES) are
 proven on edge_examples(): system prompts, a one-word answer, an image inside an assistant turn, text-only and
 multi-image samples, with context-parallel alignment slots where the family allows them. Mixture-of-experts
-families: routing is per token (covered by the logits); the router's auxiliary loss is refused (see its test).
+families: routing is per token (covered by the logits); the router's auxiliary loss is proven against the padded
+micro-batch in tests/test_router_loss.py.
 
 Substituted (no hub here): each processor is assembled from the real Qwen tokenizer files plus the family's
 image tokens, the family's own image-processor class built with tiny crop sizes, and a ChatML template (see
@@ -551,39 +552,3 @@ def test_collator_stats_count_every_familys_images(family):
     want = sum(int((setup.collator([e])["input_ids"] == image_id).sum()) for e in examples[:3])  # each alone
     assert stats.image_tokens == want > 0
     assert setup.collator(text_chat_examples(2, seed=2))["vlm_pack"]["stats"].image_tokens == 0
-
-
-# ------------------------------------------------------------------ mixture of experts: the router's auxiliary loss
-
-
-@torch.no_grad()
-def test_moe_router_aux_loss_is_a_batch_statistic_and_refused():
-    """Routing is per token (the exact logits above cover it); the load-balancing loss is not: it is computed from
-    expert counts over every token of the forward. Measured on the edge batch: packed it equals the padded
-    micro-batch's (attention mask excludes pads) only when the row has no alignment slots; with cp=2 alignment the
-    slots are counted and it moves; it is never a per-sample quantity. So output_router_logits is refused."""
-    setup = setup_for("qwen3_vl_moe")
-    examples = edge_examples()
-    padded = VLMPackingCollator(setup.processor, max_length=2048, model_config=setup.stock.config,
-                                pack_sequences_in_batch=False)(examples)
-    want = setup.stock(**model_inputs(padded), use_cache=False, output_router_logits=True).aux_loss
-    floor = NoiseFloor("router aux loss")
-    floor.observe(want, setup.exact()(**fp64_inputs(model_inputs(padded)), use_cache=False,
-                                      output_router_logits=True).aux_loss)
-    per_sample = [setup.stock(**inputs, use_cache=False, output_router_logits=True).aux_loss
-                  for inputs, _ in (alone(setup, example) for example in examples)]
-    got = {}
-    for cp in (1, 2):
-        collator = VLMPackingCollator(setup.processor, max_length=2048, model_config=setup.packed.config,
-                                      context_parallel_size=cp)
-        got[cp] = setup.packed(**model_inputs(collator(examples)), use_cache=False, output_router_logits=True).aux_loss
-    floor.check(abs(float(got[1] - want)))
-    assert floor.is_far(abs(float(got[2] - want)))
-    assert floor.is_far(abs(float(torch.stack(per_sample).mean() - want)))
-
-    config = setup.packed.config.__class__.from_dict(setup.packed.config.to_dict())
-    config.text_config.output_router_logits = True
-    with pytest.raises(UnsupportedModelError, match=r"qwen3_vl_moe model with output_router_logits=True \(the router"):
-        get_family(config)
-    with pytest.raises(UnsupportedModelError, match="output_router_logits"):
-        VLMPackingCollator(setup.processor, max_length=2048, model_config=config)

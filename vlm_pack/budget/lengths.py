@@ -132,6 +132,12 @@ def _measure_chunk(collator: Any, examples: Sequence[Any], first: int) -> tuple[
         turns = [(turn, part) for turn, message in enumerate(conversation) for part in message["content"]
                  if part["type"] != "text"]
         parts = [part for _, part in turns]
+        if getattr(collator.family, "video_runs", "video") == "frame" and any(p["type"] == "video" for p in parts):
+            raise ValueError(
+                f"{where}: token-budget planning cannot count a {collator.family.name} video: its processor writes a "
+                "timestamp and markers around every frame, whose text depends on its frame sampling, not on the "
+                "video's size alone; plan without video samples, or pack them by micro-batch (VLMPackingCollator)"
+            )
         sizes = [_vision_size(part, f"{where}, turn {turn}") for turn, part in turns]
         if expand_text is not None:  # the processor's own text expansion counts the images (below)
             sizes = [size for size, part in zip(sizes, parts) if part["type"] != "image"]

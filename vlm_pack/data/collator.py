@@ -229,6 +229,9 @@ class VLMPackingCollator:
         encoded = encode_conversations(self.processor, conversations, self.chat, vision_rows,
                                        self.unlabelled_ids, self.unlabelled_spans,
                                        self.family is not None and self.family.mask_before_expansion)
+        if self.family is not None and self.rope_index is not None:
+            for index, features in enumerate(encoded):
+                _check_video_runs(features, self.processor, self.family, self.rope_index.spatial_merge_size, index)
         empty = []
         for index, features in enumerate(encoded):
             length = features["input_ids"].shape[1]
@@ -386,6 +389,33 @@ class VLMPackingCollator:
             images=images,
             image_tokens=image_tokens,
             **timings,
+        )
+
+
+def _check_video_runs(features: dict[str, torch.Tensor], processor: Any, family: FamilySpec, merge: int,
+                      index: int) -> None:
+    """A video sample's runs of video tokens must be laid out as the family's rope index reads them
+    (``FamilySpec.video_runs``): one run per video, or one per temporal patch (Qwen3-VL: each after its timestamp).
+    A processor of another family writes the other layout, and the frames' positions would be misplaced."""
+    grid = features.get("video_grid_thw")
+    video_id = getattr(processor, "video_token_id", None)
+    if grid is None or not isinstance(video_id, int):
+        return
+    frame_tokens = (grid[:, 1] * grid[:, 2] // merge**2).tolist()
+    frames = grid[:, 0].tolist()
+    if family.video_runs == "frame":
+        want = [tokens for tokens, count in zip(frame_tokens, frames) for _ in range(count)]
+    else:
+        want = [tokens * count for tokens, count in zip(frame_tokens, frames)]
+    inside = torch.nn.functional.pad((features["input_ids"].reshape(-1) == video_id).long(), (1, 1))
+    edges = inside.diff()
+    got = ((edges == -1).nonzero().flatten() - (edges == 1).nonzero().flatten()).tolist()
+    if got != want:
+        layout = "one run per frame, each after its timestamp" if family.video_runs == "frame" else "one run per video"
+        raise ValueError(
+            f"sample {index}: its video tokens form runs of {got} tokens, but the {family.name} model's rope index "
+            f"expects {layout} ({want}); encode with the model's own processor ({type(processor).__name__} "
+            "writes another family's video layout)"
         )
 
 

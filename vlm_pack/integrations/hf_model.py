@@ -35,6 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..attention.varlen import dense_attention, varlen_attention
 from ..models import ImageBlockRule, get_family
 from ..attention.shared_prefix import SHARED_PREFIX_KWARG, gather_shared_keys
+from .router_loss import install_router_loss_mask
 from .token_mean import install_token_mean_check
 
 __all__ = [
@@ -280,7 +281,9 @@ def enable_packing(model, name: str = ATTN_IMPLEMENTATION, *, allow_unproven: bo
     otherwise (a packed row must never fill a cache, and ``model(**batch)``, as Trainer and TRL call it, passes no
     ``use_cache``); the config is left alone, so a checkpoint saved later keeps the user's ``use_cache`` and
     ``generate()`` caches as before. A packed batch cut by accelerate's ``dispatch_batches`` is refused with the
-    fix (:func:`packed_forward_hook`). Never pass an ``attention_mask`` with a packed row.
+    fix (:func:`packed_forward_hook`). Never pass an ``attention_mask`` with a packed row. Mixture-of-experts
+    families with ``output_router_logits``: the router load-balancing loss of a packed row is that of the padded
+    micro-batch, alignment slots excluded (:mod:`vlm_pack.integrations.router_loss`).
     """
     family = get_family(model.config, allow_unproven=allow_unproven)
     register_attention(name)
@@ -291,6 +294,8 @@ def enable_packing(model, name: str = ATTN_IMPLEMENTATION, *, allow_unproven: bo
         _install_image_blocks(model, rule)
     if family.prepare_model is not None:
         family.prepare_model(model)
+    if family.router_loss_mask:  # the router aux loss over the real slots only (vlm_pack.integrations.router_loss)
+        install_router_loss_mask(model)
     if family.loss_honours_num_items:
         # Trainer reads this flag to pass num_items_in_batch (the window's label-token count) to the model's loss:
         # the exact token mean under gradient accumulation, as unpacked training over the same window.

@@ -33,7 +33,6 @@ __all__ = [
     "get_family",
     "register_family",
     "registered_families",
-    "router_aux_loss_refused",
     "text_backbone",
     "text_config",
 ]
@@ -125,6 +124,14 @@ class FamilySpec:
     each text with its image placeholders expanded by the processor's own text rule, for token-budget planning of
     families whose expansion needs no image size but rewrites the text around it (Idefics2 merges the markers of
     adjacent images and puts a space after an image); it replaces ``image_text`` and the image-token count.
+    ``router_loss_mask``: a mixture of experts whose LM-head forward hands its ``attention_mask`` to transformers'
+    ``load_balancing_loss_func`` (which excludes padding from the router load-balancing loss) and to its inner
+    model. ``enable_packing`` then passes a packed row's real-slot mask there (``vlm_pack.integrations.router_loss``),
+    so ``output_router_logits=True`` gives the padded micro-batch's aux loss; without it the flag is refused.
+    ``video_runs``: how the family's processor writes a video's tokens, which the model's rope index relies on:
+    ``"video"`` one run per video (Qwen2-VL), ``"frame"`` one run per temporal patch, each after its timestamp text
+    (Qwen3-VL, whose ``get_rope_index`` splits ``video_grid_thw`` per frame). The collator checks every video
+    sample against it (a processor of another family would misplace the frames' positions).
     """
 
     name: str
@@ -148,6 +155,8 @@ class FamilySpec:
     media_spans: tuple[tuple[str, str], ...] = ()
     mask_before_expansion: bool = False
     expand_text: Callable[[Any, list[str]], list[list[int]]] | None = None
+    router_loss_mask: bool = False
+    video_runs: Literal["video", "frame"] = "video"
 
     def __post_init__(self) -> None:
         if (self.positions == "mrope") != (self.rope_index_model is not None):
@@ -205,6 +214,10 @@ def check_config(spec: FamilySpec, config: Any) -> list[str]:
         )
     if getattr(text, "use_bidirectional_attention", None) and spec.attention == "causal":
         problems.append(f"use_bidirectional_attention={text.use_bidirectional_attention!r}")
+    if not spec.router_loss_mask and (getattr(text, "output_router_logits", False)
+                                      or getattr(config, "output_router_logits", False)):
+        problems.append("output_router_logits=True (the router load-balancing loss is not proven for this family; "
+                        "set output_router_logits=False)")
     for check in spec.extra_checks:
         problem = check(config)
         if problem:
@@ -226,17 +239,6 @@ def text_backbone(*model_types: str) -> Callable[[Any], str | None]:
         return f"language model {kind!r} with {'; '.join(problems)}" if problems else None
 
     return check
-
-
-def router_aux_loss_refused(config: Any) -> str | None:
-    """An ``extra_checks`` entry for mixture-of-experts families. Routing is per token (exact under packing), but
-    the load-balancing auxiliary loss is a statistic of the whole batch (expert counts and mean router
-    probabilities over every token of the forward, alignment slots included): packed, it is neither the per-sample
-    value nor a padded batch's. Refused when ``output_router_logits`` would add it to the loss."""
-    if getattr(text_config(config), "output_router_logits", False) or getattr(config, "output_router_logits", False):
-        return ("output_router_logits=True (the router load-balancing loss is a whole-batch statistic, which "
-                "packing changes; set output_router_logits=False)")
-    return None
 
 
 def get_family(config: Any, *, allow_unproven: bool = False) -> FamilySpec:

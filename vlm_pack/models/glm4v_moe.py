@@ -4,15 +4,17 @@ mixture-of-experts MLPs.
 Rules (proven in tests/test_vlm_families.py): as GLM-4V (vlm_pack/models/glm4v.py): ``[4, 1, T]`` positions
 computed per sample by the model's own rope index, ``mm_token_type_ids`` per token, vision tower per image on its
 own ``cu_seqlens``. The router (sigmoid scores with a correction bias, group-limited top-k) picks experts per
-token, so expert outputs are those of each sample alone. The load-balancing loss is a whole-batch statistic
-(see ``router_aux_loss_refused``): ``output_router_logits`` is refused. Videos are not proven (refused).
+token, so expert outputs are those of each sample alone. The load-balancing loss is a mean over the real tokens of
+the whole micro-batch: with ``output_router_logits`` a packed row gives the padded micro-batch's value, its
+alignment slots excluded (``router_loss_mask``, proven in tests/test_router_loss.py). Videos are not proven
+(refused).
 """
 
-from . import FamilySpec, register_family, router_aux_loss_refused
+from . import FamilySpec, register_family
 
 GLM4V_MOE = register_family(FamilySpec(
     name="glm4v_moe", model_types=("glm4v_moe",), proof="tests/test_vlm_families.py",
     positions="mrope", rope_index_model="Glm4vMoeModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
-    extra_checks=(router_aux_loss_refused,),
+    router_loss_mask=True,
     media_tokens=("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"),
 ))

@@ -8,8 +8,8 @@ through ``vlm_pack.attention.linear`` installed by ``enable_packing`` on the mod
 positions are ``[4, 1, T]`` from ``Qwen3_5Model.get_rope_index`` per sample; the text models take 1-D positions
 per sample (they copy them into their mRoPE rows themselves). Context parallelism is refused: a rank would need
 the DeltaNet state of the chunks before it, and that hand-off between ranks is not implemented.
-Qwen3-Next is a mixture of experts: its router load-balancing loss is a statistic of the whole batch, which
-packing changes, so ``output_router_logits`` is refused.
+Qwen3-Next is a mixture of experts: with ``output_router_logits`` its load-balancing loss on a packed row is the
+padded micro-batch's, alignment slots excluded (``router_loss_mask``, proven in tests/test_router_loss.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..attention.linear import CONTEXT_PARALLEL_REFUSAL, install_linear_attention_packing
-from . import FamilySpec, register_family, text_config
+from . import FamilySpec, register_family
 
 _PROOF = "tests/test_linear_attention.py"
 _HYBRID = frozenset({"full_attention", "linear_attention"})
@@ -29,13 +29,6 @@ def _deltanet(class_name: str):
 
     prepare.__doc__ = f"Boundary-aware forward on every {class_name} of the model (vlm_pack.attention.linear)."
     return prepare
-
-
-def _no_router_loss(config: Any) -> str | None:
-    if getattr(text_config(config), "output_router_logits", False):
-        return ("output_router_logits=True (the router load-balancing loss is a whole-batch statistic, which "
-                "packing changes; set output_router_logits=False)")
-    return None
 
 
 QWEN3_5 = register_family(FamilySpec(
@@ -51,5 +44,5 @@ QWEN3_5_TEXT = register_family(FamilySpec(
 QWEN3_NEXT = register_family(FamilySpec(
     name="qwen3_next", model_types=("qwen3_next",), proof=_PROOF, layer_kinds=_HYBRID,
     prepare_model=_deltanet("Qwen3NextGatedDeltaNet"), context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
-    extra_checks=(_no_router_loss,),
+    router_loss_mask=True,
 ))

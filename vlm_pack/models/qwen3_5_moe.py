@@ -6,8 +6,9 @@ Rules (proven in tests/test_vlm_families.py against each sample alone through th
 forward of ``vlm_pack.attention.linear`` on every ``Qwen3_5MoeGatedDeltaNet`` (causal-conv window and recurrent
 state restart at each sample boundary); ``full_attention`` layers are causal over the packed row split at
 ``cu_seq_lens_q``; positions are ``[4, 1, T]`` from ``Qwen3_5MoeModel.get_rope_index`` per sample. Experts are
-picked per token. Refused: context parallelism (the DeltaNet state would have to pass between ranks) and
-``output_router_logits`` (the load-balancing loss is a whole-batch statistic, see ``router_aux_loss_refused``).
+picked per token; with ``output_router_logits`` the load-balancing loss of a packed row is the padded
+micro-batch's, its alignment slots excluded (``router_loss_mask``, proven in tests/test_router_loss.py). Refused:
+context parallelism (the DeltaNet state would have to pass between ranks).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..attention.linear import CONTEXT_PARALLEL_REFUSAL, install_linear_attention_packing
-from . import FamilySpec, register_family, router_aux_loss_refused
+from . import FamilySpec, register_family
 
 DELTANET_CLASS = "Qwen3_5MoeGatedDeltaNet"
 
@@ -31,5 +32,5 @@ QWEN3_5_MOE = register_family(FamilySpec(
     layer_kinds=frozenset({"full_attention", "linear_attention"}),
     token_keys=("input_ids", "labels", "mm_token_type_ids"),
     prepare_model=_restart_deltanet, context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
-    extra_checks=(router_aux_loss_refused,),
+    router_loss_mask=True,
 ))

@@ -1,18 +1,19 @@
 """Qwen3-VL-MoE: Qwen3-VL's rules (interleaved mRoPE from the model's own ``get_rope_index``, per sample) with
 mixture-of-experts MLPs.
 
-Rules (proven in tests/test_vlm_families.py): as Qwen3-VL (vlm_pack/models/qwen_vl.py) with
-``Qwen3VLMoeModel.get_rope_index``. The router picks experts per token from that token's hidden state, so the
-expert outputs of a packed row equal those of each sample alone. The router load-balancing loss is not per token:
-it is computed from the expert counts of the WHOLE batch (including any alignment-padding slots of a packed row),
-so its value under packing is neither the per-sample one nor a padded batch's; ``output_router_logits`` (which
-adds it to the loss) is refused. Videos (timestamps interleaved in the text) are not proven.
+Rules (proven in tests/test_vlm_families.py, videos in tests/test_video.py): as Qwen3-VL
+(vlm_pack/models/qwen_vl.py) with ``Qwen3VLMoeModel.get_rope_index``; videos are written one run of tokens per
+frame, each after its timestamp. The router picks experts per token from that token's hidden state, so the
+expert outputs of a packed row equal those of each sample alone. The router load-balancing loss is a mean over the
+real tokens of the whole micro-batch (``attention_mask`` excludes padding): with ``output_router_logits`` a packed
+row gives the padded micro-batch's value, its alignment slots excluded (``router_loss_mask``, proven in
+tests/test_router_loss.py).
 """
 
-from . import FamilySpec, register_family, router_aux_loss_refused
+from . import FamilySpec, register_family
 
 QWEN3_VL_MOE = register_family(FamilySpec(
     name="qwen3_vl_moe", model_types=("qwen3_vl_moe",), proof="tests/test_vlm_families.py",
     positions="mrope", rope_index_model="Qwen3VLMoeModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
-    extra_checks=(router_aux_loss_refused,), media_tokens=("<|vision_start|>", "<|vision_end|>"),
+    media_tokens=("<|vision_start|>", "<|vision_end|>"), router_loss_mask=True, videos=True, video_runs="frame",
 ))

@@ -3,8 +3,10 @@
 Rules (proven in tests/test_vlm_equivalence.py): causal text attention over the packed row, split at
 ``cu_seq_lens_q``; the vision tower runs per image (its own ``cu_seqlens``, never ours); positions are
 ``[4, 1, T]``: row 0 a per-sample arange, rows 1-3 temporal/height/width computed per sample.
-``mm_token_type_ids`` (1 on image tokens, 2 on video tokens) is per token. Video is proven for Qwen2-VL and
-Qwen2.5-VL (tests/test_video.py); Qwen3-VL's processor interleaves frame timestamps, not yet covered.
+``mm_token_type_ids`` (1 on image tokens, 2 on video tokens) is per token. Video is proven for all three
+(tests/test_video.py): Qwen2-VL / Qwen2.5-VL write one run of video tokens per video; Qwen3-VL's processor writes
+one run per temporal patch, each after its timestamp text (``<0.5 seconds>``), and its ``get_rope_index`` splits
+``video_grid_thw`` per frame to match (``video_runs="frame"``). Timestamps are plain text of the user turn.
 """
 
 from . import FamilySpec, register_family
@@ -25,4 +27,5 @@ QWEN2_5_VL = register_family(FamilySpec(
 QWEN3_VL = register_family(FamilySpec(
     name="qwen3_vl", model_types=("qwen3_vl",), proof=_PROOF,
     positions="mrope", rope_index_model="Qwen3VLModel", token_keys=_TOKEN_KEYS, media_tokens=VISION_MARKERS,
+    videos=True, video_runs="frame",
 ))

