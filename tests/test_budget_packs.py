@@ -360,6 +360,29 @@ def test_idefics2_plan_needs_the_processor_text_expansion():
     assert planned != _materialised_lengths(collator, examples)
 
 
+def test_idefics2_plan_of_a_chat_that_starts_with_bos():
+    """Idefics2's tokenizer (Mistral's) adds a BOS, and a template that writes ``{{ bos_token }}`` first makes the
+    processor tokenise without special tokens (transformers' rule): one BOS per sample. The stand-in tokenizer is
+    given such a BOS post-processor and the template a leading BOS; the plan equals the materialised lengths."""
+    from tokenizers import processors
+
+    from vlm_pack.testing.tiny_families import chatml_template, tiny_vlm, tiny_vlm_processor
+
+    processor = tiny_vlm_processor("idefics2")
+    tokenizer, bos = processor.tokenizer, "<|endoftext|>"
+    tokenizer.bos_token = bos
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.convert_tokens_to_ids(bos))])
+    assert tokenizer("Hi")["input_ids"][0] == tokenizer.bos_token_id
+    processor.chat_template = "{{ bos_token }}" + chatml_template("<image>")
+    collator = VLMPackingCollator(processor, max_length=1 << 16,
+                                  model_config=tiny_vlm("idefics2", processor, layers=1).config)
+    examples = [_images_example(group) for group in _GROUPS[7:10]]
+    materialised = [collator([example])["input_ids"][0] for example in examples]
+    assert all(int((ids == tokenizer.bos_token_id).sum()) == 1 for ids in materialised)
+    assert measure_lengths(examples, collator, progress=False).tokens.tolist() == [len(ids) for ids in materialised]
+
+
 def test_fixed_width_overflow_names_the_dataset_sample(collator, mix):
     lengths = measure_lengths(mix, collator, progress=False)
     stale = SampleLengths(lengths.tokens.copy(), lengths.image_tokens, lengths.images)
