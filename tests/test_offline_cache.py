@@ -189,8 +189,8 @@ def test_a_corrupted_pack_assignment_cache_is_named_and_repacked(tmp_path, damag
     elif damage == "flipped":
         bins[[0, 1]] = bins[[1, 0]]  # samples of 5 and 3 tokens trade packs: one overfills
     else:
-        bins[[1, 3]] = bins[[3, 1]]  # samples of 3 and 2 tokens trade packs: every pack still fits, a valid
-        assert bins[1] != bins[3] and np.bincount(bins, weights=lengths).max() <= 10  # packing only the checksum tells
+        bins[[1, 3]] = bins[[3, 1]]  # samples of 3 and 2 tokens trade packs: a valid packing, only the checksum tells
+        assert bins[1] != bins[3] and np.bincount(bins, weights=lengths).max() <= 10
     np.save(cached, bins)
     lines = []
     again, _ = prepare.pack_split(samples, 10, cache=store, log=lines.append)

@@ -95,9 +95,9 @@ def test_refusals(tmp):
 
 
 def test_pad_equal_to_eos_scores_the_last_non_pad_token():
-    """Tokenizers without a pad token are often given pad = eos, and TRL's tokenised pairs end with eos: the
-    stock model's pooling then scores each sequence at its last non-eos token. Packed scores equal each sequence
-    run alone through the stock model with that pooling (a trailing eos would be scored at the row's end)."""
+    """TRL 1.16's RewardTrainer pads with eos when the tokenizer has no pad token and appends eos to plain-text
+    pairs, so pad == eos is common: the stock model's pooling then scores each sequence at its last non-eos token.
+    Packed scores equal each sequence run alone through the stock model (scoring a trailing eos would not)."""
     from vlm_pack import enable_packing
 
     eos = word_tokenizer().convert_tokens_to_ids("<|im_end|>")
