@@ -214,7 +214,7 @@ def test_for_trainer_reads_trainer_arguments_and_selects_the_resumed_epoch(tmp_p
     callback however often Trainer rebuilds its dataloader; the epoch of a resumed run from the global step."""
     from types import SimpleNamespace
 
-    from transformers import TrainingArguments
+    from transformers import Trainer, TrainingArguments
     from transformers.trainer_callback import CallbackHandler
 
     from vlm_pack.integrations.sampler import BalancedBatchSampler
@@ -228,6 +228,14 @@ def test_for_trainer_reads_trainer_arguments_and_selects_the_resumed_epoch(tmp_p
     assert (sampler.micro_batch_size, sampler.seed, sampler.drop_last, sampler.num_replicas) == (3, 5, True, 1)
     resume = [c for c in handler.callbacks if type(c).__name__ == "_ResumeEpoch"]
     assert len(resume) == 1 and resume[0].sampler is sampler
-    # 40 samples // 3 = 13 micro-batches = 7 optimizer steps per epoch: global step 9 resumes inside epoch 1.
-    resume[0].on_train_begin(args, SimpleNamespace(global_step=9), None)
-    assert sampler.epoch == 1
+    # 40 samples // 3 = 13 micro-batches = 7 optimizer steps per epoch (the last one accumulates a single
+    # micro-batch): Trainer's own count, read from its set_initial_training_values on this sampler's DataLoader.
+    # Steps 12 and 13 tell it from a floored 13 // 2 = 6 (which would resume them in epoch 2).
+    loader = DataLoader(range(40), batch_sampler=sampler)
+    counter = SimpleNamespace(get_total_train_batch_size=lambda a: 6, get_sp_size=lambda: 1,
+                              num_examples=lambda d: 40)
+    per_epoch = Trainer.set_initial_training_values(counter, args, loader)[1]
+    assert len(loader) == 13 and per_epoch == 7
+    for step in (9, 12, 13, 14, 20, 21):
+        resume[0].on_train_begin(args, SimpleNamespace(global_step=step), None)
+        assert sampler.epoch == step // per_epoch, step

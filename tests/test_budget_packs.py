@@ -325,6 +325,27 @@ def test_planned_length_equals_the_real_processor_for_every_family(family):
     assert planned.images.tolist() == [len(group) for group in _GROUPS]
 
 
+def test_planned_length_of_a_rotated_jpeg_follows_its_exif_orientation(tmp_path):
+    """A phone photo: an 80x40 (w x h) JPEG whose EXIF orientation (6) turns it upright to 40x80, which is how the
+    collator decodes it (transformers' rule). Planned from the file header, as path, bytes and PIL image, its length
+    equals the materialised one; LLaVA-NeXT's count tells the orientations apart (70 tokens upright, 66 as stored)."""
+    import io
+
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buffer = io.BytesIO()
+    Image.new("RGB", (80, 40), (200, 60, 20)).save(buffer, format="JPEG", exif=exif.tobytes())
+    path = tmp_path / "phone.jpg"
+    path.write_bytes(buffer.getvalue())
+    collator = _family_collator("llava_next")
+    examples = [_images_example([(1, 1)]) for _ in range(4)]
+    for example, payload in zip(examples, (str(path), path.read_bytes(), Image.open(path), {"path": str(path)})):
+        example["messages"][0]["content"][0]["image"] = payload
+    planned = measure_lengths(examples, collator, progress=False).tokens.tolist()
+    assert planned == _materialised_lengths(collator, examples)
+    assert planned[0] != measure_lengths([_images_example([(40, 80)])], collator, progress=False).tokens[0]
+
+
 def test_idefics2_plan_needs_the_processor_text_expansion():
     """Corruption: each Idefics2 image planned as its own expansion (markers around its image tokens, tokenised in
     context) instead of the processor's text expansion misses the marker it merges between adjacent images and
@@ -337,6 +358,29 @@ def test_idefics2_plan_needs_the_processor_text_expansion():
     examples = [_images_example(group) for group in _GROUPS]
     planned = measure_lengths(examples, collator, progress=False).tokens.tolist()
     assert planned != _materialised_lengths(collator, examples)
+
+
+def test_idefics2_plan_of_a_chat_that_starts_with_bos():
+    """Idefics2's tokenizer (Mistral's) adds a BOS, and a template that writes ``{{ bos_token }}`` first makes the
+    processor tokenise without special tokens (transformers' rule): one BOS per sample. The stand-in tokenizer is
+    given such a BOS post-processor and the template a leading BOS; the plan equals the materialised lengths."""
+    from tokenizers import processors
+
+    from vlm_pack.testing.tiny_families import chatml_template, tiny_vlm, tiny_vlm_processor
+
+    processor = tiny_vlm_processor("idefics2")
+    tokenizer, bos = processor.tokenizer, "<|endoftext|>"
+    tokenizer.bos_token = bos
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.convert_tokens_to_ids(bos))])
+    assert tokenizer("Hi")["input_ids"][0] == tokenizer.bos_token_id
+    processor.chat_template = "{{ bos_token }}" + chatml_template("<image>")
+    collator = VLMPackingCollator(processor, max_length=1 << 16,
+                                  model_config=tiny_vlm("idefics2", processor, layers=1).config)
+    examples = [_images_example(group) for group in _GROUPS[7:10]]
+    materialised = [collator([example])["input_ids"][0] for example in examples]
+    assert all(int((ids == tokenizer.bos_token_id).sum()) == 1 for ids in materialised)
+    assert measure_lengths(examples, collator, progress=False).tokens.tolist() == [len(ids) for ids in materialised]
 
 
 def test_fixed_width_overflow_names_the_dataset_sample(collator, mix):

@@ -171,7 +171,7 @@ def main_verify(folder) -> int:
     return main(["verify", str(folder)])
 
 
-@pytest.mark.parametrize("damage", ["zeroed", "flipped"])
+@pytest.mark.parametrize("damage", ["zeroed", "flipped", "swapped"])
 def test_a_corrupted_pack_assignment_cache_is_named_and_repacked(tmp_path, damage):
     from vlm_pack.offline.cache import TokenCache
     from vlm_pack.offline.encoding import TokenizedSplit
@@ -186,8 +186,11 @@ def test_a_corrupted_pack_assignment_cache_is_named_and_repacked(tmp_path, damag
     bins = np.load(cached)
     if damage == "zeroed":
         bins[:] = 0  # every sample in pack 0: a pack of 27 tokens for size 10
+    elif damage == "flipped":
+        bins[[0, 1]] = bins[[1, 0]]  # samples of 5 and 3 tokens trade packs: one overfills
     else:
-        bins[[0, 1]] = bins[[1, 0]]  # still a valid-looking assignment: only the checksum tells
+        bins[[1, 3]] = bins[[3, 1]]  # samples of 3 and 2 tokens trade packs: a valid packing, only the checksum tells
+        assert bins[1] != bins[3] and np.bincount(bins, weights=lengths).max() <= 10
     np.save(cached, bins)
     lines = []
     again, _ = prepare.pack_split(samples, 10, cache=store, log=lines.append)

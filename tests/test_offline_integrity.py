@@ -397,3 +397,59 @@ def test_malformed_metadata_is_one_line_naming_the_file(written, capsys, text, m
         open_packed(index)
     assert main(["verify", str(out_dir)]) == 1
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_verify_compares_the_pack_index_checksum(tmp_path, tokenizer, data):
+    """One sample moved to the next pack by editing the pack index alone, where every other check still holds
+    (each pack fits, every recomputed statistic is unchanged): the index file's sha256 is all that tells."""
+    train, _ = data
+    size = 1500  # first_fit_shuffle leaves room there to move a sample
+    _run(tokenizer, train, tmp_path, sizes=[size], algorithm="first_fit_shuffle")
+    out_dir = tmp_path / "packed" / "t"
+    index = split_path(out_dir, "training", size)
+    table, offsets = np.load(index), np.asarray(open_packed(index).seq_offsets)
+    ends = table["sample_end"].copy()
+
+    def loads_counts(ends):
+        bounds = np.concatenate(([0], ends))
+        return np.diff(offsets[bounds]), np.diff(bounds)
+
+    loads, counts = loads_counts(ends)
+    for k, step in ((k, step) for k in range(len(ends) - 1) for step in (-1, 1)):
+        moved = ends.copy()
+        moved[k] += step
+        new_loads, new_counts = loads_counts(moved)
+        if (new_counts.min() > 0 and new_loads.max() <= size and new_loads.min() == loads.min()
+                and new_counts.max() == counts.max()):
+            break
+    else:
+        pytest.fail("no sample can move between these packs without changing a statistic")
+    table["sample_end"][k] = table["sample_start"][k + 1] = moved[k]
+    table["token_end"][k] = table["token_start"][k + 1] = offsets[moved[k]]
+    np.save(index, table)
+    assert PackedSFTDataset(index, size)[k]["input_ids"].shape[0] == new_loads[k]  # read as valid, the sample moved
+    problems = [p for r in verify_packed(out_dir) for p in r.problems]
+    assert problems == [f"{index}: sha256 differs from the metadata; re-run `vlm-pack prepare`"]
+
+
+def test_reading_a_pack_checks_its_aligned_load(written):
+    """Metadata edited to say the packs were aligned to 16 when written (they were not): the O(1) open trusts it,
+    so each pack's load with its samples aligned to 16 is checked as the pack is read: a pack whose aligned
+    samples overflow 1024 (though its tokens fit) is refused, one that fits is read."""
+    out_dir, index = written
+    meta = metadata_path(out_dir, 1024)
+    entries = read_metadata(meta)
+    for entry in entries:
+        entry["pad_seq_to_mult"] = 16
+    storage.write_metadata(meta, entries)
+    ds = PackedSFTDataset(index, 1024, pad_seq_to_mult=16)  # opened: the metadata vouches for the fit
+    table, lengths = np.load(index), np.diff(np.asarray(open_packed(index).seq_offsets))
+    aligned = -(-lengths // 16) * 16
+    loads = [(int(lengths[s:e].sum()), int(aligned[s:e].sum()))
+             for s, e in zip(table["sample_start"], table["sample_end"])]
+    fits = next(k for k, (_, load) in enumerate(loads) if load <= 1024)
+    over = next(k for k, (real, load) in enumerate(loads) if real <= 1024 < load)
+    assert len(ds[fits]["input_ids"]) == loads[fits][0]
+    with pytest.raises(ValueError, match=rf"pack {over} holds more than pack_size=1024 tokens after aligning samples "
+                                         "to multiples of 16"):
+        ds[over]

@@ -92,3 +92,26 @@ def test_refusals(tmp):
                             processing_class=word_tokenizer())
     with pytest.raises(ValueError, match="rejected_ids"):
         RewardCollator(0)([{"chosen_ids": [1, 2], "rejected_ids": []}])
+
+
+def test_pad_equal_to_eos_scores_the_last_non_pad_token():
+    """TRL 1.16's RewardTrainer pads with eos when the tokenizer has no pad token and appends eos to plain-text
+    pairs, so pad == eos is common: the stock model's pooling then scores each sequence at its last non-eos token.
+    Packed scores equal each sequence run alone through the stock model (scoring a trailing eos would not)."""
+    from vlm_pack import enable_packing
+
+    eos = word_tokenizer().convert_tokens_to_ids("<|im_end|>")
+    sequences = [[1, 3, 5, 6, eos], [1, 4, 7, eos, 9, 10, eos], [1, 8, 12, 13, 14, 15]]
+    reference, packed = reward_model("llama"), enable_packing(reward_model("llama"))
+    for model in (reference, packed):
+        model.config.pad_token_id = eos
+    examples = [{"chosen_ids": sequences[0], "rejected_ids": sequences[1]},
+                {"chosen_ids": sequences[2], "rejected_ids": sequences[0][:-1]}]
+    with torch.no_grad():
+        ours = sequence_scores(packed, RewardCollator(eos)(examples)).reshape(-1)
+        alone = torch.cat([reference(input_ids=torch.tensor([ids])).logits.reshape(-1)
+                           for e in examples for ids in (e["chosen_ids"], e["rejected_ids"])])
+        at_row_end = torch.cat([reference.score(reference.model(input_ids=torch.tensor([ids])).last_hidden_state)[0, -1]
+                                for ids in sequences[:2]])
+    assert float((ours - alone).abs().max()) <= TOLERANCE * max(1.0, float(alone.abs().max()))
+    assert float((at_row_end - alone[:2]).abs().min()) > 1e-3  # the data tells the two pooling slots apart

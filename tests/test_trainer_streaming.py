@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from datasets import load_dataset
 from test_trainer import reference_grads, relative_error, sft_config, trainer_grads, training_args
 from vlm_pack import PackedSFTTrainer, VLMPackingCollator, enable_packing, to_hf_dataset
 from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
+from vlm_pack.core.batch import model_inputs
 from vlm_pack.integrations.hf_model import DISPATCH_FIX
 from vlm_pack.testing.tiny_models import tiny_model
 from tolerance import GRAD_REL_L2
@@ -73,3 +75,27 @@ def test_trl_on_a_streamed_jsonl_with_workers_equals_unpacked(processor, tmp_pat
     error = relative_error(grads, reference_grads("qwen2_vl", processor, examples))
     print(f"streaming TRL: relative L2 {error:.2e}")
     assert error < GRAD_REL_L2
+
+
+def test_trl_evaluates_a_streamed_eval_set_with_a_map_style_train_set(processor, tmp_path):
+    """TRL switches dispatch_batches off only for a streamed TRAINING set (before it builds the accelerator); with a
+    map-style one and a streamed evaluation set, PackedSFTTrainer must switch it off on the built accelerator.
+    eval_loss (all 4 samples in one micro-batch) equals the token mean of each sample alone through a stock model."""
+    examples = text_chat_examples(4, seed=6)
+    model, collator = packed_qwen2_vl(processor)
+    args = sft_config(tmp_path, per_device_eval_batch_size=4, remove_unused_columns=False,
+                      dataset_kwargs={"skip_prepare_dataset": True})
+    trainer = PackedSFTTrainer(model=model, args=args, train_dataset=to_hf_dataset(examples),
+                               eval_dataset=to_hf_dataset(examples).to_iterable_dataset(), data_collator=collator,
+                               processing_class=processor)
+    loss = trainer.evaluate()["eval_loss"]
+    stock = tiny_model("qwen2_vl", layers=1)
+    alone = VLMPackingCollator(processor, max_length=512, model_config=stock.config, pack_sequences_in_batch=False)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for example in examples:
+            batch = alone([example])
+            targets = int((batch["labels"][0, 1:] != -100).sum())
+            inputs = {k: v for k, v in model_inputs(batch, keep_labels=True).items() if k != "attention_mask"}
+            total, count = total + float(stock(**inputs, use_cache=False).loss) * targets, count + targets
+    assert abs(loss - total / count) < 1e-4 * total / count  # a stated bound (tests/test_trainer_eval.py's)
