@@ -61,16 +61,21 @@ def fresh_check() -> LogCount:
     return counter
 
 
+OWNERS: dict[str, int] = {}  # reference key -> the rank that builds it (kept across compare calls, as is ...)
+REFERENCES: dict[str, dict] = {}  # ... each rank's cache of the references it built
+
+
 def compare(results: dict, pending: dict) -> None:
     """The deferred comparisons: each distinct reference is built by one rank (alternating, so the two heavy
     VLM references run in parallel), which scores every case that uses it; the errors are then shared."""
-    owners = {key: i % WORLD for i, key in enumerate(dict.fromkeys(key for key, _, _ in pending.values()))}
-    references, errors = {}, {}
+    for key in dict.fromkeys(key for key, _, _ in pending.values()):
+        OWNERS.setdefault(key, len(OWNERS) % WORLD)
+    errors = {}
     for name, (key, grads, build) in pending.items():
-        if owners[key] == dist.get_rank():
-            if key not in references:
-                references[key] = build()
-            errors[name] = ref.relative_error(grads, references[key])
+        if OWNERS[key] == dist.get_rank():
+            if key not in REFERENCES:
+                REFERENCES[key] = build()
+            errors[name] = ref.relative_error(grads, REFERENCES[key])
     gathered = [None] * WORLD
     dist.all_gather_object(gathered, errors)
     for part in gathered:
@@ -116,13 +121,13 @@ def packed_dataset_case(out: str) -> dict:
     return {"engine": engine(trainer), COMPARE: ("text", grads, lambda: ref.text_reference(samples))}
 
 
-def sft_packs(directory: str) -> tuple[PackedSFTDataset, list, list]:
+def sft_packs(directory: str, per_pack=(3, 3, 3, 3)) -> tuple[PackedSFTDataset, list, list]:
     """Four packs of three samples on disk (what `vlm-pack prepare` writes), prompt tokens masked."""
     samples = ref.random_samples()
     rng = np.random.default_rng(8)
     masks = [(np.arange(len(s)) >= rng.integers(1, len(s))).astype(np.uint8) for s in samples]
     offsets = np.concatenate(([0], np.cumsum([len(s) for s in samples])))
-    arrays = PackedArrays(index=build_index(np.array([3, 3, 3, 3]), offsets), tokens=np.concatenate(samples),
+    arrays = PackedArrays(index=build_index(np.array(per_pack), offsets), tokens=np.concatenate(samples),
                           loss_mask=np.concatenate(masks), seq_offsets=offsets, source_index=np.arange(len(samples)))
     own = Path(directory) / f"rank{dist.get_rank()}"  # both ranks write: one directory each, no race
     path = write_packed(own / f"training_{ref.PACK}.npy", arrays)
@@ -214,6 +219,120 @@ def zero_case(out: str, stage: int) -> dict:
     return result
 
 
+# ---- DeepSpeed Ulysses sequence parallelism (SP = 2) through Trainer -------------------------------------------
+
+def fresh_sequence_parallel() -> None:
+    """Between SP cases (a test-harness reset): DeepSpeed builds its SP groups once per process and asserts they are
+    new, and transformers builds new models partitioned while an earlier ZeRO-3 Trainer's config is alive."""
+    import gc
+
+    import deepspeed.ops
+    from deepspeed.utils import groups
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see zero_case
+    gc.collect()
+    unset_hf_deepspeed_config()
+    groups._release_process_group_references()
+
+
+def per_rank_mean_trainer():
+    """Corruption: each rank's own token mean of each micro-batch (a per-rank loss), averaged by the engine."""
+    from vlm_pack.sequence_parallel import UlyssesTrainer
+
+    class PerRankMeanTrainer(UlyssesTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            local = (inputs["shift_labels"] != -100).sum().clamp(min=1)
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return loss * num_items_in_batch / (local * dist.get_world_size() * self.args.gradient_accumulation_steps)
+
+    return PerRankMeanTrainer
+
+
+def sp_train(out: str, model, dataset, collate, width: int, corrupt: str | None = None) -> dict:
+    """One SGD step (lr 1) of UlyssesTrainer under SP = 2 + ZeRO-3 (DP = 1): 2 rows, accumulation 2 (each rank
+    loads one row; the adapter runs both rows on both ranks). Returns the weight update (ZeRO hides .grad)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from vlm_pack.sequence_parallel import UlyssesTrainer, ulysses_setup, zero3_config
+
+    setup = ulysses_setup(model, collate, 2, pad_to_length=width)
+    trainer_cls = per_rank_mean_trainer() if corrupt == "rank_mean" else UlyssesTrainer
+    if corrupt == "vision_sliced":  # the vision tower's attention under the Ulysses wrapper too
+        model.set_attn_implementation(setup.parallelism_config.sp_handler.sp_attn_implementation)
+    collator = setup.data_collator
+    if corrupt == "positions":  # no boundaries and positions running on through the row
+        collator = Unrestarted(collator)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = ref.training_args(out, per_device_train_batch_size=1, deepspeed=zero3_config(), learning_rate=1.0,
+                             parallelism_config=setup.parallelism_config)
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset, data_collator=collator)
+    try:
+        trainer.train()
+    except Exception as error:  # noqa: BLE001  (the corruption that must fail loudly)
+        if corrupt != "vision_sliced":
+            raise
+        return {"failed": f"{type(error).__name__}: {str(error)[:200]}"}
+    wrapped = trainer.model_wrapped
+    after = {n: safe_get_full_fp32_param(p) for n, p in wrapped.module.named_parameters()}
+    return {"engine": type(wrapped).__name__, "stage": wrapped.zero_optimization_stage(),
+            "sp": trainer.accelerator.parallelism_config.sp_size, "update": {n: before[n] - after[n] for n in before}}
+
+
+class Unrestarted:
+    """Corruption: the row's boundaries dropped and its positions counting on (0..T-1)."""
+
+    def __init__(self, collator) -> None:
+        self.collator = collator
+
+    def __call__(self, items):
+        from vlm_pack.sequence_parallel.batch import SP_KEY
+
+        batch = self.collator(items)
+        row = batch[SP_KEY]
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+            row.pop(key)
+        width = batch["input_ids"].shape[-1]
+        row["position_ids"] = batch["position_ids"] = torch.arange(width)[None]
+        return batch
+
+
+def sp_text_case(out: str, corrupt: str | None = None) -> dict:
+    """Llama on two offline packs of six samples (prompt tokens masked): reference key 'text_masked'."""
+    fresh_sequence_parallel()
+    packs, samples, masks = sft_packs(out, per_pack=(6, 6))
+    model = tiny_model("llama", layers=1, vocab_size=ref.VOCAB)
+    result = sp_train(out, model, packs, packs.collate_fn, width=ref.PACK, corrupt=corrupt)
+    update = result.pop("update", None)
+    if update is None:
+        return result
+    return {**result, COMPARE: ("text_masked", update, lambda: ref.text_reference(samples, masks))}
+
+
+def sp_vlm_case(out: str, family: str = "qwen2_vl", video: bool = False, corrupt: str | None = None) -> dict:
+    """Qwen2-VL: the eight image / text examples of ddp_vlm, four per row (reference key 'vlm'); Qwen2.5-VL: the
+    video / image / text examples of tests/test_video.py, two per row (key 'video')."""
+    from vlm_pack.sequence_parallel import grouped_rows
+
+    fresh_sequence_parallel()
+    if video:
+        import test_video
+
+        proc, examples, per_row, key = test_video.processor_for(family), test_video.examples(), 2, "video"
+    else:
+        proc, examples = ref.family_setup(family, offline_qwen2vl_processor(), qwen_tokenizer())
+        per_row, key = 4, "vlm"
+    model = tiny_model(family, layers=1)
+    collator = VLMPackingCollator(proc, max_length=1024, model_config=model.config)
+    rows = grouped_rows(examples, per_row)
+    width = max(collator(rows[i])["input_ids"].shape[-1] for i in range(len(rows)))
+    result = sp_train(out, model, rows, collator, width=width + width % 2, corrupt=corrupt)
+    update = result.pop("update", None)
+    if update is None:
+        return result
+    return {**result, COMPARE: (key, update, lambda: ref.reference_grads(family, proc, examples))}
+
+
 # ---- BalancedBatchSampler in Trainer ---------------------------------------------------------------------------
 
 class Recording:
@@ -273,6 +392,12 @@ CASES = {
     "sampler": sampler_case,
     "zero2": lambda out: zero_case(out, 2),
     "zero3": lambda out: zero_case(out, 3),
+    "sp_text": sp_text_case,
+    "sp_vlm": sp_vlm_case,
+    "sp_video": lambda out: sp_vlm_case(out, "qwen2_5_vl", video=True),
+    "sp_positions_not_restarted": lambda out: sp_text_case(out, corrupt="positions"),
+    "sp_loss_per_rank_mean": lambda out: sp_text_case(out, corrupt="rank_mean"),
+    "sp_vision_tower_sliced": lambda out: sp_vlm_case(out, corrupt="vision_sliced"),
 }
 
 
@@ -294,6 +419,8 @@ def main() -> None:
             pending[name] = results[name].pop(COMPARE)
         results[name]["seconds"] = round(time.perf_counter() - start, 1)
     start = time.perf_counter()
+    if any(name.startswith("sp_") for name in names):
+        fresh_sequence_parallel()  # references unpartitioned, after the last ZeRO-3 Trainer
     compare(results, pending)
     if dist.get_rank() == 0:
         print(f"vlm_pack worker: references {time.perf_counter() - start:.1f} s", flush=True)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..integrations.hf_model import ATTN_IMPLEMENTATION, enable_packing, register_attention
 from ..models import get_family
@@ -134,7 +135,11 @@ def prepare_model(model, sp_size: int, *, shard_of: Callable[[], SequenceShard] 
         )
     _check_heads(model.config, sp_size)
     enable_packing(model)
-    register_attention(SP_ATTN_IMPLEMENTATION)  # (re)registered: a previous Trainer's Ulysses wrapper is dropped
+    register_attention(SP_ATTN_IMPLEMENTATION)
+    try:  # DeepSpeed installs its wrapper as a local override of the name: drop an earlier Trainer's (no double wrap)
+        del ALL_ATTENTION_FUNCTIONS[SP_ATTN_IMPLEMENTATION]
+    except KeyError:
+        pass
     vision = "vision_config" in getattr(model.config, "sub_configs", {})
     model.set_attn_implementation(
         {"": SP_ATTN_IMPLEMENTATION, "text_config": SP_ATTN_IMPLEMENTATION, "vision_config": ATTN_IMPLEMENTATION}
