@@ -69,6 +69,8 @@ def worker(length: int, sp: int, steps: int, output: str) -> None:
         import torch.distributed as dist
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
+        # DeepSpeed's CPU shared-memory all-reduce serves inference only; building it is a minutes-long C++ JIT
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         dist.init_process_group("gloo")
         deepspeed.init_distributed(dist_backend="gloo")
         rank = dist.get_rank()

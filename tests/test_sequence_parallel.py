@@ -91,6 +91,8 @@ def test_slice_hook_gives_the_language_model_its_part_of_the_row():
     assert seen["input_ids"].tolist() == batch[SP_KEY]["input_ids"][:, 6:].tolist()
     assert seen["position_ids"].tolist() == [[1, 2, 0, 1, 2, 3]]
     assert seen["cu_seq_lens_q"].tolist() == [0, 5, 8, 12]
+    with pytest.raises(ValueError, match="UlyssesTrainer"):  # stock Trainer's per-row mean loss
+        model(input_ids=batch["input_ids"][:, :6], labels=batch["labels"][:, :6], **{SP_KEY: batch[SP_KEY]})
 
 
 def test_vision_tower_keeps_its_own_attention_name():

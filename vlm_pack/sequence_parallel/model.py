@@ -82,6 +82,11 @@ def _whole_row_hook(shard_of: Callable[[], SequenceShard]):
         row = kwargs.get(SP_KEY)
         if row is None:
             return None
+        if kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None:
+            raise ValueError(
+                "a sequence-parallel row reached the model with labels: Trainer's own Ulysses loss is a mean of "
+                "per-row means (it ignores num_items_in_batch). Train with vlm_pack.sequence_parallel.UlyssesTrainer"
+            )
         rest = {k: v for k, v in kwargs.items() if k not in (SP_KEY, "input_ids", "position_ids")}
         return args, {**rest, **row, SHARD_KWARG: shard_of()}
 
