@@ -249,7 +249,7 @@ def per_rank_mean_trainer():
     return PerRankMeanTrainer
 
 
-def sp_train(out: str, model, dataset, collate, width: int, corrupt: str | None = None) -> dict:
+def sp_train(out: str, model, dataset, collate, width: int, corrupt: str | None = None, accumulation: int = 2) -> dict:
     """One SGD step (lr 1) of UlyssesTrainer under SP = 2 + ZeRO-3 (DP = 1): 2 rows, accumulation 2 (each rank
     loads one row; the adapter runs both rows on both ranks). Returns the weight update (ZeRO hides .grad)."""
     from deepspeed.utils import safe_get_full_fp32_param
@@ -265,7 +265,7 @@ def sp_train(out: str, model, dataset, collate, width: int, corrupt: str | None 
         collator = Unrestarted(collator)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = ref.training_args(out, per_device_train_batch_size=1, deepspeed=zero3_config(), learning_rate=1.0,
-                             parallelism_config=setup.parallelism_config)
+                             parallelism_config=setup.parallelism_config, gradient_accumulation_steps=accumulation)
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset, data_collator=collator)
     try:
         trainer.train()
@@ -333,6 +333,25 @@ def sp_vlm_case(out: str, family: str = "qwen2_vl", video: bool = False, corrupt
     return {**result, COMPARE: (key, update, lambda: ref.reference_grads(family, proc, examples))}
 
 
+def sp_token_budget_case(out: str) -> dict:
+    """Qwen2-VL on ddp_token_budget's four token-budget packs (reference key 'token_budget'): each rank loads two,
+    so accumulation 4 puts all four in the step."""
+    from vlm_pack.budget import TokenBudgetPackDataset, measure_lengths, plan_token_budget_packs
+    from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
+
+    fresh_sequence_parallel()
+    processor = offline_qwen2vl_processor()
+    examples = photo_examples(4, seed=3, max_side=84) + easy_vqa_examples(4, seed=3) + text_chat_examples(4, seed=3)
+    model = tiny_model("qwen2_vl", layers=1)
+    collator = VLMPackingCollator(processor, max_length=256, model_config=model.config)
+    plan = plan_token_budget_packs(measure_lengths(examples, collator, progress=False), 192, data_parallel_size=WORLD)
+    assert plan.num_packs == 4, plan.num_packs
+    packs = TokenBudgetPackDataset(examples, plan, collator)
+    result = sp_train(out, model, packs, packs.collate_fn, width=192, accumulation=4)
+    update = result.pop("update")
+    return {**result, COMPARE: ("token_budget", update, lambda: ref.reference_grads("qwen2_vl", processor, examples))}
+
+
 # ---- BalancedBatchSampler in Trainer ---------------------------------------------------------------------------
 
 class Recording:
@@ -395,6 +414,7 @@ CASES = {
     "sp_text": sp_text_case,
     "sp_vlm": sp_vlm_case,
     "sp_video": lambda out: sp_vlm_case(out, "qwen2_5_vl", video=True),
+    "sp_token_budget": sp_token_budget_case,
     "sp_positions_not_restarted": lambda out: sp_text_case(out, corrupt="positions"),
     "sp_loss_per_rank_mean": lambda out: sp_text_case(out, corrupt="rank_mean"),
     "sp_vision_tower_sliced": lambda out: sp_vlm_case(out, corrupt="vision_sliced"),
