@@ -135,6 +135,7 @@ def test_setup_refusals(prepared):
         "deepspeedai/DeepSpeed#5248": arguments(deepspeed={"zero_optimization": {"stage": 2}}),
         "runs inside DeepSpeed": arguments(deepspeed=None),
         "ONE packed row": arguments(per_device_train_batch_size=4),
+        "evaluation": arguments(eval_strategy="steps"),
     }
     for message, args in cases.items():
         with pytest.raises(ValueError, match=message):

@@ -13,7 +13,7 @@ Refused at construction, with the reason: no Ulysses ``parallelism_config``; tor
 parallelism (``cp_size > 1``: ring SDPA takes no mask and accelerate forces ``is_causal``, so packed samples would
 attend to each other); an attention that ignores packed boundaries (``sdpa``); ZeRO stages other than 3
 (deepspeedai/DeepSpeed#5248: under sequence parallelism ZeRO-1/2 scale gradients differently from ZeRO-3);
-a micro-batch other than one packed row; a model that :func:`.model.prepare_model` did not prepare.
+evaluation during training; a micro-batch other than one packed row; a model that :func:`.model.prepare_model` did not prepare.
 """
 
 from __future__ import annotations
@@ -81,6 +81,12 @@ def check_ulysses_arguments(args: Any, model: Any) -> None:
             f"ZeRO stage {stage} under sequence parallelism is refused: ZeRO-0/1/2 reduce gradients with another "
             "scale than ZeRO-3 under Ulysses (deepspeedai/DeepSpeed#5248), so the loss would be off by the SP size; "
             "use stage 3 (vlm_pack.sequence_parallel.zero3_config())"
+        )
+    evaluation = getattr(args, "eval_strategy", "no")
+    if getattr(evaluation, "value", evaluation) != "no":
+        raise ValueError(
+            "evaluation under sequence parallelism is not supported (eval batches do not pass through DeepSpeed's "
+            "Ulysses adapter): set eval_strategy='no' and evaluate the saved model without SP"
         )
     if args.per_device_train_batch_size != 1:
         raise ValueError(
