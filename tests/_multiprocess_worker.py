@@ -310,19 +310,29 @@ def sp_text_case(out: str, corrupt: str | None = None) -> dict:
 
 
 def sp_vlm_case(out: str, family: str = "qwen2_vl", video: bool = False, corrupt: str | None = None) -> dict:
-    """Qwen2-VL: the eight image / text examples of ddp_vlm, four per row (reference key 'vlm'); Qwen2.5-VL: the
-    video / image / text examples of tests/test_video.py, two per row (key 'video')."""
+    """Rows of several examples (grouped_rows): Qwen2-VL / Qwen3-VL on the eight image / text examples of ddp_vlm,
+    four per row (reference key 'vlm' / the family); Qwen2.5-VL on the video / image / text examples of
+    tests/test_video.py, two per row (key 'video'); GLM-4V on two photos + two text chats, two per row."""
     from vlm_pack.sequence_parallel import grouped_rows
 
     fresh_sequence_parallel()
+    build = lambda: tiny_model(family, layers=1)  # noqa: E731
     if video:
         import test_video
 
         proc, examples, per_row, key = test_video.processor_for(family), test_video.examples(), 2, "video"
+    elif family == "glm4v":
+        from vlm_pack.testing.data import photo_examples, text_chat_examples
+        from vlm_pack.testing.tiny_families import tiny_vlm, tiny_vlm_processor
+
+        proc = tiny_vlm_processor(family)
+        examples = photo_examples(2, seed=5, max_side=56) + text_chat_examples(2, seed=5)
+        per_row, key = 2, family
+        build = lambda: tiny_vlm(family, proc, layers=1).train()  # noqa: E731
     else:
         proc, examples = ref.family_setup(family, offline_qwen2vl_processor(), qwen_tokenizer())
-        per_row, key = 4, "vlm"
-    model = tiny_model(family, layers=1)
+        per_row, key = 4, "vlm" if family == "qwen2_vl" else family
+    model = build()
     collator = VLMPackingCollator(proc, max_length=1024, model_config=model.config)
     rows = grouped_rows(examples, per_row)
     width = max(collator(rows[i])["input_ids"].shape[-1] for i in range(len(rows)))
@@ -330,7 +340,7 @@ def sp_vlm_case(out: str, family: str = "qwen2_vl", video: bool = False, corrupt
     update = result.pop("update", None)
     if update is None:
         return result
-    return {**result, COMPARE: (key, update, lambda: ref.reference_grads(family, proc, examples))}
+    return {**result, COMPARE: (key, update, lambda: ref.reference_grads(family, proc, examples, stock=build()))}
 
 
 def sp_token_budget_case(out: str) -> dict:
@@ -412,9 +422,10 @@ CASES = {
     "zero2": lambda out: zero_case(out, 2),
     "zero3": lambda out: zero_case(out, 3),
     "sp_text": sp_text_case,
-    "sp_vlm": sp_vlm_case,
     "sp_video": lambda out: sp_vlm_case(out, "qwen2_5_vl", video=True),
     "sp_token_budget": sp_token_budget_case,
+    "sp_qwen3_vl": lambda out: sp_vlm_case(out, "qwen3_vl"),
+    "sp_glm4v": lambda out: sp_vlm_case(out, "glm4v"),
     "sp_positions_not_restarted": lambda out: sp_text_case(out, corrupt="positions"),
     "sp_loss_per_rank_mean": lambda out: sp_text_case(out, corrupt="rank_mean"),
     "sp_vision_tower_sliced": lambda out: sp_vlm_case(out, corrupt="vision_sliced"),

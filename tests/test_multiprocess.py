@@ -23,7 +23,7 @@ from tolerance import GRAD_REL_L2
 
 DDP_CASES = ("ddp_vlm", "ddp_packed_dataset", "ddp_packed_sft", "ddp_token_budget")
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-SP_CASES = ("sp_text", "sp_vlm", "sp_video", "sp_token_budget")
+SP_CASES = ("sp_text", "sp_token_budget", "sp_video", "sp_qwen3_vl", "sp_glm4v")
 SP_CORRUPTIONS = ("sp_positions_not_restarted", "sp_loss_per_rank_mean", "sp_vision_tower_sliced")
 # ZeRO cases last: once ZeRO-3 is configured, transformers builds every later model partitioned; sequence
 # parallelism (ZeRO-3, DeepSpeed's SP groups) after them.
@@ -107,8 +107,9 @@ def test_balanced_sampler_in_trainer_covers_every_sample_once_and_resumes(result
 @pytest.mark.parametrize("case", SP_CASES)
 def test_ulysses_sequence_parallel_equals_each_sample_alone(results, case):
     """SP = 2 (DeepSpeed Ulysses through UlyssesTrainer + ParallelismConfig, ZeRO-3): Llama on offline packs
-    (prompts masked), Qwen2-VL on rows of images + text, Qwen2.5-VL on rows with videos: two rows of different
-    label counts in one step (accumulation 2); Qwen2-VL on four token-budget packs (accumulation 4). The weight update is that of the global token mean of all samples,
+    (prompts masked); Qwen2-VL with images on four token-budget packs (accumulation 4); rows of several examples
+    (grouped_rows, accumulation 2, two rows of different label counts): Qwen2.5-VL with videos, Qwen3-VL with
+    images (deepstack sliced with the row), GLM-4V with images. The weight update is that of the global token mean of all samples,
     each run alone through the stock sdpa model."""
     got = results[case]
     assert (got["engine"], got["stage"], got["sp"]) == ("DeepSpeedEngine", 3, 2), got

@@ -42,7 +42,7 @@ SP_ATTN_IMPLEMENTATION = "vlm_pack_varlen_sp"
 SHARD_KWARG = "vlm_pack_sp_shard"
 """Forward kwarg (top model -> language model) carrying this rank's :class:`SequenceShard`."""
 
-PROVEN_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral", "qwen2_vl", "qwen2_5_vl"})
+PROVEN_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"})
 """Families shown exact under SP = 2 against each sample alone (tests/test_multiprocess.py)."""
 
 _REFUSED = {
@@ -106,6 +106,14 @@ def _slice_hook(module, args, kwargs):
     if kwargs.get("position_ids") is None:
         raise ValueError("sequence parallelism needs the row's position_ids (the packing collators provide them)")
     kwargs["position_ids"] = shard.slice(kwargs["position_ids"], -1)
+    masks = kwargs.get("visual_pos_masks")
+    if masks is not None:  # Qwen3-VL's deepstack: vision features added inside the decoder at the vision slots
+        inside = shard.slice(masks, -1)
+        start = masks.shape[-1] // shard.size * shard.rank
+        first, count = torch.stack([masks[..., :start].sum(), inside.sum()]).tolist()  # one host sync per forward
+        kwargs["visual_pos_masks"] = inside
+        if kwargs.get("deepstack_visual_embeds") is not None:
+            kwargs["deepstack_visual_embeds"] = [e[first:first + count] for e in kwargs["deepstack_visual_embeds"]]
     return args, kwargs
 
 
