@@ -108,8 +108,8 @@ def test_prepare_model_refusals():
         prepare_model(tiny_model("qwen3_5", layers=2), 2)
     with pytest.raises(ValueError, match="image blocks"):
         prepare_model(tiny_model("gemma3", layers=1), 2)
-    with pytest.raises(ValueError, match="deepstack"):
-        prepare_model(tiny_model("qwen3_vl", layers=1), 2)
+    with pytest.raises(ValueError, match="image blocks"):
+        prepare_model(tiny_model("gemma4", layers=1), 2)
 
 
 def arguments(**overrides) -> SimpleNamespace:

@@ -18,7 +18,9 @@ Gradients need no extra communication: each rank's slice sends its part back thr
 replicated vision tower, and the engine's gradient reduction over the ranks sums the parts.
 
 Families are allowed by name once proven in tests/test_multiprocess.py (:data:`PROVEN_FAMILIES`); the others are
-refused with the reason (deepstack / image blocks / linear attention need more than a slice).
+refused with the reason (image blocks and linear attention need more than a slice). Qwen3-VL's deepstack features
+(added inside the decoder at the row's vision slots) are sliced with the row: this rank's ``visual_pos_masks`` and
+the matching rows of ``deepstack_visual_embeds`` (one host sync per forward, not per layer).
 """
 
 from __future__ import annotations
@@ -46,8 +48,6 @@ PROVEN_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral", "qwen2_vl", "
 """Families shown exact under SP = 2 against each sample alone (tests/test_multiprocess.py)."""
 
 _REFUSED = {
-    "qwen3_vl": "its deepstack adds vision features inside the decoder at whole-row positions (visual_pos_masks)",
-    "qwen3_vl_moe": "its deepstack adds vision features inside the decoder at whole-row positions",
     "gemma3": "its bidirectional image blocks are not proven across the Ulysses all-to-all",
     "gemma4": "its bidirectional image blocks are not proven across the Ulysses all-to-all",
 }
