@@ -36,7 +36,7 @@ from vlm_pack.offline.dataset import PackedDataset, PackedSFTDataset  # noqa: E4
 from vlm_pack.offline.storage import PackedArrays, build_index, write_packed  # noqa: E402
 from vlm_pack.testing.tiny_models import offline_qwen2vl_processor, qwen_tokenizer, tiny_model  # noqa: E402
 
-WORLD = 2
+WORLD = int(os.environ.get("WORLD_SIZE", 2))  # 2 in the suite; 4 = SP 2 x DP 2 for sp_text, run by hand
 COMPARE = "compare"  # a case's (reference key, its step-1 gradients, reference builder): scored later
 
 
@@ -300,7 +300,7 @@ class Unrestarted:
 def sp_text_case(out: str, corrupt: str | None = None) -> dict:
     """Llama on two offline packs of six samples (prompt tokens masked): reference key 'text_masked'."""
     fresh_sequence_parallel()
-    packs, samples, masks = sft_packs(out, per_pack=(6, 6))
+    packs, samples, masks = sft_packs(out, per_pack=(6, 6) if WORLD == 2 else (12 // WORLD,) * WORLD)
     model = tiny_model("llama", layers=1, vocab_size=ref.VOCAB)
     result = sp_train(out, model, packs, packs.collate_fn, width=ref.PACK, corrupt=corrupt)
     update = result.pop("update", None)
