@@ -6,6 +6,8 @@ reduction) or one SGD weight update (ZeRO hides ``.grad``) with every sample of 
 through the stock sdpa model, loss = token mean over both ranks and the whole accumulation window
 (tests/test_trainer.py's references): relative L2 < 1e-4 in fp32. Each case also reports the engine that really
 ran, so a silent fallback (e.g. ``TrainingArguments(fsdp=...)`` runs DDP on CPU) cannot pass for another.
+The sequence-parallel cases (DeepSpeed Ulysses, SP = 2, ZeRO-3, vlm_pack.sequence_parallel) run last and add
+about 35 s to the launch.
 """
 
 from __future__ import annotations
