@@ -102,7 +102,8 @@ def worker(length: int, sp: int, steps: int, output: str) -> None:
         model.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    Path(f"{output}.{rank}").write_text(json.dumps({"peak_mb": peak - before, "step_s": sorted(times)[len(times) // 2]}))
+    result = {"peak_mb": peak - before, "step_s": sorted(times)[len(times) // 2]}
+    Path(f"{output}.{rank}").write_text(json.dumps(result))
 
 
 def launch(length: int, sp: int, steps: int) -> dict:
@@ -152,7 +153,8 @@ def main() -> None:
         "|---|---|---|---|---|---|",
     ]
     for length, one, two in rows:
-        lines.append(f"| {length} | {one['peak_mb']:.0f} | {two['peak_mb']:.0f} | {two['peak_mb'] / one['peak_mb']:.2f}x "
+        ratio = two["peak_mb"] / one["peak_mb"]
+        lines.append(f"| {length} | {one['peak_mb']:.0f} | {two['peak_mb']:.0f} | {ratio:.2f}x "
                      f"| {one['step_s']:.2f} | {two['step_s']:.2f} |")
     length, one, two = rows[-1]
     ratio = two["peak_mb"] / one["peak_mb"]

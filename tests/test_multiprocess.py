@@ -111,8 +111,8 @@ def test_ulysses_sequence_parallel_equals_each_sample_alone(results, case):
     """SP = 2 (DeepSpeed Ulysses through UlyssesTrainer + ParallelismConfig, ZeRO-3): Llama on offline packs
     (prompts masked); Qwen2-VL with images on four token-budget packs (accumulation 4); rows of several examples
     (grouped_rows, accumulation 2, two rows of different label counts): Qwen2.5-VL with videos, Qwen3-VL with
-    images (deepstack sliced with the row), GLM-4V with images. The weight update is that of the global token mean of all samples,
-    each run alone through the stock sdpa model."""
+    images (deepstack sliced with the row), GLM-4V with images. The weight update is that of the global token mean
+    of all samples, each run alone through the stock sdpa model."""
     got = results[case]
     assert (got["engine"], got["stage"], got["sp"]) == ("DeepSpeedEngine", 3, 2), got
     assert got["error"] < GRAD_REL_L2, got

@@ -36,7 +36,8 @@ def ulysses_setup(model: Any, collate_fn: Callable[[list[Any]], Mapping[str, Any
     wrapper targets the language model's attention name. ``pad_to_length``: a fixed row width (required on gloo /
     CPU, whose all-gather needs equal widths on all SP ranks; see :func:`.batch.ulysses_batch`). ``world_size``:
     all processes (default: the launcher's ``WORLD_SIZE``); the data-parallel size ``world_size / sp_size`` goes
-    into the ``ParallelismConfig`` (accelerate sizes DeepSpeed's ``train_batch_size`` from it). Train with :class:`.trainer.UlyssesTrainer`,
+    into the ``ParallelismConfig`` (accelerate sizes DeepSpeed's ``train_batch_size`` from it).
+    Train with :class:`.trainer.UlyssesTrainer`,
     ``TrainingArguments(parallelism_config=..., deepspeed=zero3_config(), per_device_train_batch_size=1)``."""
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig

@@ -13,7 +13,8 @@ Refused at construction, with the reason: no Ulysses ``parallelism_config``; tor
 parallelism (``cp_size > 1``: ring SDPA takes no mask and accelerate forces ``is_causal``, so packed samples would
 attend to each other); an attention that ignores packed boundaries (``sdpa``); ZeRO stages other than 3
 (deepspeedai/DeepSpeed#5248: under sequence parallelism ZeRO-1/2 scale gradients differently from ZeRO-3);
-evaluation during training; a micro-batch other than one packed row; a model that :func:`.model.prepare_model` did not prepare.
+evaluation during training; a micro-batch other than one packed row; a model that :func:`.model.prepare_model`
+did not prepare.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def check_ulysses_arguments(args: Any, model: Any) -> None:
         raise ValueError(
             f"context parallelism (cp_size={pc.cp_size}, torch/accelerate ring attention) cannot train packed rows: "
             "torch's ring SDPA rejects attention masks and accelerate's cp path drops the mask and forces is_causal, "
-            "so packed samples attend to each other. Use sp_size with sp_backend='deepspeed' (vlm_pack.sequence_parallel)"
+            "so packed samples attend to each other. Use sp_size with sp_backend='deepspeed' "
+            "(vlm_pack.sequence_parallel)"
         )
     if pc is None or getattr(pc, "sp_size", 1) < 2 or pc.sp_backend != "deepspeed":
         raise ValueError(
