@@ -36,7 +36,7 @@ from vlm_pack.offline.dataset import PackedDataset, PackedSFTDataset  # noqa: E4
 from vlm_pack.offline.storage import PackedArrays, build_index, write_packed  # noqa: E402
 from vlm_pack.testing.tiny_models import offline_qwen2vl_processor, qwen_tokenizer, tiny_model  # noqa: E402
 
-WORLD = 2
+WORLD = int(os.environ.get("WORLD_SIZE", 2))  # 2 in the suite; 4 = SP 2 x DP 2 for sp_text, run by hand
 COMPARE = "compare"  # a case's (reference key, its step-1 gradients, reference builder): scored later
 
 
@@ -61,16 +61,21 @@ def fresh_check() -> LogCount:
     return counter
 
 
+OWNERS: dict[str, int] = {}  # reference key -> the rank that builds it (kept across compare calls, as is ...)
+REFERENCES: dict[str, dict] = {}  # ... each rank's cache of the references it built
+
+
 def compare(results: dict, pending: dict) -> None:
     """The deferred comparisons: each distinct reference is built by one rank (alternating, so the two heavy
     VLM references run in parallel), which scores every case that uses it; the errors are then shared."""
-    owners = {key: i % WORLD for i, key in enumerate(dict.fromkeys(key for key, _, _ in pending.values()))}
-    references, errors = {}, {}
+    for key in dict.fromkeys(key for key, _, _ in pending.values()):
+        OWNERS.setdefault(key, len(OWNERS) % WORLD)
+    errors = {}
     for name, (key, grads, build) in pending.items():
-        if owners[key] == dist.get_rank():
-            if key not in references:
-                references[key] = build()
-            errors[name] = ref.relative_error(grads, references[key])
+        if OWNERS[key] == dist.get_rank():
+            if key not in REFERENCES:
+                REFERENCES[key] = build()
+            errors[name] = ref.relative_error(grads, REFERENCES[key])
     gathered = [None] * WORLD
     dist.all_gather_object(gathered, errors)
     for part in gathered:
@@ -116,13 +121,13 @@ def packed_dataset_case(out: str) -> dict:
     return {"engine": engine(trainer), COMPARE: ("text", grads, lambda: ref.text_reference(samples))}
 
 
-def sft_packs(directory: str) -> tuple[PackedSFTDataset, list, list]:
+def sft_packs(directory: str, per_pack=(3, 3, 3, 3)) -> tuple[PackedSFTDataset, list, list]:
     """Four packs of three samples on disk (what `vlm-pack prepare` writes), prompt tokens masked."""
     samples = ref.random_samples()
     rng = np.random.default_rng(8)
     masks = [(np.arange(len(s)) >= rng.integers(1, len(s))).astype(np.uint8) for s in samples]
     offsets = np.concatenate(([0], np.cumsum([len(s) for s in samples])))
-    arrays = PackedArrays(index=build_index(np.array([3, 3, 3, 3]), offsets), tokens=np.concatenate(samples),
+    arrays = PackedArrays(index=build_index(np.array(per_pack), offsets), tokens=np.concatenate(samples),
                           loss_mask=np.concatenate(masks), seq_offsets=offsets, source_index=np.arange(len(samples)))
     own = Path(directory) / f"rank{dist.get_rank()}"  # both ranks write: one directory each, no race
     path = write_packed(own / f"training_{ref.PACK}.npy", arrays)
@@ -214,6 +219,149 @@ def zero_case(out: str, stage: int) -> dict:
     return result
 
 
+# ---- DeepSpeed Ulysses sequence parallelism (SP = 2) through Trainer -------------------------------------------
+
+def fresh_sequence_parallel() -> None:
+    """Between SP cases (a test-harness reset): DeepSpeed builds its SP groups once per process and asserts they are
+    new, and transformers builds new models partitioned while an earlier ZeRO-3 Trainer's config is alive."""
+    import gc
+
+    import deepspeed.ops
+    from deepspeed.utils import groups
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see zero_case
+    gc.collect()
+    unset_hf_deepspeed_config()
+    groups._release_process_group_references()
+
+
+def per_rank_mean_trainer():
+    """Corruption: each rank's own token mean of each micro-batch (a per-rank loss), averaged by the engine."""
+    from vlm_pack.sequence_parallel import UlyssesTrainer
+
+    class PerRankMeanTrainer(UlyssesTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            local = (inputs["shift_labels"] != -100).sum().clamp(min=1)
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return loss * num_items_in_batch / (local * dist.get_world_size() * self.args.gradient_accumulation_steps)
+
+    return PerRankMeanTrainer
+
+
+def sp_train(out: str, model, dataset, collate, width: int, corrupt: str | None = None, accumulation: int = 2) -> dict:
+    """One SGD step (lr 1) of UlyssesTrainer under SP = 2 + ZeRO-3 (DP = 1): 2 rows, accumulation 2 (each rank
+    loads one row; the adapter runs both rows on both ranks). Returns the weight update (ZeRO hides .grad)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from vlm_pack.sequence_parallel import UlyssesTrainer, ulysses_setup, zero3_config
+
+    setup = ulysses_setup(model, collate, 2, pad_to_length=width)
+    trainer_cls = per_rank_mean_trainer() if corrupt == "rank_mean" else UlyssesTrainer
+    if corrupt == "vision_sliced":  # the vision tower's attention under the Ulysses wrapper too
+        model.set_attn_implementation(setup.parallelism_config.sp_handler.sp_attn_implementation)
+    collator = setup.data_collator
+    if corrupt == "positions":  # no boundaries and positions running on through the row
+        collator = Unrestarted(collator)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = ref.training_args(out, per_device_train_batch_size=1, deepspeed=zero3_config(), learning_rate=1.0,
+                             parallelism_config=setup.parallelism_config, gradient_accumulation_steps=accumulation)
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset, data_collator=collator)
+    try:
+        trainer.train()
+    except Exception as error:  # noqa: BLE001  (the corruption that must fail loudly)
+        if corrupt != "vision_sliced":
+            raise
+        return {"failed": f"{type(error).__name__}: {str(error)[:200]}"}
+    wrapped = trainer.model_wrapped
+    after = {n: safe_get_full_fp32_param(p) for n, p in wrapped.module.named_parameters()}
+    return {"engine": type(wrapped).__name__, "stage": wrapped.zero_optimization_stage(),
+            "sp": trainer.accelerator.parallelism_config.sp_size, "update": {n: before[n] - after[n] for n in before}}
+
+
+class Unrestarted:
+    """Corruption: the row's boundaries dropped and its positions counting on (0..T-1)."""
+
+    def __init__(self, collator) -> None:
+        self.collator = collator
+
+    def __call__(self, items):
+        from vlm_pack.sequence_parallel.batch import SP_KEY
+
+        batch = self.collator(items)
+        row = batch[SP_KEY]
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+            row.pop(key)
+        width = batch["input_ids"].shape[-1]
+        row["position_ids"] = batch["position_ids"] = torch.arange(width)[None]
+        return batch
+
+
+def sp_text_case(out: str, corrupt: str | None = None) -> dict:
+    """Llama on two offline packs of six samples (prompt tokens masked): reference key 'text_masked'."""
+    fresh_sequence_parallel()
+    packs, samples, masks = sft_packs(out, per_pack=(6, 6) if WORLD == 2 else (12 // WORLD,) * WORLD)
+    model = tiny_model("llama", layers=1, vocab_size=ref.VOCAB)
+    result = sp_train(out, model, packs, packs.collate_fn, width=ref.PACK, corrupt=corrupt)
+    update = result.pop("update", None)
+    if update is None:
+        return result
+    return {**result, COMPARE: ("text_masked", update, lambda: ref.text_reference(samples, masks))}
+
+
+def sp_vlm_case(out: str, family: str = "qwen2_vl", video: bool = False, corrupt: str | None = None) -> dict:
+    """Rows of several examples (grouped_rows): Qwen2-VL / Qwen3-VL on the eight image / text examples of ddp_vlm,
+    four per row (reference key 'vlm' / the family); Qwen2.5-VL on the video / image / text examples of
+    tests/test_video.py, two per row (key 'video'); GLM-4V on two photos + two text chats, two per row."""
+    from vlm_pack.sequence_parallel import grouped_rows
+
+    fresh_sequence_parallel()
+    build = lambda: tiny_model(family, layers=1)  # noqa: E731
+    if video:
+        import test_video
+
+        proc, examples, per_row, key = test_video.processor_for(family), test_video.examples(), 2, "video"
+    elif family == "glm4v":
+        from vlm_pack.testing.data import photo_examples, text_chat_examples
+        from vlm_pack.testing.tiny_families import tiny_vlm, tiny_vlm_processor
+
+        proc = tiny_vlm_processor(family)
+        examples = photo_examples(2, seed=5, max_side=56) + text_chat_examples(2, seed=5)
+        per_row, key = 2, family
+        build = lambda: tiny_vlm(family, proc, layers=1).train()  # noqa: E731
+    else:
+        proc, examples = ref.family_setup(family, offline_qwen2vl_processor(), qwen_tokenizer())
+        per_row, key = 4, "vlm" if family == "qwen2_vl" else family
+    model = build()
+    collator = VLMPackingCollator(proc, max_length=1024, model_config=model.config)
+    rows = grouped_rows(examples, per_row)
+    width = max(collator(rows[i])["input_ids"].shape[-1] for i in range(len(rows)))
+    result = sp_train(out, model, rows, collator, width=width + width % 2, corrupt=corrupt)
+    update = result.pop("update", None)
+    if update is None:
+        return result
+    return {**result, COMPARE: (key, update, lambda: ref.reference_grads(family, proc, examples, stock=build()))}
+
+
+def sp_token_budget_case(out: str) -> dict:
+    """Qwen2-VL on ddp_token_budget's four token-budget packs (reference key 'token_budget'): each rank loads two,
+    so accumulation 4 puts all four in the step."""
+    from vlm_pack.budget import TokenBudgetPackDataset, measure_lengths, plan_token_budget_packs
+    from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
+
+    fresh_sequence_parallel()
+    processor = offline_qwen2vl_processor()
+    examples = photo_examples(4, seed=3, max_side=84) + easy_vqa_examples(4, seed=3) + text_chat_examples(4, seed=3)
+    model = tiny_model("qwen2_vl", layers=1)
+    collator = VLMPackingCollator(processor, max_length=256, model_config=model.config)
+    plan = plan_token_budget_packs(measure_lengths(examples, collator, progress=False), 192, data_parallel_size=WORLD)
+    assert plan.num_packs == 4, plan.num_packs
+    packs = TokenBudgetPackDataset(examples, plan, collator)
+    result = sp_train(out, model, packs, packs.collate_fn, width=192, accumulation=4)
+    update = result.pop("update")
+    return {**result, COMPARE: ("token_budget", update, lambda: ref.reference_grads("qwen2_vl", processor, examples))}
+
+
 # ---- BalancedBatchSampler in Trainer ---------------------------------------------------------------------------
 
 class Recording:
@@ -273,6 +421,14 @@ CASES = {
     "sampler": sampler_case,
     "zero2": lambda out: zero_case(out, 2),
     "zero3": lambda out: zero_case(out, 3),
+    "sp_text": sp_text_case,
+    "sp_video": lambda out: sp_vlm_case(out, "qwen2_5_vl", video=True),
+    "sp_token_budget": sp_token_budget_case,
+    "sp_qwen3_vl": lambda out: sp_vlm_case(out, "qwen3_vl"),
+    "sp_glm4v": lambda out: sp_vlm_case(out, "glm4v"),
+    "sp_positions_not_restarted": lambda out: sp_text_case(out, corrupt="positions"),
+    "sp_loss_per_rank_mean": lambda out: sp_text_case(out, corrupt="rank_mean"),
+    "sp_vision_tower_sliced": lambda out: sp_vlm_case(out, corrupt="vision_sliced"),
 }
 
 
@@ -294,6 +450,8 @@ def main() -> None:
             pending[name] = results[name].pop(COMPARE)
         results[name]["seconds"] = round(time.perf_counter() - start, 1)
     start = time.perf_counter()
+    if any(name.startswith("sp_") for name in names):
+        fresh_sequence_parallel()  # references unpartitioned, after the last ZeRO-3 Trainer
     compare(results, pending)
     if dist.get_rank() == 0:
         print(f"vlm_pack worker: references {time.perf_counter() - start:.1f} s", flush=True)

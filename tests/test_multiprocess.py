@@ -6,6 +6,8 @@ reduction) or one SGD weight update (ZeRO hides ``.grad``) with every sample of 
 through the stock sdpa model, loss = token mean over both ranks and the whole accumulation window
 (tests/test_trainer.py's references): relative L2 < 1e-4 in fp32. Each case also reports the engine that really
 ran, so a silent fallback (e.g. ``TrainingArguments(fsdp=...)`` runs DDP on CPU) cannot pass for another.
+The sequence-parallel cases (DeepSpeed Ulysses, SP = 2, ZeRO-3, vlm_pack.sequence_parallel) run last and add
+about 35 s to the launch.
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ from tolerance import GRAD_REL_L2
 
 DDP_CASES = ("ddp_vlm", "ddp_packed_dataset", "ddp_packed_sft", "ddp_token_budget")
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-# ZeRO cases last: once ZeRO-3 is configured, transformers builds every later model partitioned.
-CASES = (*DDP_CASES, "ddp_per_rank_mean", "fsdp2", "sampler", *(("zero2", "zero3") if HAS_DEEPSPEED else ()))
+SP_CASES = ("sp_text", "sp_token_budget", "sp_video", "sp_qwen3_vl", "sp_glm4v")
+SP_CORRUPTIONS = ("sp_positions_not_restarted", "sp_loss_per_rank_mean", "sp_vision_tower_sliced")
+# ZeRO cases last: once ZeRO-3 is configured, transformers builds every later model partitioned; sequence
+# parallelism (ZeRO-3, DeepSpeed's SP groups) after them.
+CASES = (*DDP_CASES, "ddp_per_rank_mean", "fsdp2", "sampler",
+         *(("zero2", "zero3", *SP_CASES, *SP_CORRUPTIONS) if HAS_DEEPSPEED else ()))
 pytestmark = pytest.mark.slow  # multi-process (CI runs slow tests too)
 LAUNCH_TIMEOUT_S = 900  # generous: two processes import torch + transformers and train on a loaded 2-core box
 
@@ -97,3 +103,26 @@ def test_balanced_sampler_in_trainer_covers_every_sample_once_and_resumes(result
     assert ranks[0]["full"][:8] != ranks[0]["full"][8:]
     for rank in ranks:
         assert rank["resumed"] == rank["full"][12:]
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (the test extra installs it)")
+@pytest.mark.parametrize("case", SP_CASES)
+def test_ulysses_sequence_parallel_equals_each_sample_alone(results, case):
+    """SP = 2 (DeepSpeed Ulysses through UlyssesTrainer + ParallelismConfig, ZeRO-3): Llama on offline packs
+    (prompts masked); Qwen2-VL with images on four token-budget packs (accumulation 4); rows of several examples
+    (grouped_rows, accumulation 2, two rows of different label counts): Qwen2.5-VL with videos, Qwen3-VL with
+    images (deepstack sliced with the row), GLM-4V with images. The weight update is that of the global token mean
+    of all samples, each run alone through the stock sdpa model."""
+    got = results[case]
+    assert (got["engine"], got["stage"], got["sp"]) == ("DeepSpeedEngine", 3, 2), got
+    assert got["error"] < GRAD_REL_L2, got
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (the test extra installs it)")
+def test_ulysses_corruptions_are_caught(results):
+    """Planted bugs: the row's boundaries dropped with positions counting on (samples attend to each other:
+    1.3 measured), each rank's own token mean (0.24 measured), the vision tower under the Ulysses wrapper
+    (DeepSpeed's assertion: the tower's attention gets no position_ids)."""
+    assert results["sp_positions_not_restarted"]["error"] > 1e-2, results["sp_positions_not_restarted"]
+    assert results["sp_loss_per_rank_mean"]["error"] > 1e-2, results["sp_loss_per_rank_mean"]
+    assert "position_ids" in results["sp_vision_tower_sliced"]["failed"], results["sp_vision_tower_sliced"]
