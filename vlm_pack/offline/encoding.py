@@ -77,7 +77,9 @@ class SampleFormat:
             return "alpaca"
         if self.text_field in has:
             return "text"
-        return None
+        if self.completion_field in has:  # partial records: ``check`` names the missing field
+            return "prompt_completion"
+        return "alpaca" if {self.prompt_field, self.response_field} & has else None
 
     def resolved(self, first: Any, where: str = "the first record") -> "SampleFormat":
         """``auto`` -> the detected format of the first record; ``prompt_completion`` on conversational records ->
