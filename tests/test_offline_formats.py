@@ -20,8 +20,8 @@ from vlm_pack.offline.encoding import SampleFormat
 from vlm_pack.offline.storage import open_packed
 from vlm_pack.testing.tiny_models import qwen_tokenizer
 
-PROMPTS = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Question {i}: what is {i} + {i}?"}]
-           for i in range(12)]
+PROMPTS = [[{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": f"Question {i}: what is {i} + {i}?"}] for i in range(12)]
 COMPLETIONS = [[{"role": "assistant", "content": f"It is {2 * i}." + " Sure." * (i % 4)}] for i in range(12)]
 
 

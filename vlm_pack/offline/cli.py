@@ -79,7 +79,8 @@ def add_format_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt-completion format: the completion field (default completion)")
     p.add_argument("--response-field", default="response",
                    help="alpaca template: the response field (default response)")
-    p.add_argument("--messages-field", default="messages", help="chat format: the messages list field (default messages)")
+    p.add_argument("--messages-field", default="messages",
+                   help="chat format: the messages list field (default messages)")
     p.add_argument("--text-field", default="text", help="text format: the text field (default text)")
 
 

@@ -42,7 +42,7 @@ ALPACA_PROMPT = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the request."
     "\n\n### Instruction:\n{prompt}\n\n### Response:\n"
 )
-# Private record key: how many trailing messages of a chat are the completion of a prompt-completion record.
+# Private record key: how many assistant turns at the end of a chat are the completion of a prompt-completion record.
 COMPLETION_TURNS = "vlm_pack_completion_turns"
 BATCH_ROWS = 1000  # rows per tokenizer call: the fast tokenizer encodes a batch on all cores
 MIN_ROWS_PER_PROCESS = 5000  # below this a worker process costs more to start than it saves
@@ -103,7 +103,7 @@ class SampleFormat:
 
     def as_chat(self, record: Any, where: str) -> Any:
         """A ``chat`` record without a messages list but with a prompt and a completion (or response), as a
-        messages record: conversational ``prompt + completion`` (its completion's size kept under
+        messages record: conversational ``prompt + completion`` (its completion's assistant turns counted under
         :data:`COMPLETION_TURNS`, so only the completion is labelled), or strings as a user and an assistant
         message. Anything else is returned as is (``check`` names what is wrong)."""
         if not isinstance(record, dict) or record.get(self.messages_field) is not None:
@@ -125,7 +125,8 @@ class SampleFormat:
         if not any(m.get("role") == "assistant" for m in answer):
             raise ValueError(f"{where}: field {answer_field!r} has no assistant message, so nothing to train on; "
                              "the completion holds the assistant's reply")
-        return {**rest, self.messages_field: [*prompt, *answer], COMPLETION_TURNS: len(answer)}
+        turns = sum(m.get("role") == "assistant" for m in answer)
+        return {**rest, self.messages_field: [*prompt, *answer], COMPLETION_TURNS: turns}
 
     def check(self, record: Any, where: str) -> None:
         """Raise a ValueError naming ``where`` (file and line/row) when a record cannot become a sample."""
