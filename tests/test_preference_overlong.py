@@ -136,3 +136,29 @@ def test_refusals_at_construction():
     pair = {"prompt_ids": list(range(12)), "chosen_ids": list(range(12)), "rejected_ids": [1]}
     out = collator([pair])["vlm_pack"]["preference"]
     assert out["completion_lengths"].tolist() == [4, 1]  # keep_start: the chosen answer's end is cut
+
+
+def test_vision_pairs_are_truncated_like_trls_vision_collator():
+    """keep_start on image pairs: the tokens and completion positions of every sequence equal those of TRL's own
+    ``DataCollatorForVisionPreference`` with the same ``max_length`` (the prompt, images included, is kept)."""
+    from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
+
+    from vlm_pack.core.batch import METADATA_KEY
+    from vlm_pack.testing.tiny_models import offline_qwen2vl_processor, tiny_config
+
+    processor, examples = offline_qwen2vl_processor(), pair_examples(images=True)[:3]
+    ours = PreferenceCollator(processor, model_config=tiny_config("qwen2_vl", layers=1))
+    limit = max(ours.sequence_lengths(example)[0] for example in examples) + 2  # every completion is cut
+    ours.max_length = limit
+    batch = ours(copy.deepcopy(examples))
+    theirs = DataCollatorForVisionPreference(processor=processor, max_length=limit)(copy.deepcopy(examples))
+    which = batch[METADATA_KEY]["preference"]["sequence_of_target"]
+    cu = batch["cu_seq_lens_q"].tolist()
+    for s, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        row = (s // 2) + (s % 2) * len(examples)  # TRL: every chosen sequence, then every rejected one
+        real = theirs["attention_mask"][row].bool()
+        assert batch["input_ids"][0, start:end].tolist() == theirs["input_ids"][row][real].tolist()
+        scored = torch.zeros(end - start, dtype=torch.long)
+        scored[torch.nonzero(which[start:end] == s).flatten() + 1] = 1  # a slot scores the token after it
+        assert scored.tolist() == theirs["completion_mask"][row][real].tolist()
+    assert max(b - a for a, b in zip(cu[:-1], cu[1:])) == limit
