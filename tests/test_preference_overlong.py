@@ -57,6 +57,7 @@ def test_truncated_pairs_train_like_trl(tmp_path, mode, one_thread):
     reference = _step(*_trainer(str(tmp_path), False, **config))
     trainer, grads = _trainer(str(tmp_path), True, **config)
     assert len(trainer.train_dataset) == (4 if mode == "keep_start" else 5)  # TRL's own filter, kept
+    assert trainer.overlong_dropped == ({"train": 1} if mode == "keep_start" else {})
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
     assert batch["input_ids"].shape[1] == 4 * 16  # every sequence cut to max_length
     _assert_equal_runs(_step(trainer, grads), reference)

@@ -75,8 +75,9 @@ class PackedDPOTrainer(DPOTrainer):
 
     Takes ``DPOTrainer``'s arguments; ``data_collator`` must be a ``PreferenceCollator`` (it adopts
     ``args.max_length`` and ``args.truncation_mode`` when it has no ``max_length``). ``overlong``: ``"truncate"``
-    (TRL's behaviour, the default) or ``"drop"`` (pairs longer than ``max_length`` leave the dataset, counted in
-    ``overlong_dropped``, per dataset name); sets the collator's. The policy and the reference model are switched
+    (TRL's behaviour, the default) or ``"drop"`` (pairs longer than ``max_length`` leave the dataset); sets the
+    collator's. ``overlong_dropped``: pairs removed for their length, per dataset name (TRL's own filter of text
+    pairs whose prompt fills ``max_length`` under keep_start included). The policy and the reference model are switched
     to packed attention (``vlm_pack.enable_packing``). Refused clearly: loss types or options that are not
     functions of sequence log-probs (``vlm_pack.preference.losses``), MoE auxiliary losses,
     ``return_outputs=True`` (the fused head builds no logits).
@@ -133,7 +134,10 @@ class PackedDPOTrainer(DPOTrainer):
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         """TRL's preparation (tokenising; it drops text pairs whose prompt fills ``max_length`` under keep_start),
         then the over-long check of :meth:`_check_overlong` (before any reference log-prob is precomputed)."""
+        before = len(dataset) if isinstance(dataset, datasets.Dataset) else None
         dataset = super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        if before is not None and len(dataset) < before:  # TRL's own length filter: counted with ours
+            self.overlong_dropped[dataset_name] = before - len(dataset)
         self._adopt_length(args)
         return self._check_overlong(dataset, dataset_name)
 
@@ -145,7 +149,7 @@ class PackedDPOTrainer(DPOTrainer):
             return dataset
         if isinstance(dataset, datasets.IterableDataset):
             if collator.overlong == "drop":
-                self.overlong_dropped[name] = 0
+                self.overlong_dropped.setdefault(name, 0)
 
                 def fits(example) -> bool:
                     keep = collator.overlong_problem(*collator.sequence_lengths(example)) is None
@@ -159,7 +163,7 @@ class PackedDPOTrainer(DPOTrainer):
         problems = [(i, problem) for i, length in enumerate(lengths)
                     if (problem := collator.overlong_problem(*length)) is not None]
         if collator.overlong == "drop":
-            self.overlong_dropped[name] = len(problems)
+            self.overlong_dropped[name] = self.overlong_dropped.get(name, 0) + len(problems)
             if problems:
                 logger.warning("%s: dropped %d of %d preference pairs longer than max_length=%d (overlong='drop')",
                                name, len(problems), len(dataset), collator.max_length)
@@ -170,7 +174,12 @@ class PackedDPOTrainer(DPOTrainer):
             i, problem = problems[0]
             raise ValueError(f"{name} dataset row {rows[i]}: {problem} ({len(problems)} such pairs); raise "
                              "max_length or pass overlong='drop' to drop and count them")
+        longer = sum(prompt + max(chosen, rejected) > collator.max_length for prompt, chosen, rejected in lengths)
+        if longer:
+            logger.info("%s: %d of %d preference pairs are longer than max_length=%d and are truncated (%s), as "
+                        "TRL does", name, longer, len(dataset), collator.max_length, collator.truncation_mode)
         return dataset
+
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
         if ROW_KEY not in self._signature_columns:  # the row index survives remove_unused_columns
