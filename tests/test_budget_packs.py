@@ -411,3 +411,17 @@ def test_pack_block_order_follows_the_seed():
     plans = [plan_token_budget_packs(lengths, 1024, data_parallel_size=2, seed=seed) for seed in (0, 1, 1)]
     assert np.array_equal(plans[1].order, plans[2].order) and not np.array_equal(plans[0].order, plans[1].order)
     assert sorted(plans[0].order.tolist()) == sorted(plans[1].order.tolist())  # the same samples, other pack order
+
+
+def test_text_tokenizer_plans_string_chats_as_its_template_renders_them():
+    """A text tokenizer's template reads string content (``content.startswith``): planned lengths equal the stock
+    ``apply_chat_template`` token count of each chat (and the collator's own rows)."""
+    from vlm_pack.testing.tiny_models import qwen_tokenizer
+
+    tokenizer = qwen_tokenizer()
+    chats = text_chat_examples(6, seed=1)
+    collator = VLMPackingCollator(tokenizer, max_length=4096)
+    planned = measure_lengths(chats, collator, batch_size=4, progress=False).tokens.tolist()
+    stock = [len(tokenizer.apply_chat_template(chat["messages"], tokenize=True, return_dict=True)["input_ids"])
+             for chat in chats]
+    assert planned == stock == _materialised_lengths(collator, chats)

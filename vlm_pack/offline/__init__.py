@@ -1,8 +1,10 @@
 """Offline packed SFT for LLMs: prepare packs once (``vlm-pack prepare``), then train on them (micro-batch 1).
 
 * :mod:`.algorithms` - bin packing on a length array (first/best fit, decreasing/shuffled), millions per second;
-* :mod:`.records` - reading and checking the input (JSONL lines or a saved ``datasets`` directory);
-* :mod:`.encoding` - templates and tokenisation with loss masks (chat labels from ``{% generation %}`` spans);
+* :mod:`.records` - reading the input (JSONL by line; parquet, CSV, Arrow, JSON arrays and ``save_to_disk``
+  folders through ``datasets``);
+* :mod:`.encoding` - TRL's dataset formats and tokenisation with loss masks (chat labels from the template's
+  assistant spans);
 * :mod:`.cache` - tokenised splits cached under a key of the input's CONTENT and every token-changing setting;
 * :mod:`.output` - locked, atomic writes of a run into the output folder;
 * :mod:`.storage` - the pickle-free, memory-mappable on-disk format, its metadata and checksums;

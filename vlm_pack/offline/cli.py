@@ -15,29 +15,29 @@ def add_prepare_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
         "prepare",
         help="tokenise an SFT dataset, bin-pack it and write packs + metadata for offline packed training",
         description=(
-            "Tokenise a JSONL file or a saved `datasets` directory once, pack samples into fixed-size packs and write "
+            "Tokenise a dataset file (JSONL, JSON, parquet, CSV, Arrow) or a saved `datasets` directory in one of "
+            "TRL's formats (messages, prompt/completion, text) or prompt/response once, pack samples into "
+            "fixed-size packs and write "
             "<output-dir>/packed/<tokenizer-name>/training_<size>.npy (+ validation_<size>.npy, "
             "<size>_metadata.jsonl). "
             "A .npy input (reference pickle format, needs --allow-pickle) is converted as is."
         ),
     )
     p.add_argument("--input", required=True,
-                   help="training data: JSONL file, `save_to_disk` directory, or reference .npy")
+                   help="training data: a JSONL, JSON, parquet, CSV/TSV or Arrow file, a `save_to_disk` directory, "
+                        "or a reference .npy")
     p.add_argument("--tokenizer", required=True, help="local tokenizer directory (AutoTokenizer.from_pretrained)")
     p.add_argument("--output-dir", required=True, help="root folder; packs go to <output-dir>/packed/<tokenizer-name>/")
     p.add_argument("--pack-sizes", type=int, nargs="+", required=True, help="one or more pack sizes in tokens")
     p.add_argument("--validation", default=None, help="validation data (same formats as --input)")
     p.add_argument("--validation-fraction", type=float, default=0.0,
                    help="hold out this seeded random fraction of the training rows instead of --validation")
-    p.add_argument("--template", choices=TEMPLATES, default="auto",
-                   help="auto (default): chat when the records have a messages list, else alpaca (prompt/response)")
-    p.add_argument("--prompt-field", default="prompt", help="alpaca template: the prompt field (default prompt)")
-    p.add_argument("--response-field", default="response",
-                   help="alpaca template: the response field (default response)")
-    p.add_argument("--messages-field", default="messages", help="chat template: the messages list field (default messages)")
+    add_format_arguments(p)
     p.add_argument("--chat-template", default=None, metavar="FILE",
-                   help="jinja chat template file whose assistant turns sit in {%% generation %%} blocks (default: the "
-                        "tokenizer's if it has such blocks, else vlm_pack's ChatML for ChatML tokenizers)")
+                   help="jinja chat template file to render chats with instead of the tokenizer's own (default: the "
+                        "tokenizer's own template; assistant labels come from its {%% generation %%} blocks, TRL's "
+                        "training variant of it, or per-turn markers proven not to change the rendering; a template "
+                        "where none of these works is refused, naming the fix)")
     p.add_argument("--max-seq-length", type=int, default=None,
                    help="truncate longer samples to this many tokens (counted; samples left without response dropped)")
     p.add_argument("--algorithm", choices=ALGORITHMS, default="best_fit_decreasing",
@@ -67,6 +67,23 @@ def add_prepare_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     return p
 
 
+def add_format_arguments(p: argparse.ArgumentParser) -> None:
+    """The dataset-format options (shared with ``vlm-pack stats``)."""
+    p.add_argument("--template", choices=TEMPLATES, default="auto",
+                   help="dataset format; auto (default): from the first record, in TRL's order: prompt + completion "
+                        "(conversational lists: the chat prompt + completion, labelled on the completion; strings: "
+                        "prompt_completion), messages (chat, labelled on assistant turns), prompt + response "
+                        "(alpaca), text (language modelling, every token labelled); see docs/data_formats.md")
+    p.add_argument("--prompt-field", default="prompt", help="the prompt field (default prompt)")
+    p.add_argument("--completion-field", default="completion",
+                   help="prompt-completion format: the completion field (default completion)")
+    p.add_argument("--response-field", default="response",
+                   help="alpaca template: the response field (default response)")
+    p.add_argument("--messages-field", default="messages",
+                   help="chat format: the messages list field (default messages)")
+    p.add_argument("--text-field", default="text", help="text format: the text field (default text)")
+
+
 add_parser = add_prepare_parser  # the name the `vlm-pack` dispatcher (vlm_pack/cli/main.py) looks up
 
 
@@ -91,6 +108,8 @@ def run_prepare(args: argparse.Namespace) -> int:
         prompt_field=args.prompt_field,
         response_field=args.response_field,
         messages_field=args.messages_field,
+        completion_field=args.completion_field,
+        text_field=args.text_field,
         chat_template=chat_template,
         max_seq_length=args.max_seq_length,
         algorithm=args.algorithm,

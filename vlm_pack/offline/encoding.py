@@ -1,16 +1,25 @@
 """Offline packing, tokenisation: records -> token ids + loss mask, with the label spans taken from the rendering.
 
-Templates:
+Formats (TRL's dataset types, detected from the first record with ``auto``; docs/data_formats.md):
 
-* ``alpaca``: ``<bos>`` + an instruction header around the prompt + response + ``<eos>``. The text is built
-  piece by piece, so the response's character span is known by construction; the fast tokenizer's offsets
-  map it onto tokens.
-* ``chat``: the tokenizer's own chat template (or ``chat_template``), tokens exactly as ``apply_chat_template``
-  gives them; assistant spans from its ``{% generation %}`` blocks, TRL's training variant of it, or per-message
-  sentinels proven by re-rendering (``vlm_pack.data.chat_template``), mapped onto tokens by
-  ``apply_chat_template(return_assistant_tokens_mask=True)``. Labels never come from searching the reply's text, so a reply that also
-  occurs in the prompt, in a system prompt or in an earlier turn is labelled where the assistant said it.
-* ``auto`` (default): ``chat`` when the first record has the messages field and no prompt field, else ``alpaca``.
+* ``chat`` (conversational ``messages``): the tokenizer's own chat template (or ``chat_template``), tokens exactly
+  as ``apply_chat_template`` gives them; assistant spans from its ``{% generation %}`` blocks, TRL's training
+  variant of it, or per-message sentinels proven by re-rendering (``vlm_pack.data.chat_template``), mapped onto
+  tokens by ``apply_chat_template(return_assistant_tokens_mask=True)``. Labels never come from searching the
+  reply's text, so a reply that also occurs in the prompt, in a system prompt or in an earlier turn is labelled
+  where the assistant said it. Conversational prompt-completion records (``prompt`` and ``completion`` lists of
+  messages) are the chat ``prompt + completion``, labelled on the completion's assistant turns only (TRL's
+  ``completion_only_loss``); with ``chat`` given explicitly, string prompt / completion (or response) pairs become
+  a user and an assistant message.
+* ``prompt_completion`` (string ``prompt`` / ``completion``): as TRL's ``SFTTrainer`` tokenises them: the
+  tokenizer on ``prompt`` and on ``prompt + completion`` (+ EOS when the completion does not end with it), special
+  tokens added; labels on the tokens after the two's common prefix (TRL's ``completion_only_loss`` default).
+* ``text`` (language modelling): the tokenizer on ``text`` (+ EOS when absent), special tokens added, EVERY
+  token labelled, as ``SFTTrainer`` trains a ``text`` dataset.
+* ``alpaca`` (``prompt`` / ``response``): ``<bos>`` + an instruction header around the prompt + response +
+  ``<eos>``, the response's character span known by construction and mapped onto tokens by the fast tokenizer's
+  offsets.
+* ``auto`` (default): from the first record (:meth:`SampleFormat.detect`).
 
 Each sample's tokens are exactly the tokenizer's output for the rendered text. With ``max_seq_length`` a longer
 sample keeps its first ``max_seq_length`` tokens (counted); one left with no target token is dropped (counted).
@@ -27,11 +36,14 @@ import numpy as np
 from .records import Records
 from .storage import gather_segments
 
-TEMPLATES = ("auto", "alpaca", "chat")
+TEMPLATES = ("auto", "alpaca", "chat", "prompt_completion", "text")
+FORMATS_RULE = "trl-formats-1"  # how records become samples; part of the token-cache key (prepare.token_keys)
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the request."
     "\n\n### Instruction:\n{prompt}\n\n### Response:\n"
 )
+# Private record key: how many assistant turns at the end of a chat are the completion of a prompt-completion record.
+COMPLETION_TURNS = "vlm_pack_completion_turns"
 BATCH_ROWS = 1000  # rows per tokenizer call: the fast tokenizer encodes a batch on all cores
 MIN_ROWS_PER_PROCESS = 5000  # below this a worker process costs more to start than it saves
 
@@ -44,18 +56,77 @@ class SampleFormat:
     prompt_field: str = "prompt"
     response_field: str = "response"
     messages_field: str = "messages"
+    completion_field: str = "completion"
+    text_field: str = "text"
 
     def __post_init__(self):
         if self.template not in TEMPLATES:
             raise ValueError(f"unknown template {self.template!r}; choose one of {', '.join(TEMPLATES)}")
 
-    def resolved(self, first: Any) -> "SampleFormat":
-        """``auto`` -> ``chat`` if the first record has the messages field and no prompt field, else ``alpaca``."""
+    def detect(self, first: Any) -> str | None:
+        """The format of a record, in TRL's order: prompt + completion (``chat`` when the prompt is a list of
+        messages, else ``prompt_completion``), ``messages`` (``chat``), prompt + response (``alpaca``), ``text``."""
+        if not isinstance(first, dict):
+            return None
+        has = {name for name, value in first.items() if value is not None}
+        if {self.prompt_field, self.completion_field} <= has:
+            return "chat" if isinstance(first[self.prompt_field], list) else "prompt_completion"
+        if self.messages_field in has and self.prompt_field not in has:
+            return "chat"
+        if {self.prompt_field, self.response_field} <= has:
+            return "alpaca"
+        if self.text_field in has:
+            return "text"
+        if self.completion_field in has:  # partial records: ``check`` names the missing field
+            return "prompt_completion"
+        return "alpaca" if {self.prompt_field, self.response_field} & has else None
+
+    def resolved(self, first: Any, where: str = "the first record") -> "SampleFormat":
+        """``auto`` -> the detected format of the first record; ``prompt_completion`` on conversational records ->
+        ``chat`` (their ``prompt + completion`` is a chat)."""
+        if self.template == "prompt_completion" and isinstance(first, dict) and isinstance(
+                first.get(self.prompt_field), list):
+            return replace(self, template="chat")
         if self.template != "auto":
             return self
-        chat = isinstance(first, dict) and first.get(self.messages_field) is not None and (
-            first.get(self.prompt_field) is None)
-        return replace(self, template="chat" if chat else "alpaca")
+        detected = self.detect(first)
+        if detected is None:
+            present = ", ".join(sorted(k for k, v in first.items() if v is not None)) if isinstance(first, dict) else (
+                f"a {type(first).__name__}, not an object")
+            fields = (f"{self.messages_field!r} (conversational), {self.prompt_field!r} + {self.completion_field!r} "
+                      f"(prompt-completion), {self.text_field!r} (language modelling) or {self.prompt_field!r} + "
+                      f"{self.response_field!r} (alpaca)")
+            raise ValueError(f"{where}: no known dataset format (present: {present}); records need {fields}. Name "
+                             "other fields with --messages-field / --prompt-field / --completion-field / --text-field "
+                             "/ --response-field")
+        return replace(self, template=detected)
+
+    def as_chat(self, record: Any, where: str) -> Any:
+        """A ``chat`` record without a messages list but with a prompt and a completion (or response), as a
+        messages record: conversational ``prompt + completion`` (its completion's assistant turns counted under
+        :data:`COMPLETION_TURNS`, so only the completion is labelled), or strings as a user and an assistant
+        message. Anything else is returned as is (``check`` names what is wrong)."""
+        if not isinstance(record, dict) or record.get(self.messages_field) is not None:
+            return record
+        prompt = record.get(self.prompt_field)
+        answer_field = self.completion_field if record.get(self.completion_field) is not None else self.response_field
+        answer = record.get(answer_field)
+        if prompt is None or answer is None:
+            return record
+        rest = {k: v for k, v in record.items() if k not in (self.prompt_field, self.completion_field,
+                                                               self.response_field)}
+        if isinstance(prompt, str) and isinstance(answer, str):
+            return {**rest, self.messages_field: [{"role": "user", "content": prompt},
+                                                  {"role": "assistant", "content": answer}]}
+        for name, value in ((self.prompt_field, prompt), (answer_field, answer)):
+            if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
+                raise ValueError(f"{where}: field {name!r} must be a list of messages ({{role, content}}) like "
+                                 f"the first record's, got {type(value).__name__}; give every record the same format")
+        if not any(m.get("role") == "assistant" for m in answer):
+            raise ValueError(f"{where}: field {answer_field!r} has no assistant message, so nothing to train on; "
+                             "the completion holds the assistant's reply")
+        turns = sum(m.get("role") == "assistant" for m in answer)
+        return {**rest, self.messages_field: [*prompt, *answer], COMPLETION_TURNS: turns}
 
     def check(self, record: Any, where: str) -> None:
         """Raise a ValueError naming ``where`` (file and line/row) when a record cannot become a sample."""
@@ -80,7 +151,15 @@ class SampleFormat:
             if not all(a.strip() for a in answers):
                 raise ValueError(f"{where}: empty response (an assistant message has no content); fill or drop it")
             return
-        for name, flag in ((self.prompt_field, "--prompt-field"), (self.response_field, "--response-field")):
+        self._check_strings(record, where)
+
+    def _check_strings(self, record: dict, where: str) -> None:
+        """The string fields of the ``alpaca``, ``prompt_completion`` and ``text`` formats."""
+        answer = {"prompt_completion": self.completion_field, "text": None}.get(self.template, self.response_field)
+        fields = [(self.text_field, "--text-field")] if self.template == "text" else [
+            (self.prompt_field, "--prompt-field"),
+            (answer, "--completion-field" if answer == self.completion_field else "--response-field")]
+        for name, flag in fields:
             if record.get(name) is None:
                 present = ", ".join(sorted(k for k, v in record.items() if v is not None))
                 chat = f" or a {self.messages_field!r} list with --template chat" if self.template == "alpaca" else ""
@@ -89,8 +168,10 @@ class SampleFormat:
                 )
             if not isinstance(record[name], str):
                 raise ValueError(f"{where}: field {name!r} must be a string, got {type(record[name]).__name__}")
-        if not record[self.response_field].strip():
-            raise ValueError(f"{where}: empty response in field {self.response_field!r}; fill or drop the sample")
+        last = fields[-1][0]
+        if not record[last].strip():
+            what = "text" if self.template == "text" else "response"
+            raise ValueError(f"{where}: empty {what} in field {last!r}; fill or drop the sample")
 
 
 class SampleEncoder:
@@ -114,8 +195,13 @@ class SampleEncoder:
         """Token ids and aligned loss masks (uint8) of ``rows`` (already checked); errors name ``wheres``."""
         if self.fmt.template == "alpaca":
             ids, masks = self._alpaca(rows)
+        elif self.fmt.template == "prompt_completion":
+            ids, masks = self._prompt_completion(rows)
+        elif self.fmt.template == "text":
+            ids, masks = self._text(rows)
         else:
             ids, masks = self._chat(rows, wheres)
+            masks = [_completion_only(mask, row.get(COMPLETION_TURNS)) for mask, row in zip(masks, rows)]
         for mask, where in zip(masks, wheres):
             if not mask.any():
                 raise ValueError(
@@ -134,6 +220,32 @@ class SampleEncoder:
             starts = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
             masks.append((starts >= len(head)).astype(np.uint8))  # the response runs to the end of the text
         return encoded["input_ids"], masks
+
+    def _with_eos(self, text: str) -> str:
+        eos = self.tokenizer.eos_token
+        return text if not eos or text.endswith(eos) else text + eos
+
+    def _prompt_completion(self, rows: list[dict]) -> tuple[list[list[int]], list[np.ndarray]]:
+        """TRL's SFTTrainer on string prompt-completion records: tokens of ``prompt + completion`` (+ EOS), labels
+        after the common prefix with the prompt's own tokens (module doc)."""
+        tok, fmt = self.tokenizer, self.fmt
+        prompts = [r[fmt.prompt_field] for r in rows]
+        texts = [p + self._with_eos(r[fmt.completion_field]) for p, r in zip(prompts, rows)]
+        heads = tok(prompts, verbose=False)["input_ids"]
+        ids = tok(texts, verbose=False)["input_ids"]
+        masks = []
+        for head, full in zip(heads, ids):
+            n = min(len(head), len(full))
+            differ = np.flatnonzero(np.asarray(head[:n]) != np.asarray(full[:n]))
+            mask = np.ones(len(full), dtype=np.uint8)
+            mask[:int(differ[0]) if differ.size else n] = 0
+            masks.append(mask)
+        return ids, masks
+
+    def _text(self, rows: list[dict]) -> tuple[list[list[int]], list[np.ndarray]]:
+        """TRL's SFTTrainer on ``text`` records: the tokenizer on text (+ EOS), every token labelled."""
+        ids = self.tokenizer([self._with_eos(r[self.fmt.text_field]) for r in rows], verbose=False)["input_ids"]
+        return ids, [np.ones(len(x), dtype=np.uint8) for x in ids]
 
     def _conversation(self, row: dict) -> list[dict]:
         fmt = self.fmt
@@ -196,11 +308,27 @@ class TokenizedSplit:
         return TokenizedSplit(tokens, mask, offsets, self.source_index[rows])
 
 
+def _completion_only(mask: np.ndarray, completion_turns: int | None) -> np.ndarray:
+    """A chat's mask kept on its last ``completion_turns`` labelled spans only (the completion of a conversational
+    prompt-completion record; assistant turns inside its prompt are context, as in TRL)."""
+    if completion_turns is None:
+        return mask
+    starts = np.flatnonzero(np.diff(np.concatenate(([0], mask))) == 1)
+    if len(starts) > completion_turns:
+        mask[:starts[-completion_turns]] = 0
+    return mask
+
+
 def check_records(records: Records, fmt: SampleFormat) -> SampleFormat:
-    """Resolve ``auto`` from the first record and check every record; returns the resolved format."""
-    fmt = fmt.resolved(records.rows[0] if records.rows else None)
-    for i, row in enumerate(records.rows):
-        fmt.check(row, records.where(i))
+    """Resolve ``auto`` from the first record and check every record; returns the resolved format. Chat records
+    given as a prompt and a completion become messages records in place (:meth:`SampleFormat.as_chat`)."""
+    fmt = fmt.resolved(records.rows[0] if records.rows else None, records.where(0) if records.rows else "input")
+    rows = records.rows
+    for i, row in enumerate(rows):
+        where = records.where(i)
+        if fmt.template == "chat":
+            row = rows[i] = fmt.as_chat(row, where)
+        fmt.check(row, where)
     return fmt
 
 

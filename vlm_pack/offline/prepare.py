@@ -1,10 +1,10 @@
 """Offline packing, step 1: tokenise an SFT dataset once, bin-pack it, write packs + metadata to disk.
 
-Input: a JSONL file (one object per line) or a local ``datasets`` directory (``save_to_disk``), with a prompt
-and a response field (names configurable) or a ``messages`` list (``[{"role": ..., "content": ...}]``,
-detected automatically). Templates and label masks: :mod:`.encoding` (chat labels come from the template's
-``{% generation %}`` spans, never from searching the reply's text). Reading and line-numbered errors:
-:mod:`.records`.
+Input: any file ``datasets.load_dataset`` reads (JSONL, JSON, parquet, CSV, Arrow) or a local ``datasets``
+directory (``save_to_disk``), in one of TRL's dataset formats (conversational ``messages``, prompt-completion as
+strings or as message lists, ``text``) or alpaca prompt/response, detected from the first record (field names
+configurable). Formats and label masks: :mod:`.encoding` (chat labels come from the template's assistant spans,
+never from searching the reply's text). Reading and line/row-numbered errors: :mod:`.records`.
 
 Re-runs: tokenised splits are cached under a key of the input's CONTENT and every token-changing setting
 (:mod:`.cache`); a hit skips transformers entirely, so a re-run costs the hashing, packing and writing.
@@ -41,6 +41,7 @@ from .algorithms import ALGORITHMS, PackingStats, check_seed, group_by_pack, pac
 from .cache import TokenCache, cache_key, output_key, packs_key, tokenizer_fingerprint
 from .encoding import (
     ALPACA_PROMPT,
+    FORMATS_RULE,
     TEMPLATES,
     SampleEncoder,
     SampleFormat,
@@ -50,7 +51,7 @@ from .encoding import (
 )
 from ..core.output_name import check_output_name
 from .output import RunOutput
-from .records import Records, read_dataset_dir, read_jsonl
+from .records import Records, read_input
 from .storage import (
     FORMAT,
     PackedArrays,
@@ -146,7 +147,7 @@ def tokenized_splits(
                 log(f"{split}: tokenised samples from the cache ({cache.root / keys[split]})")
                 splits[split] = result
             continue
-        for other_part, records in _read_input(path).items():  # a folder's other split is cached on the way
+        for other_part, records in read_input(path).items():  # a folder's other split is cached on the way
             other = next((s for s, p, q in parts if p == path and q == other_part), None)
             if other is None or other in splits:
                 continue
@@ -174,7 +175,8 @@ def token_keys(train_path: str | Path, tokenizer: TokenizerSource, fmt: SampleFo
                chat_template: str | None = None) -> dict[str, str]:
     """Cache key of every split's tokens: the input's bytes, the tokenizer's files, every token-changing setting."""
     settings = {"template": fmt.template, "prompt_field": fmt.prompt_field, "response_field": fmt.response_field,
-                "messages_field": fmt.messages_field, "max_seq_length": max_seq_length,
+                "messages_field": fmt.messages_field, "completion_field": fmt.completion_field,
+                "text_field": fmt.text_field, "formats_rule": FORMATS_RULE, "max_seq_length": max_seq_length,
                 "chat_template": chat_template, "rendering_rule": RENDERING_RULE}
     return {split: cache_key(path, tokenizer.fingerprint, {**settings, "part": part})
             for split, path, part in _parts(train_path, validation_path)}
@@ -200,15 +202,6 @@ def current_output(out_dir: Path, keys_by_size: dict[int, str]) -> list[Prepared
 
 
 _EMPTY = TokenizedSplit(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64), np.zeros(0, np.int64))
-
-
-def _read_input(path: Path) -> dict[str, Records | None]:
-    if not path.exists():
-        raise FileNotFoundError(f"input {path} not found")
-    if path.is_dir():
-        train, validation = read_dataset_dir(path)
-        return {"train": train, "validation": validation}
-    return {"train": read_jsonl(path)}
 
 
 def _tokenize(records: Records | None, tokenizer: TokenizerSource, fmt: SampleFormat, max_seq_length, chat_template,
@@ -269,6 +262,8 @@ def prepare_packed_sequence_data(
     prompt_field: str = "prompt",
     response_field: str = "response",
     messages_field: str = "messages",
+    completion_field: str = "completion",
+    text_field: str = "text",
     chat_template: str | None = None,
     max_seq_length: int | None = None,
     algorithm: str = "best_fit_decreasing",
@@ -287,8 +282,10 @@ def prepare_packed_sequence_data(
 
     ``tokenizer`` is a local folder (loaded with ``AutoTokenizer``, local files only) or a tokenizer object;
     ``tokenizer_name`` (default: the folder's name) names the output folder ``<output_root>/packed/<name>``.
-    ``template``: ``auto`` (chat if the records have ``messages_field``), ``alpaca`` or ``chat``;
-    ``chat_template`` (jinja text with ``{% generation %}`` blocks) overrides the tokenizer's for ``chat``.
+    ``template``: ``auto`` (detected from the first record: TRL's conversational ``messages``, prompt-completion
+    or ``text`` formats, or alpaca prompt/response; :mod:`.encoding`), or one of ``chat``, ``prompt_completion``,
+    ``text``, ``alpaca``; the ``*_field`` arguments name the fields. ``chat_template`` (jinja text) replaces the
+    tokenizer's own template for chats.
     Existing output is an error unless ``overwrite``. ``cache_dir``: where tokenised splits are cached (see
     :mod:`.cache`). Prints, per pack size, the packing factor ``n``, the efficiency and, with
     ``global_batch_size``, how many packs per step keep the same samples per step.
@@ -313,7 +310,7 @@ def prepare_packed_sequence_data(
     for source in (train_path, validation_path):
         if source is not None and not Path(source).exists():
             raise FileNotFoundError(f"input {source} not found; check the path (--input / --validation)")
-    fmt = SampleFormat(template, prompt_field, response_field, messages_field)
+    fmt = SampleFormat(template, prompt_field, response_field, messages_field, completion_field, text_field)
     if tokenizer_name is not None:
         check_output_name(tokenizer_name, "tokenizer_name (--tokenizer-name)")
     if Path(train_path).suffix == ".npy":

@@ -1,19 +1,26 @@
-"""Offline packing input: read a JSONL file or a saved ``datasets`` directory into checked records.
+"""Offline packing input: read a data file or a saved ``datasets`` directory into records (:func:`read_input`).
 
-Every error names the file and the LINE of the file (blank lines count, so the number is what an editor
-shows) and says how to fix it: bytes that are not UTF-8, malformed JSON, duplicate keys, nesting too deep
-for the parser. A UTF-8 byte-order mark at the start of the file is accepted. A ``save_to_disk`` directory
-names rows by their index instead.
+JSONL (``.jsonl``, ``.ndjson``, a ``.json`` file of one object per line, or any other suffix) is read here, line
+by line: every error names the file and the LINE of the file (blank lines count, so the number is what an editor
+shows) and says how to fix it: bytes that are not UTF-8, malformed JSON, duplicate keys, nesting too deep for the
+parser. A UTF-8 byte-order mark at the start of the file is accepted. Parquet, CSV / TSV, Arrow and JSON-array
+files are read by ``datasets.load_dataset`` (its ``parquet`` / ``csv`` / ``arrow`` / ``json`` builders, into a
+temporary cache, so nothing is left in the Hugging Face cache); a ``save_to_disk`` directory by
+``datasets.load_from_disk``. Those name rows by their index (``row i``, from 0) instead.
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 BOM = b"\xef\xbb\xbf"
+# File suffix -> (``datasets.load_dataset`` builder, its keyword arguments); other files are read as JSONL.
+TABLE_BUILDERS = {".parquet": ("parquet", {}), ".csv": ("csv", {}), ".tsv": ("csv", {"sep": "\t"}),
+                  ".arrow": ("arrow", {})}
 
 
 @dataclass
@@ -109,3 +116,51 @@ def read_dataset_dir(path: str | Path) -> tuple[Records, Records | None]:
                 None if validation is None else Records(validation.to_list(), f"{path} [validation]"))
     return Records(loaded.to_list(), str(path)), None
 
+
+
+def read_input(path: str | Path) -> dict[str, Records | None]:
+    """``{"train": records}`` of a data file, or ``{"train": ..., "validation": ... or None}`` of a
+    ``save_to_disk`` folder; the reader follows the suffix (module doc)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"input {path} not found")
+    if path.is_dir():
+        train, validation = read_dataset_dir(path)
+        return {"train": train, "validation": validation}
+    suffix = path.suffix.lower()
+    if suffix in TABLE_BUILDERS:
+        return {"train": read_table(path, *TABLE_BUILDERS[suffix])}
+    if suffix == ".json" and _first_byte(path) == b"[":
+        return {"train": read_table(path, "json", {})}
+    return {"train": read_jsonl(path)}
+
+
+def _first_byte(path: Path) -> bytes:
+    """The first non-blank byte of a file (after a byte-order mark): ``[`` for a JSON array."""
+    with open(path, "rb") as f:
+        head = f.read(4096).removeprefix(BOM).lstrip()
+    return head[:1]
+
+
+def read_table(path: Path, builder: str, options: dict) -> Records:
+    """Rows of a file ``datasets.load_dataset(builder, data_files=path)`` reads (parquet, CSV, Arrow, JSON)."""
+    import datasets
+
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        with tempfile.TemporaryDirectory(prefix="vlm_pack-read-") as cache:
+            loaded = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache,
+                                           **options)
+            rows = loaded.to_list()
+            del loaded
+    except Exception as err:  # pyarrow / pandas / datasets raise many types for a file they cannot parse
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{path}: cannot read it as a {builder} file ({reason}); check the file, or convert it to "
+                         "JSONL (one JSON object per line)") from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+    if not rows:
+        raise ValueError(f"{path}: no records (the file has no rows); give a file with one sample per row")
+    return Records(rows, str(path))

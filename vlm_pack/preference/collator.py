@@ -22,7 +22,7 @@ precomputed reference log-probs when the examples carry them.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -35,12 +35,16 @@ from ..core.packing import IGNORE_INDEX, pack_sequences
 from ..attention.shared_prefix import SHARED_PREFIX_KWARG, shared_prefix_keys
 from ..core.rope_index import MRopeIndex
 
-__all__ = ["PREFERENCE_KEY", "PreferenceCollator"]
+__all__ = ["OVERLONG", "PREFERENCE_KEY", "ROW_KEY", "TRUNCATION_MODES", "PreferenceCollator"]
 
 PREFERENCE_KEY = "preference"
 """Entry of ``batch["vlm_pack"]`` holding the pair layout (see the module docstring)."""
 
 _REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
+ROW_KEY = "vlm_pack_row"
+"""Example field holding its dataset row (``PackedDPOTrainer`` adds it), so errors name the row, not the slot."""
+TRUNCATION_MODES = ("keep_start", "keep_end")
+OVERLONG = ("truncate", "drop")
 
 
 @dataclass
@@ -51,6 +55,7 @@ class _Pair:
     vision: dict[str, torch.Tensor]
     chosen: torch.Tensor
     rejected: torch.Tensor
+    cuts: tuple[int, int] = (0, 0)  # prompt tokens cut off the start of the chosen / rejected sequence (keep_end)
 
 
 class PreferenceCollator:
@@ -60,8 +65,14 @@ class PreferenceCollator:
     ``model_config``: ``model.config``; its family (``vlm_pack.models``) fixes positions and per-token keys.
     Required for vision data; optional for text (positions then restart at 0 per sequence).
     ``shared_prompts``: pack each pair's prompt once (module docstring); not with image-block families (Gemma 3).
-    ``max_length``: longest sequence (prompt + completion) allowed; longer ones raise (never truncated, unlike
-    TRL's collators, so that an image's tokens are never cut).
+    ``max_length``: longest sequence (prompt + completion). A longer one is truncated as TRL's ``DPOTrainer``
+    does (``overlong="truncate"``, the default), each sequence on its own: ``truncation_mode="keep_start"`` keeps
+    its first ``max_length`` tokens (the completion's end is cut), ``"keep_end"`` its last ones (the prompt's
+    start is cut; text only, not with ``shared_prompts``). A pair that cannot be truncated so (its prompt alone
+    fills ``max_length`` with keep_start, which TRL drops when it tokenises text; a completion alone filling it
+    with keep_end; an image that would be cut) raises, naming the dataset row (``ROW_KEY``) when the example
+    carries it. ``overlong="drop"``: ``PackedDPOTrainer`` drops longer pairs from the dataset (counted) and the
+    collator raises on any it still gets. :meth:`overlong_problem` is the rule.
     """
 
     def __init__(
@@ -71,6 +82,8 @@ class PreferenceCollator:
         model_config: PreTrainedConfig | None = None,
         shared_prompts: bool = False,
         max_length: int | None = None,
+        truncation_mode: str = "keep_start",
+        overlong: str = "truncate",
         pad_token_id: int | None = None,
         allow_unproven: bool = False,
     ) -> None:
@@ -90,6 +103,12 @@ class PreferenceCollator:
             )
         self.shared_prompts = shared_prompts
         self.max_length = max_length
+        if truncation_mode not in TRUNCATION_MODES:
+            raise ValueError(f"truncation_mode={truncation_mode!r}; choose one of {', '.join(TRUNCATION_MODES)}")
+        if overlong not in OVERLONG:
+            raise ValueError(f"overlong={overlong!r}; choose 'truncate' (like TRL) or 'drop' (dropped and counted)")
+        self.truncation_mode, self.overlong = truncation_mode, overlong
+        self.check_truncation()
         pad = self.tokenizer.pad_token_id if pad_token_id is None else pad_token_id
         self.pad_token_id = pad if pad is not None else self.tokenizer.eos_token_id
         self.token_keys = ("input_ids",) if self.family is None else tuple(
@@ -103,7 +122,60 @@ class PreferenceCollator:
 
     # ---------------------------------------------------------------- encoding (TRL's tokenisation)
 
+    def check_truncation(self) -> None:
+        """Refuse truncation settings this collator cannot apply exactly (raised when built or configured)."""
+        if self.max_length is None or self.overlong != "truncate" or self.truncation_mode != "keep_end":
+            return
+        if self.shared_prompts:
+            raise ValueError("truncation_mode='keep_end' cuts each sequence's prompt differently, so a pair's prompt "
+                             "cannot be shared: use shared_prompts=False, truncation_mode='keep_start' or "
+                             "overlong='drop'")
+        if self.has_images:
+            raise ValueError("truncation_mode='keep_end' would cut image tokens out of the prompt (TRL refuses it "
+                             "for vision data too): use truncation_mode='keep_start' or overlong='drop'")
+
+    def sequence_lengths(self, example: Mapping[str, Any]) -> tuple[int, int, int]:
+        """Untruncated token counts ``(prompt, chosen, rejected)`` of one example (encodes a raw vision example)."""
+        if "prompt_ids" in example:
+            return tuple(len(example[k]) for k in ("prompt_ids", "chosen_ids", "rejected_ids"))
+        pair = self._encode_raw(example)
+        return pair.prompt["input_ids"].numel(), pair.chosen.numel(), pair.rejected.numel()
+
+    def overlong_problem(self, prompt: int, chosen: int, rejected: int) -> str | None:
+        """Why a pair of these lengths cannot go into a batch as is or truncated (None: it can)."""
+        limit = self.max_length
+        if limit is None or prompt + max(chosen, rejected) <= limit:
+            return None
+        if self.overlong == "drop":
+            return f"prompt + completion has {prompt + max(chosen, rejected)} tokens > max_length={limit}"
+        if self.truncation_mode == "keep_start" and prompt >= limit:
+            return (f"its prompt alone has {prompt} tokens >= max_length={limit}, so keep_start truncation would "
+                    "leave no completion token (TRL drops such pairs when it tokenises text)")
+        if self.truncation_mode == "keep_end" and max(chosen, rejected) >= limit:
+            return (f"a completion alone has {max(chosen, rejected)} tokens >= max_length={limit}, so keep_end "
+                    "truncation would cut the whole prompt")
+        return None
+
+    def _fit(self, pair: _Pair, where: str) -> _Pair:
+        """``pair`` truncated to ``max_length`` per sequence (class doc), or a ValueError naming ``where``."""
+        prompt = pair.prompt["input_ids"].numel()
+        problem = self.overlong_problem(prompt, pair.chosen.numel(), pair.rejected.numel())
+        if problem is not None:
+            fix = ("raise max_length or set overlong='drop' (PackedDPOTrainer drops such pairs and counts them)"
+                   if self.overlong == "truncate" else "PackedDPOTrainer drops such pairs before training; raise "
+                   "max_length or filter the dataset")
+            raise ValueError(f"{where}: {problem}; {fix}")
+        if self.max_length is None:
+            return pair
+        room = self.max_length - prompt
+        if self.truncation_mode == "keep_start":
+            return replace(pair, chosen=pair.chosen[:room], rejected=pair.rejected[:room])
+        cuts = tuple(max(0, c.numel() - room) for c in (pair.chosen, pair.rejected))
+        return replace(pair, cuts=cuts)
+
     def _encode(self, example: Mapping[str, Any], index: int) -> _Pair:
+        where = (f"dataset row {example[ROW_KEY]}" if ROW_KEY in example
+                 else f"example {index} of the micro-batch")
         if "prompt_ids" in example:  # tokenised by DPOTrainer._prepare_dataset
             prompt = {"input_ids": torch.as_tensor(example["prompt_ids"], dtype=torch.long)}
             chosen, rejected = (torch.as_tensor(example[k], dtype=torch.long) for k in ("chosen_ids", "rejected_ids"))
@@ -112,29 +184,25 @@ class PreferenceCollator:
             pair = self._encode_raw(example)
         else:
             raise ValueError(
-                f"example {index}: expected TRL preference fields (prompt_ids/chosen_ids/rejected_ids, or prompt/"
+                f"{where}: expected TRL preference fields (prompt_ids/chosen_ids/rejected_ids, or prompt/"
                 f"chosen/rejected with images); got keys {sorted(example)}"
             )
         length = pair.prompt["input_ids"].numel()
         if length == 0:
-            raise ValueError(f"example {index}: empty prompt; the first completion token would have no context")
+            raise ValueError(f"{where}: empty prompt; the first completion token would have no context")
         for name, completion in (("chosen", pair.chosen), ("rejected", pair.rejected)):
             if completion.numel() == 0:
-                raise ValueError(f"example {index}: empty {name} completion (no token to score)")
-            if self.max_length is not None and length + completion.numel() > self.max_length:
-                raise ValueError(
-                    f"example {index}: prompt + {name} has {length + completion.numel()} tokens > max_length="
-                    f"{self.max_length}; raise max_length or filter the dataset (sequences are never truncated)"
-                )
+                raise ValueError(f"{where}: empty {name} completion (no token to score)")
+        pair = self._fit(pair, where)
         if self.shared_prompts and int(pair.prompt["input_ids"][-1]) in self.media_tokens:
-            raise ValueError(f"example {index}: the prompt ends on an image token, which shared_prompts cannot restate")
+            raise ValueError(f"{where}: the prompt ends on an image token, which shared_prompts cannot restate")
         return pair
 
     def _encode_raw(self, example: Mapping[str, Any]) -> _Pair:
         """Render and tokenise like TRL's ``DataCollatorForVisionPreference`` (same ids, same vision tensors)."""
         from trl.data_utils import apply_chat_template, is_conversational, prepare_multimodal_messages
 
-        example = dict(example)
+        example = {key: value for key, value in example.items() if key != ROW_KEY}
         images = [example.pop("image")] if "image" in example else list(example.get("images") or [])
         if is_conversational(example):
             example["prompt"] = prepare_multimodal_messages(example["prompt"], images=images)
@@ -158,12 +226,14 @@ class PreferenceCollator:
         if len(examples) == 0:
             raise ValueError("empty batch: the collator got no preference pairs")
         pairs = [self._encode(example, i) for i, example in enumerate(examples)]
-        sequences = [self._sequence(pair, completion) for pair in pairs for completion in (pair.chosen, pair.rejected)]
+        sequences = [self._sequence(pair, completion, cut) for pair in pairs
+                     for completion, cut in zip((pair.chosen, pair.rejected), pair.cuts)]
         vision_per_sequence = [pair.vision for pair in pairs for _ in range(2)]
         positions = self._positions(sequences, vision_per_sequence)
-        prompt_lengths = [pair.prompt["input_ids"].numel() for pair in pairs]
+        # prompt tokens of every sequence (keep_end truncation cuts each sequence's prompt on its own)
+        prompt_lengths = [pair.prompt["input_ids"].numel() - cut for pair in pairs for cut in pair.cuts]
         # Row segments: the full sequences, or (shared prompts) the rejected one from the prompt's last token on.
-        skip = [0 if s % 2 == 0 or not self.shared_prompts else prompt_lengths[s // 2] - 1
+        skip = [0 if s % 2 == 0 or not self.shared_prompts else prompt_lengths[s] - 1
                 for s in range(len(sequences))]
         segments = [{key: value[..., cut:] for key, value in seq.items()} for seq, cut in zip(sequences, skip)]
         packed = pack_sequences(
@@ -183,7 +253,7 @@ class PreferenceCollator:
         lengths = [seg["input_ids"].numel() for seg in segments]
         if self.shared_prompts:
             starts = np.concatenate([[0], np.cumsum(lengths)])
-            prefixes = [(0, 0) if s % 2 == 0 else (int(starts[s - 1]), prompt_lengths[s // 2] - 1)
+            prefixes = [(0, 0) if s % 2 == 0 else (int(starts[s - 1]), prompt_lengths[s] - 1)
                         for s in range(len(segments))]
             batch[SHARED_PREFIX_KWARG] = shared_prefix_keys(lengths, prefixes)
         batch[METADATA_KEY] = {
@@ -194,12 +264,13 @@ class PreferenceCollator:
         }
         return batch
 
-    def _sequence(self, pair: _Pair, completion: torch.Tensor) -> dict[str, torch.Tensor]:
-        """prompt + completion, per-token keys included (0 over the completion, as TRL fills them)."""
-        out = {"input_ids": torch.cat([pair.prompt["input_ids"], completion])}
+    def _sequence(self, pair: _Pair, completion: torch.Tensor, cut: int = 0) -> dict[str, torch.Tensor]:
+        """prompt (less its first ``cut`` tokens) + completion, per-token keys included (0 over the completion, as
+        TRL fills them)."""
+        out = {"input_ids": torch.cat([pair.prompt["input_ids"][cut:], completion])}
         for key, value in pair.prompt.items():
             if key != "input_ids":
-                out[key] = torch.cat([value, value.new_zeros(completion.numel())])
+                out[key] = torch.cat([value[cut:], value.new_zeros(completion.numel())])
         return out
 
     def _positions(self, sequences: list[dict[str, torch.Tensor]],
@@ -231,7 +302,7 @@ class PreferenceCollator:
         starts = np.concatenate([[0], np.cumsum(lengths)])
         completion_lengths = []
         for s, (start, length) in enumerate(zip(starts[:-1], lengths)):
-            prompt_in_row = prompt_lengths[s // 2] - skip[s]  # prompt tokens of sequence s inside its segment
+            prompt_in_row = prompt_lengths[s] - skip[s]  # prompt tokens of sequence s inside its segment
             completion_lengths.append(length - prompt_in_row)
             sequence_of_target[start + prompt_in_row - 1:start + length - 1] = s
         scored = torch.from_numpy(sequence_of_target)
@@ -242,7 +313,7 @@ class PreferenceCollator:
             "shift_labels": shift_labels,
             "sequence_of_target": scored,
             "completion_lengths": torch.tensor(completion_lengths),
-            "pairs": len(prompt_lengths),
+            "pairs": len(prompt_lengths) // 2,
         }
         for key in _REF_KEYS:
             if key in examples[0]:

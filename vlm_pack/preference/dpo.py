@@ -8,13 +8,22 @@ sequence's summed completion log-prob (:func:`sequence_logps`); the loss is the 
 gradient-accumulation steps: DPO batches carry no ``labels``, so no ``num_items_in_batch``). Precomputed reference
 log-probs (``precompute_ref_log_probs=True``) go through the same packed forward. Dataset preparation, the
 reference model, PEFT adapters and the metrics' names stay TRL's.
+
+Over-long pairs (``max_length``, default 1024): truncated like TRL (``truncation_mode``; the collator's rule) or,
+with ``overlong="drop"``, dropped from the dataset and counted (``overlong_dropped``). Both are decided when the
+trainer is built: every example carries its dataset row (``ROW_KEY``), one pass over the lengths drops pairs or
+names the first row that cannot be truncated (an IterableDataset: dropped lazily / named at its batch).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
+import numpy as np
+
+import datasets
 import torch
 from accelerate.utils import is_peft_model
 from trl import DPOTrainer
@@ -23,12 +32,13 @@ from trl.trainer.utils import use_adapter
 
 from ..core.batch import METADATA_KEY
 from ..integrations.hf_model import enable_packing
-from .collator import PREFERENCE_KEY, PreferenceCollator
+from .collator import OVERLONG, PREFERENCE_KEY, ROW_KEY, PreferenceCollator
 from .losses import PairLogps, check_dpo_options, dpo_loss
 
 __all__ = ["PackedDPOTrainer", "sequence_logps"]
 
 _BOOKKEEPING = {METADATA_KEY, "ref_chosen_logps", "ref_rejected_logps", "completion_mask"}
+logger = logging.getLogger(__name__)
 
 
 def _layout(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -64,21 +74,30 @@ class PackedDPOTrainer(DPOTrainer):
     """``trl.DPOTrainer`` whose batches are packed rows from :class:`PreferenceCollator`.
 
     Takes ``DPOTrainer``'s arguments; ``data_collator`` must be a ``PreferenceCollator`` (it adopts
-    ``args.max_length`` when it has none: a longer pair raises where TRL would truncate it). The policy and the
-    reference model are switched to packed attention (``vlm_pack.enable_packing``). Refused clearly: loss types
-    or options that are not functions of sequence log-probs (``vlm_pack.preference.losses``), MoE auxiliary
-    losses, ``return_outputs=True`` (the fused head builds no logits).
+    ``args.max_length`` and ``args.truncation_mode`` when it has no ``max_length``). ``overlong``: ``"truncate"``
+    (TRL's behaviour, the default) or ``"drop"`` (pairs longer than ``max_length`` leave the dataset); sets the
+    collator's. ``overlong_dropped``: pairs removed for their length, per dataset name (TRL's own filter of text
+    pairs whose prompt fills ``max_length`` under keep_start included). The policy and the reference model are switched
+    to packed attention (``vlm_pack.enable_packing``). Refused clearly: loss types or options that are not
+    functions of sequence log-probs (``vlm_pack.preference.losses``), MoE auxiliary losses,
+    ``return_outputs=True`` (the fused head builds no logits).
     ``last_logps``: the last micro-batch's per-pair :class:`PairLogps` (detached), for inspection.
     """
 
-    def __init__(self, model, ref_model=None, args=None, data_collator=None, *pargs, **kwargs) -> None:
+    def __init__(self, model, ref_model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
+                 *pargs, overlong: str | None = None, **kwargs) -> None:
         if not isinstance(data_collator, PreferenceCollator):
             raise ValueError("PackedDPOTrainer needs data_collator=vlm_pack.preference.PreferenceCollator(...); got "
                              f"{type(data_collator).__name__}")
+        if overlong is not None:
+            if overlong not in OVERLONG:
+                raise ValueError(f"overlong={overlong!r}; choose 'truncate' (like TRL) or 'drop' (dropped, counted)")
+            data_collator.overlong = overlong
+        self._packed_collator = data_collator
+        self.overlong_dropped: dict[str, int] = {}
         if args is not None:
             check_dpo_options(args)
-            if data_collator.max_length is None:  # TRL's collators truncate at max_length; ours refuses longer pairs
-                data_collator.max_length = args.max_length
+            self._adopt_length(args)
             if args.precompute_ref_log_probs and isinstance(model, str):
                 raise ValueError("precompute_ref_log_probs=True with a model name: pass the loaded model, so packed "
                                  "attention is on before TRL precomputes the reference log-probs")
@@ -86,16 +105,85 @@ class PackedDPOTrainer(DPOTrainer):
         for candidate in (model, ref_model):
             if candidate is not None and not isinstance(candidate, str):
                 _enable(candidate)
-        super().__init__(model, ref_model, args, data_collator, *pargs, **kwargs)
+        train_dataset = _with_rows(train_dataset)
+        eval_dataset = ({k: _with_rows(v) for k, v in eval_dataset.items()} if isinstance(eval_dataset, dict)
+                        else _with_rows(eval_dataset))
+        super().__init__(model, ref_model, args, data_collator, train_dataset, eval_dataset, *pargs, **kwargs)
         check_dpo_options(self.args)
-        if data_collator.max_length is None:
-            data_collator.max_length = self.args.max_length
+        self._adopt_length(self.args)
+        if self._is_vision_dataset:  # TRL prepares no vision dataset (_prepare_dataset is not called)
+            self.train_dataset = self._check_overlong(self.train_dataset, "train")
+            if isinstance(self.eval_dataset, dict):
+                self.eval_dataset = {k: self._check_overlong(v, k) for k, v in self.eval_dataset.items()}
+            elif self.eval_dataset is not None:
+                self.eval_dataset = self._check_overlong(self.eval_dataset, "eval")
         if self.aux_loss_enabled:
             raise ValueError("MoE router auxiliary loss (router_aux_loss_coef) is not supported by the packed DPO path")
         for candidate in (self.model, self.ref_model):  # models TRL loaded or created itself
             if candidate is not None:
                 _enable(self.accelerator.unwrap_model(candidate))
         self.last_logps: PairLogps | None = None
+
+    def _adopt_length(self, args) -> None:
+        """The collator takes ``args.max_length`` / ``truncation_mode`` unless it was given a ``max_length``."""
+        collator = self._packed_collator
+        if collator.max_length is None and args.max_length is not None:
+            collator.max_length, collator.truncation_mode = args.max_length, args.truncation_mode
+        collator.check_truncation()
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        """TRL's preparation (tokenising; it drops text pairs whose prompt fills ``max_length`` under keep_start),
+        then the over-long check of :meth:`_check_overlong` (before any reference log-prob is precomputed)."""
+        before = len(dataset) if isinstance(dataset, datasets.Dataset) else None
+        dataset = super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        if before is not None and len(dataset) < before:  # TRL's own length filter: counted with ours
+            self.overlong_dropped[dataset_name] = before - len(dataset)
+        self._adopt_length(args)
+        return self._check_overlong(dataset, dataset_name)
+
+    def _check_overlong(self, dataset, name: str):
+        """Drop (``overlong="drop"``, counted) or refuse (naming the dataset row) pairs longer than ``max_length``
+        that the collator cannot truncate like TRL; one pass over the lengths (an IterableDataset: lazily)."""
+        collator = self._packed_collator
+        if collator.max_length is None or dataset is None:
+            return dataset
+        if isinstance(dataset, datasets.IterableDataset):
+            if collator.overlong == "drop":
+                self.overlong_dropped.setdefault(name, 0)
+
+                def fits(example) -> bool:
+                    keep = collator.overlong_problem(*collator.sequence_lengths(example)) is None
+                    self.overlong_dropped[name] += not keep
+                    return keep
+
+                return dataset.filter(fits)
+            return dataset  # truncated by the collator, whose errors name the row
+        lengths = _pair_lengths(dataset, collator)
+        rows = dataset[ROW_KEY] if ROW_KEY in dataset.column_names else list(range(len(dataset)))
+        problems = [(i, problem) for i, length in enumerate(lengths)
+                    if (problem := collator.overlong_problem(*length)) is not None]
+        if collator.overlong == "drop":
+            self.overlong_dropped[name] = self.overlong_dropped.get(name, 0) + len(problems)
+            if problems:
+                logger.warning("%s: dropped %d of %d preference pairs longer than max_length=%d (overlong='drop')",
+                               name, len(problems), len(dataset), collator.max_length)
+                dropped = {i for i, _ in problems}
+                dataset = dataset.select([i for i in range(len(dataset)) if i not in dropped])
+            return dataset
+        if problems:
+            i, problem = problems[0]
+            raise ValueError(f"{name} dataset row {rows[i]}: {problem} ({len(problems)} such pairs); raise "
+                             "max_length or pass overlong='drop' to drop and count them")
+        longer = sum(prompt + max(chosen, rejected) > collator.max_length for prompt, chosen, rejected in lengths)
+        if longer:
+            logger.info("%s: %d of %d preference pairs are longer than max_length=%d and are truncated (%s), as "
+                        "TRL does", name, longer, len(dataset), collator.max_length, collator.truncation_mode)
+        return dataset
+
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        if ROW_KEY not in self._signature_columns:  # the row index survives remove_unused_columns
+            self._signature_columns = [*self._signature_columns, ROW_KEY]
 
     def _reference_context(self):
         """TRL's PEFT rule: without a reference model, the reference is the adapter-free (or 'ref' adapter) model."""
@@ -171,3 +259,25 @@ class PackedDPOTrainer(DPOTrainer):
         with torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
+
+
+def _with_rows(dataset):
+    """``dataset`` with every example's row index under ``ROW_KEY`` (errors name the row the user gave)."""
+    if isinstance(dataset, datasets.Dataset) and ROW_KEY not in dataset.column_names:
+        return dataset.add_column(ROW_KEY, np.arange(len(dataset)))
+    if isinstance(dataset, datasets.IterableDataset):
+        return dataset.map(lambda example, row: {ROW_KEY: row}, with_indices=True)
+    return dataset
+
+
+def _pair_lengths(dataset, collator: PreferenceCollator) -> list[tuple[int, int, int]]:
+    """Untruncated ``(prompt, chosen, rejected)`` token counts of every row: from the arrow list lengths of a
+    tokenised dataset, else by encoding each raw (vision) example."""
+    if "prompt_ids" in dataset.column_names:
+        import pyarrow.compute as pc
+
+        table = dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"]).with_format("arrow")[:]
+        columns = [pc.list_value_length(table[key]).to_numpy(zero_copy_only=False).tolist()
+                   for key in ("prompt_ids", "chosen_ids", "rejected_ids")]
+        return list(zip(*columns))
+    return [collator.sequence_lengths(example) for example in dataset]
