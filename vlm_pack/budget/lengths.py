@@ -125,7 +125,10 @@ def _measure_chunk(collator: Any, examples: Sequence[Any], first: int) -> tuple[
                           allow_images=collator.has_images, decode_images=False)
         for row, example in enumerate(examples)
     ]
-    texts = processor.apply_chat_template(conversations, chat_template=collator.chat_template, tokenize=False)
+    rendered = conversations if collator.has_images else [  # text templates expect string content
+        [{**turn, "content": "".join(part["text"] for part in turn["content"])} for turn in conversation]
+        for conversation in conversations]
+    texts = processor.apply_chat_template(rendered, chat_template=collator.chat_template, tokenize=False)
     tokens, image_tokens, images = (np.zeros(len(examples), dtype=np.int64) for _ in range(3))
     for row, conversation in enumerate(conversations):
         where = f"sample {first + row}"
