@@ -90,12 +90,15 @@ class StreamingPackDataset(torch.utils.data.IterableDataset):
         self.epoch = int(epoch)
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state`` (``{"format", "epoch", "units": {unit: unit state}}``, the states an epoch's
-        items carried): the next iteration of that epoch resumes each listed unit after its last consumed pack;
-        units not listed start the epoch afresh. Later epochs are unaffected."""
+        """Continue from ``state`` (``{"format", "epoch", "units": {unit: unit state}, "last_unit"}``: the states the
+        epoch's consumed items carried, and the unit of the last one): the next iteration of that epoch resumes each
+        listed unit after its last consumed pack (units not listed start the epoch afresh) and the DataLoader's
+        round robin after ``last_unit``. Later epochs are unaffected. The number of DataLoader workers must not
+        change."""
         if state.get("format") != _FORMAT:
             raise ValueError(f"not a streaming pack state (format {state.get('format')!r}, expected {_FORMAT!r})")
-        self._resume = {"epoch": int(state["epoch"]),
+        last = state.get("last_unit")
+        self._resume = {"epoch": int(state["epoch"]), "last_unit": None if last is None else int(last),
                         "units": {int(u): s for u, s in state["units"].items()}}
         self.epoch = int(state["epoch"])
 
@@ -115,16 +118,28 @@ class StreamingPackDataset(torch.utils.data.IterableDataset):
                 "workers: every worker of every rank needs at least one shard (shards are dealt before packing, so "
                 "no sample is read twice). Write more, smaller files, or use fewer workers"
             )
-        unit = self.rank * workers + worker
         epoch = self.epoch
         resume = None
-        if self._resume is not None and self._resume["epoch"] == epoch:
+        resuming = self._resume is not None and self._resume["epoch"] == epoch
+        if resuming and self._resume["last_unit"] is not None:
+            # The DataLoader serves its workers round robin from worker 0, skipping finished ones: start the
+            # rotation at the unit after the last consumed one, as the uninterrupted run continues.
+            worker = (worker + self._resume["last_unit"] + 1) % workers
+        unit = self.rank * workers + worker
+        if resuming:
             resume = self._resume["units"].get(unit)
             if resume is not None and resume["units"] != units:
                 raise ValueError(f"the saved stream state was made with {resume['units']} ranks x workers, now "
                                  f"{units}: resume with the same world size and dataloader_num_workers")
         shards = self.shard_order(epoch)[unit::units].tolist()
         yield from _UnitPacker(self, epoch, unit, units, shards, resume)
+
+    def trainer_callback(self, **kwargs: Any):
+        """The :class:`~vlm_pack.streaming.trainer.StreamingPackCallback` for this dataset (``PackedSFTTrainer``
+        adds it itself)."""
+        from .trainer import StreamingPackCallback
+
+        return StreamingPackCallback(self, **kwargs)
 
     @staticmethod
     def collate_fn(items: list[dict[str, Any]]) -> dict[str, Any]:

@@ -59,25 +59,28 @@ class StreamAligner:
         self.sync = sync or (lambda has_data: has_data)
         self.epoch, self.pulled = 0, 0  # the epoch wrap() pulls next / packs it pulled in its current epoch
         self.pending: deque[tuple[int, int | None, dict | None]] = deque()
-        self.consumed_epoch, self.count, self.units = 0, 0, {}
+        self.consumed_epoch, self.count, self.units, self.last_unit = 0, 0, {}, None
         self.pads = 0
 
     def state(self) -> dict:
-        return {"format": _FORMAT, "epoch": self.consumed_epoch, "count": self.count, "units": self.units}
+        return {"format": _FORMAT, "epoch": self.consumed_epoch, "count": self.count, "units": self.units,
+                "last_unit": self.last_unit}
 
     def restore(self, state: dict) -> None:
         self.dataset.load_state_dict(state)
         self.epoch = self.consumed_epoch = int(state["epoch"])
         self.pulled = self.count = int(state["count"])
         self.units = {int(u): s for u, s in state["units"].items()}
+        self.last_unit = state.get("last_unit")
 
     def consume(self) -> None:
         epoch, unit, unit_state = self.pending.popleft()
         if epoch != self.consumed_epoch:
-            self.consumed_epoch, self.count, self.units = epoch, 0, {}
+            self.consumed_epoch, self.count, self.units, self.last_unit = epoch, 0, {}, None
         self.count += 1
         if unit is not None:
             self.units[unit] = unit_state
+            self.last_unit = unit
 
     def wrap(self, batches) -> Any:
         """One epoch's pulls: ``batches`` (the rank's packs) plus loss-free packs (module doc)."""
