@@ -105,9 +105,16 @@ class StreamAligner:
 
     def epoch_batches(self, start) -> Any:
         """The next epoch through :meth:`wrap`; ``start()`` begins the loader's iteration, after the dataset's epoch
-        is set (its workers copy the dataset when they start)."""
-        self.dataset.set_epoch(self.epoch)
-        return self.wrap(iter(start()))
+        is set (its workers copy the dataset when they start). An epoch restored at its very end has nothing left:
+        the following epoch runs in the same iteration (Trainer stops training on an empty one)."""
+        for _ in range(2):
+            self.dataset.set_epoch(self.epoch)
+            pulled = 0
+            for batch in self.wrap(iter(start())):
+                pulled += 1
+                yield batch
+            if pulled:
+                return
 
 
 def _gloo_sync(group):
