@@ -287,3 +287,35 @@ def test_loss_free_pack_counts_no_token(text_collator, streams):
     dataset = StreamingPackDataset(_source(streams, "json"), text_collator, pack_size=PACK)
     pad = loss_free_pack(dataset)
     assert int((pad["labels"] != -100).sum()) == 0 and pad["input_ids"].shape[1] > 0
+
+
+def test_packed_sft_trainer_on_an_image_stream_equals_each_sample_alone(processor, tmp_path):
+    """TRL (PackedSFTTrainer) on a 2-shard stream of photos, VQA images and text, 2 workers: the first step's
+    gradient (its packs' samples, a token mean over the window) equals each of those samples run ALONE through the
+    stock sdpa Qwen2-VL (tests/test_trainer.py's reference)."""
+    from test_trainer import GradCapture, reference_grads, relative_error, sft_config
+    from tolerance import GRAD_REL_L2
+
+    from vlm_pack import PackedSFTTrainer, enable_packing, to_hf_dataset
+    from vlm_pack.testing.data import easy_vqa_examples, photo_examples
+    from vlm_pack.testing.tiny_models import tiny_model
+
+    examples = photo_examples(3, seed=5, max_side=56) + easy_vqa_examples(2, seed=5) + text_chat_examples(3, seed=5)
+    source = to_hf_dataset(examples).to_iterable_dataset(num_shards=2)
+    rows = {(s, r): row for s in range(2) for r, row in enumerate(source.shard(num_shards=2, index=s))}
+    model = enable_packing(tiny_model("qwen2_vl", layers=1))
+    collator = VLMPackingCollator(processor, max_length=512, model_config=model.config)
+    packs = StreamingPackDataset(source, collator, pack_size=384, buffer_size=4, seed=1)
+    seen = []
+    model.register_forward_pre_hook(
+        lambda m, a, k: seen.append(k["vlm_pack"]["stream"].get("samples", [])), with_kwargs=True)
+    capture = GradCapture()
+    args = sft_config(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=2,
+                      dataloader_num_workers=2)
+    PackedSFTTrainer(model=model, args=args, train_dataset=packs, processing_class=processor,
+                     callbacks=[capture]).train()
+    chosen = [rows[tuple(key)] for pack in seen[:2] for key in pack]
+    assert any(row["images"] for row in chosen) and len(chosen) >= 3
+    error = relative_error(capture.grads, reference_grads("qwen2_vl", processor, chosen))
+    print(f"streaming packs through TRL, {len(chosen)} samples in step 1: relative L2 {error:.2e}")
+    assert error < GRAD_REL_L2

@@ -10,8 +10,8 @@
   packs its own samples. An explicit ``dispatch_batches=True`` is refused.
 * streaming packs: a ``train_dataset`` with a ``trainer_callback()`` (``vlm_pack.streaming.StreamingPackDataset``,
   which TRL's own type check would refuse) is trained on as is: TRL is set up on a one-row stand-in, the packs are
-  served by the dataset's ``collate_fn``, its callback is added and ``ignore_data_skip`` set (the callback restores
-  the stream position on resume).
+  served by the dataset's ``collate_fn``, its callback is added, ``ignore_data_skip`` set (the callback restores
+  the stream position on resume) and ``remove_unused_columns`` unset (packs are model-ready).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class PackedSFTTrainer(SFTTrainer):
         if make_callback is not None:
             self.train_dataset = stream
             self.args.ignore_data_skip = True
+            self.args.remove_unused_columns = False  # packs are model-ready; Trainer must not strip their keys
             callback = make_callback()
             callback.on_init_end(self.args, self.state, self.control)  # the other settings a stream needs
             self.add_callback(callback)

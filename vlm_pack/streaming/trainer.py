@@ -168,6 +168,8 @@ class StreamingPackCallback(TrainerCallback):
             problems.append("per_device_train_batch_size=1 (a pack is the micro-batch)")
         if args.accelerator_config.dispatch_batches:
             problems.append('accelerator_config={"dispatch_batches": False} (each rank reads its own shards)')
+        if args.remove_unused_columns:
+            problems.append("remove_unused_columns=False (Trainer would strip the packs' keys)")
         if args.dataloader_persistent_workers:
             problems.append("dataloader_persistent_workers=False (persistent workers never see the next epoch)")
         if problems:
