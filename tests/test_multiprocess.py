@@ -24,7 +24,7 @@ from tolerance import GRAD_REL_L2
 DDP_CASES = ("ddp_vlm", "ddp_packed_dataset", "ddp_packed_sft", "ddp_token_budget")
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 # ZeRO cases last: once ZeRO-3 is configured, transformers builds every later model partitioned.
-CASES = (*DDP_CASES, "ddp_per_rank_mean", "fsdp2", "sampler", *(("zero2", "zero3") if HAS_DEEPSPEED else ()))
+CASES = (*DDP_CASES, "ddp_per_rank_mean", "fsdp2", "sampler", "stream", *(("zero2", "zero3") if HAS_DEEPSPEED else ()))
 pytestmark = pytest.mark.slow  # multi-process (CI runs slow tests too)
 LAUNCH_TIMEOUT_S = 900  # generous: two processes import torch + transformers and train on a loaded 2-core box
 
@@ -95,5 +95,25 @@ def test_balanced_sampler_in_trainer_covers_every_sample_once_and_resumes(result
     epochs = [sorted(i for rank in ranks for mb in rank["full"][e * 8:(e + 1) * 8] for i in mb) for e in (0, 1)]
     assert epochs == [list(range(32))] * 2
     assert ranks[0]["full"][:8] != ranks[0]["full"][8:]
+    for rank in ranks:
+        assert rank["resumed"] == rank["full"][12:]
+
+
+def test_streaming_packs_in_trainer_once_per_epoch_equal_steps_and_resume(results):
+    """vlm_pack.streaming through Trainer on 2 ranks x 2 workers, 8 uneven JSONL shards, accumulation 2, 9 steps:
+    each epoch holds every sample exactly once across the ranks (shards dealt before packing, accelerate's
+    IterableDatasetShard passed through), both ranks start each epoch at the same micro-batch (the rank with less
+    data trains loss-free packs meanwhile, nothing repeated), and the run resumed from checkpoint-6 (second pass)
+    forwards exactly what the uninterrupted run had left, on both ranks."""
+    got = results["stream"]
+    ranks = got["ranks"]
+    assert len(ranks[0]["full"]) == len(ranks[1]["full"]) == 18  # 9 steps x accumulation 2 on each rank
+    starts = [[next(i for i, x in enumerate(rank["full"]) if x != "pad" and x[0] == e) for e in (1, 2)]
+              for rank in ranks]
+    assert starts[0] == starts[1]
+    assert any(x == "pad" for rank in ranks for x in rank["full"])
+    for epoch in (0, 1):
+        keys = [tuple(k) for rank in ranks for x in rank["full"] if x != "pad" and x[0] == epoch for k in x[1]]
+        assert len(keys) == len(set(keys)) == got["samples"], epoch
     for rank in ranks:
         assert rank["resumed"] == rank["full"][12:]
