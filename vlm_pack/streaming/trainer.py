@@ -170,6 +170,8 @@ class StreamingPackCallback(TrainerCallback):
             problems.append('accelerator_config={"dispatch_batches": False} (each rank reads its own shards)')
         if args.remove_unused_columns:
             problems.append("remove_unused_columns=False (Trainer would strip the packs' keys)")
+        if not getattr(args, "dataloader_in_order", True):
+            problems.append("dataloader_in_order=True (a resume replays the workers' round robin)")
         if args.dataloader_persistent_workers:
             problems.append("dataloader_persistent_workers=False (persistent workers never see the next epoch)")
         if problems:
