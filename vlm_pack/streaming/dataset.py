@@ -145,8 +145,8 @@ class StreamingPackDataset(torch.utils.data.IterableDataset):
     def collate_fn(items: list[dict[str, Any]]) -> dict[str, Any]:
         """DataLoader ``collate_fn`` at batch size 1: the pack is the batch."""
         if len(items) != 1:
-            raise ValueError(f"streaming packs are served at micro-batch size 1 (a pack is the batch); got {len(items)} "
-                             "items: set batch_size=1 (per_device_train_batch_size=1)")
+            raise ValueError(f"streaming packs are served at micro-batch size 1 (a pack is the batch); got "
+                             f"{len(items)} items: set batch_size=1 (per_device_train_batch_size=1)")
         return items[0]
 
 
