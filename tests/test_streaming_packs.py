@@ -232,50 +232,47 @@ def test_peak_memory_does_not_grow_with_the_stream(tmp_path, text_collator):
 # ---------------------------------------------------------------- Trainer and TRL
 
 
-def _trainer_run(streams, text_collator, out, resume=None, steps=10, trainer="plain"):
-    """Plain Trainer (or PackedSFTTrainer), tiny Qwen2 LLM, JSONL stream, 2 workers, GA 2, a checkpoint every 2
-    steps; returns (each forward's sample keys or "pad", final weights)."""
+def _trainer_run(streams, text_collator, out, resume=None):
+    """Plain Trainer, tiny Qwen2 LLM, JSONL stream at pack 512, 2 workers, GA 2, 9 steps, a checkpoint
+    every 2 steps; returns (each forward's sample keys or "pad", final weights)."""
     from transformers import Trainer, TrainingArguments
 
-    from vlm_pack import PackedSFTTrainer, enable_packing
+    from vlm_pack import enable_packing
     from vlm_pack.testing.tiny_models import _SMALL_VOCAB, tiny_model
 
     model = enable_packing(tiny_model("qwen2", layers=1, vocab_size=_SMALL_VOCAB))
     seen = []
     model.register_forward_pre_hook(
         lambda m, a, k: seen.append(k["vlm_pack"]["stream"].get("samples", "pad")), with_kwargs=True)
-    dataset = StreamingPackDataset(_source(streams, "json"), text_collator, pack_size=PACK, buffer_size=BUFFER, seed=5)
-    common = dict(output_dir=str(out), per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=steps,
-                  optim="sgd", learning_rate=0.1, use_cpu=True, report_to="none", save_strategy="steps",
-                  save_steps=2, logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=2)
-    if trainer == "plain":
-        args = TrainingArguments(**common, remove_unused_columns=False, ignore_data_skip=True,
-                                 accelerator_config={"dispatch_batches": False})
-        run = Trainer(model=model, args=args, train_dataset=dataset, data_collator=dataset.collate_fn,
-                      callbacks=[StreamingPackCallback(dataset)])
-    else:
-        from trl import SFTConfig
-
-        args = SFTConfig(**common, bf16=False, gradient_checkpointing=False)
-        run = PackedSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=text_collator.processor)
+    dataset = StreamingPackDataset(_source(streams, "json"), text_collator, pack_size=512, buffer_size=BUFFER, seed=5)
+    args = TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=9,
+        optim="sgd", learning_rate=0.1, use_cpu=True, report_to="none", save_strategy="steps", save_steps=2,
+        logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=2, remove_unused_columns=False,
+        ignore_data_skip=True, accelerator_config={"dispatch_batches": False})
+    run = Trainer(model=model, args=args, train_dataset=dataset, data_collator=dataset.collate_fn,
+                  callbacks=[StreamingPackCallback(dataset)])
     run.train(resume_from_checkpoint=resume)
     return seen, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def test_trainer_resumes_in_the_first_and_a_later_pass_like_the_uninterrupted_run(streams, text_collator, tmp_path):
     full, weights = _trainer_run(streams, text_collator, tmp_path / "run")
-    keys = [tuple(k) for step in full if step != "pad" for k in step]
-    first_pass = keys[:streams[1]]
-    assert len(set(first_pass)) == streams[1] == len(first_pass)  # the first pass is whole before the second
-    for step in (2, 8):  # 8: in the second pass
+    packs = [step for step in full if step != "pad"]
+    first_pass_packs = next(i for i in range(len(packs) + 1)
+                            if sum(len(p) for p in packs[:i]) == streams[1])  # the first pass is whole...
+    assert len({tuple(k) for p in packs[:first_pass_packs] for k in p}) == streams[1]
+    assert 2 * 2 < first_pass_packs < 2 * 6  # ...and checkpoint-2 is in it, checkpoint-6 in the second pass
+    for step in (2, 6):
         resumed, resumed_weights = _trainer_run(streams, text_collator, tmp_path / "run",
                                                 resume=str(tmp_path / "run" / f"checkpoint-{step}"))
         assert resumed == full[2 * step:], step
+        print(f"resumed from checkpoint-{step}: {len(resumed)} forwards identical, weights equal")
         assert all(torch.equal(resumed_weights[n], weights[n]) for n in weights), step
     # corruption: a restart without the stream state is refused (it would repeat and skip samples)
-    shutil.rmtree(tmp_path / "run" / "checkpoint-8" / "vlm_pack_stream")
+    shutil.rmtree(tmp_path / "run" / "checkpoint-6" / "vlm_pack_stream")
     with pytest.raises(ValueError, match="stream position is unknown"):
-        _trainer_run(streams, text_collator, tmp_path / "run", resume=str(tmp_path / "run" / "checkpoint-8"))
+        _trainer_run(streams, text_collator, tmp_path / "run", resume=str(tmp_path / "run" / "checkpoint-6"))
 
 
 def test_trainer_without_ignore_data_skip_is_refused(streams, text_collator, tmp_path):
