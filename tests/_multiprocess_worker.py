@@ -411,6 +411,52 @@ def sampler_case(out: str) -> dict:
             "batch_sampler": type(trainer.get_train_dataloader().batch_sampler.batch_sampler).__name__}
 
 
+def stream_case(out: str) -> dict:
+    """Streaming packs (vlm_pack.streaming) through Trainer: 2 ranks x 2 DataLoader workers over 8 JSONL shards of
+    uneven sizes (the ranks' epochs differ in packs), accumulation 2, 9 steps (2+ epochs), a checkpoint every 3
+    steps; run 2 resumes from checkpoint-6. Each rank reports every forward's samples, epoch or "pad"."""
+    from datasets import load_dataset
+
+    from vlm_pack.streaming import StreamingPackCallback, StreamingPackDataset
+    from vlm_pack.testing.data import text_chat_examples
+
+    tokenizer = qwen_tokenizer()
+    examples = text_chat_examples(40, seed=11)
+    cuts = [0, 2, 4, 9, 12, 20, 26, 30, 40]
+    files = []
+    if dist.get_rank() == 0:
+        for s in range(8):
+            path = Path(out) / f"part{s}.jsonl"
+            path.write_text("".join(json.dumps(e) + "\n" for e in examples[cuts[s]:cuts[s + 1]]))
+    dist.barrier()
+    files = [str(Path(out) / f"part{s}.jsonl") for s in range(8)]
+    collator = VLMPackingCollator(tokenizer, max_length=1024)
+
+    def run(resume: str | None) -> list:
+        packs = StreamingPackDataset(load_dataset("json", data_files=files, split="train", streaming=True),
+                                     collator, pack_size=256, buffer_size=8, seed=3)
+        model = enable_packing(tiny_model("qwen2", layers=1, vocab_size=len(tokenizer)))
+        seen = []
+
+        def record(module, args, kwargs):
+            stream = kwargs["vlm_pack"]["stream"]
+            seen.append("pad" if stream.get("pad") else [stream["epoch"], stream["samples"]])
+
+        model.register_forward_pre_hook(record, with_kwargs=True)
+        args = ref.training_args(out, max_steps=9, per_device_train_batch_size=1, save_strategy="steps",
+                                 save_steps=3, dataloader_num_workers=2, ignore_data_skip=True,
+                                 accelerator_config={"dispatch_batches": False})
+        Trainer(model=model, args=args, train_dataset=packs, data_collator=packs.collate_fn,
+                callbacks=[StreamingPackCallback(packs)]).train(resume_from_checkpoint=resume)
+        return seen
+
+    full = run(None)
+    resumed = run(os.path.join(out, "checkpoint-6"))
+    gathered = [None] * WORLD
+    dist.all_gather_object(gathered, {"full": full, "resumed": resumed})
+    return {"ranks": gathered, "samples": len(examples)}
+
+
 CASES = {
     "ddp_vlm": vlm_case,
     "ddp_per_rank_mean": lambda out: packed_sft_case(out, average_tokens=False),
@@ -419,6 +465,7 @@ CASES = {
     "ddp_token_budget": token_budget_case,
     "fsdp2": fsdp2_case,
     "sampler": sampler_case,
+    "stream": stream_case,
     "zero2": lambda out: zero_case(out, 2),
     "zero3": lambda out: zero_case(out, 3),
     "sp_text": sp_text_case,

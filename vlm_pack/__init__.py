@@ -45,6 +45,8 @@ _LAZY = {
     "PackedSFTDataset": "offline",
     "PackedDataset": "offline",
     "prepare_packed_sequence_data": "offline",
+    "StreamingPackDataset": "streaming.dataset",
+    "StreamingPackCallback": "streaming.trainer",
 }
 
 __all__ = list(_LAZY)

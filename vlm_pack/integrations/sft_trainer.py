@@ -8,6 +8,10 @@
 * ``dispatch_batches`` off: accelerate's default for an ``IterableDataset`` slices every tensor of a batch along
   dim 0, which no packed batch survives (see :func:`vlm_pack.integrations.hf_model.packed_forward_hook`); each process then reads and
   packs its own samples. An explicit ``dispatch_batches=True`` is refused.
+* streaming packs: a ``train_dataset`` with a ``trainer_callback()`` (``vlm_pack.streaming.StreamingPackDataset``,
+  which TRL's own type check would refuse) is trained on as is: TRL is set up on a one-row stand-in, the packs are
+  served by the dataset's ``collate_fn``, its callback is added, ``ignore_data_skip`` set (the callback restores
+  the stream position on resume) and ``remove_unused_columns`` unset (packs are model-ready).
 """
 
 from __future__ import annotations
@@ -22,6 +26,16 @@ from .hf_model import DISPATCH_FIX
 __all__ = ["PackedSFTTrainer"]
 
 
+def _stand_in(with_images: bool):
+    """A one-row chat stream for TRL's set-up checks (never trained on)."""
+    import datasets
+
+    row = {"messages": [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]}
+    if with_images:
+        row["images"] = []
+    return datasets.IterableDataset.from_generator(lambda: iter([row]))
+
+
 class PackedSFTTrainer(SFTTrainer):
     """``SFTTrainer`` for packed batches (``VLMPackingCollator``, offline packs): same arguments, same training."""
 
@@ -29,10 +43,22 @@ class PackedSFTTrainer(SFTTrainer):
         config = kwargs.get("args", args[1] if len(args) > 1 else None)
         if config is not None and config.accelerator_config.dispatch_batches:
             raise ValueError(f"PackedSFTTrainer: dispatch_batches=True cuts packed batches apart; pass {DISPATCH_FIX}")
+        stream = kwargs.get("train_dataset")
+        make_callback = getattr(stream, "trainer_callback", None)
+        if make_callback is not None:
+            kwargs["train_dataset"] = _stand_in(stream.collator.has_images)
+            kwargs["data_collator"] = stream.collate_fn
         super().__init__(*args, **kwargs)
         # Dataloaders are built (and prepared) later, in train() / evaluate(): both settings take effect.
         self.args.accelerator_config.dispatch_batches = False
         self.accelerator.dataloader_config.dispatch_batches = False
+        if make_callback is not None:
+            self.train_dataset = stream
+            self.args.ignore_data_skip = True
+            self.args.remove_unused_columns = False  # packs are model-ready; Trainer must not strip their keys
+            callback = make_callback()
+            callback.on_init_end(self.args, self.state, self.control)  # the other settings a stream needs
+            self.add_callback(callback)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         counted = self._total_train_tokens

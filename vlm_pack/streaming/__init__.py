@@ -1,0 +1,21 @@
+"""Streaming token-budget packs: fixed-size packs from a dataset that only streams (``load_dataset(...,
+streaming=True)``), exactly once per epoch across DataLoader workers and data-parallel ranks, resumable anywhere.
+
+    shards --dealt per epoch (seeded order) to rank x worker units BEFORE packing--> each unit: exact lengths
+           (the token-budget planner's counts) --BufferedBestFit (bounded look-ahead)--> packs collated on the spot
+    Trainer + StreamingPackCallback: every rank takes the same number of steps (loss-free packs once a rank's
+    epoch is over), and the units' states are saved with each checkpoint and restored on resume.
+"""
+
+from ..lazy_exports import lazy_getattr
+
+_LAZY = {
+    "BufferedBestFit": "packer",
+    "StreamingPackDataset": "dataset",
+    "StreamingPackCallback": "trainer",
+}
+
+__all__ = sorted(_LAZY)
+
+
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
