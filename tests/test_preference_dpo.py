@@ -230,3 +230,18 @@ def test_shared_prefix_rule_equals_dense_mask(one_thread):
     allowed[9:13, 4:9] = True  # corruption: the continuation also sees the other continuation
     corrupted = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
     assert not torch.allclose(out, corrupted[0].transpose(0, 1), atol=1e-3)
+
+
+def test_batches_are_never_dispatched(tmp):
+    """accelerate's dispatch_batches (its default for a streamed train or eval set) slices packed rows along dim 0:
+    the trainer turns it off on the accelerator it built, and an explicit True is refused."""
+    processor = processor_of("qwen2_vl")
+    model = tiny_model("qwen2_vl", layers=1)
+    kwargs = dict(model=model, ref_model=tiny_model("qwen2_vl", layers=1), processing_class=processor,
+                  data_collator=PreferenceCollator(processor, model_config=model.config),
+                  train_dataset=datasets.Dataset.from_list(pair_examples(images=True)))
+    trainer = PackedDPOTrainer(args=dpo_config(tmp), **kwargs)
+    assert trainer.accelerator.dataloader_config.dispatch_batches is False
+    assert trainer.args.accelerator_config.dispatch_batches is False
+    with pytest.raises(ValueError, match="PackedDPOTrainer: dispatch_batches=True cuts packed batches apart"):
+        PackedDPOTrainer(args=dpo_config(tmp, accelerator_config={"dispatch_batches": True}), **kwargs)

@@ -115,3 +115,16 @@ def test_pad_equal_to_eos_scores_the_last_non_pad_token():
                                 for ids in sequences[:2]])
     assert float((ours - alone).abs().max()) <= TOLERANCE * max(1.0, float(alone.abs().max()))
     assert float((at_row_end - alone[:2]).abs().min()) > 1e-3  # the data tells the two pooling slots apart
+
+
+def test_batches_are_never_dispatched(tmp):
+    """accelerate's dispatch_batches (its default for a streamed train or eval set) slices packed rows along dim 0:
+    the trainer turns it off on the accelerator it built, and an explicit True is refused."""
+    kwargs = dict(model=reward_model("llama"), train_dataset=datasets.Dataset.from_list(pair_examples(images=False)),
+                  processing_class=word_tokenizer(), data_collator=RewardCollator(0))
+    trainer = PackedRewardTrainer(args=RewardConfig(output_dir=tmp, use_cpu=True, report_to="none"), **kwargs)
+    assert trainer.accelerator.dataloader_config.dispatch_batches is False
+    assert trainer.args.accelerator_config.dispatch_batches is False
+    with pytest.raises(ValueError, match="PackedRewardTrainer: dispatch_batches=True cuts packed batches apart"):
+        PackedRewardTrainer(args=RewardConfig(output_dir=tmp, use_cpu=True, report_to="none",
+                                              accelerator_config={"dispatch_batches": True}), **kwargs)

@@ -25,6 +25,7 @@ import inspect
 import logging
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import transformers
@@ -41,6 +42,8 @@ from .token_mean import install_token_mean_check
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "DISPATCH_FIX",
+    "keep_batches_whole",
+    "refuse_dispatch",
     "IMAGE_BLOCKS_KWARG",
     "ImageBlocks",
     "enable_packing",
@@ -119,6 +122,23 @@ def _install_image_blocks(model: torch.nn.Module, rule: ImageBlockRule) -> None:
 
 DISPATCH_FIX = 'accelerator_config={"dispatch_batches": False}'
 """The ``TrainingArguments`` / ``SFTConfig`` argument that keeps accelerate from slicing packed batches."""
+
+
+def refuse_dispatch(args: Any, trainer: str) -> None:
+    """Before a packed trainer is built: an explicit ``dispatch_batches=True`` is refused (it cuts packed rows)."""
+    if args is not None and args.accelerator_config.dispatch_batches:
+        raise ValueError(f"{trainer}: dispatch_batches=True cuts packed batches apart; pass {DISPATCH_FIX}")
+
+
+def keep_batches_whole(trainer: Any) -> None:
+    """On a built ``Trainer``: ``dispatch_batches`` off for the arguments and the accelerator it already built.
+
+    accelerate's default for an ``IterableDataset`` (a streamed train OR eval set) slices every tensor of a batch
+    along dim 0, which no packed batch survives; each process then reads and packs its own samples instead. The
+    dataloaders are built later (``train()`` / ``evaluate()``), so both settings take effect.
+    """
+    trainer.args.accelerator_config.dispatch_batches = False
+    trainer.accelerator.dataloader_config.dispatch_batches = False
 
 
 def packed_forward_hook(module: torch.nn.Module, args: tuple, kwargs: dict):

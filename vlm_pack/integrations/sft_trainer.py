@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from trl import SFTTrainer
 
-from .hf_model import DISPATCH_FIX
+from .hf_model import keep_batches_whole, refuse_dispatch
 
 __all__ = ["PackedSFTTrainer"]
 
@@ -41,17 +41,14 @@ class PackedSFTTrainer(SFTTrainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         config = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if config is not None and config.accelerator_config.dispatch_batches:
-            raise ValueError(f"PackedSFTTrainer: dispatch_batches=True cuts packed batches apart; pass {DISPATCH_FIX}")
+        refuse_dispatch(config, "PackedSFTTrainer")
         stream = kwargs.get("train_dataset")
         make_callback = getattr(stream, "trainer_callback", None)
         if make_callback is not None:
             kwargs["train_dataset"] = _stand_in(stream.collator.has_images)
             kwargs["data_collator"] = stream.collate_fn
         super().__init__(*args, **kwargs)
-        # Dataloaders are built (and prepared) later, in train() / evaluate(): both settings take effect.
-        self.args.accelerator_config.dispatch_batches = False
-        self.accelerator.dataloader_config.dispatch_batches = False
+        keep_batches_whole(self)
         if make_callback is not None:
             self.train_dataset = stream
             self.args.ignore_data_skip = True

@@ -31,7 +31,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
 from ..core.batch import METADATA_KEY
-from ..integrations.hf_model import enable_packing
+from ..integrations.hf_model import enable_packing, keep_batches_whole, refuse_dispatch
 from .collator import OVERLONG, PREFERENCE_KEY, ROW_KEY, PreferenceCollator
 from .losses import PairLogps, check_dpo_options, dpo_loss
 
@@ -95,6 +95,7 @@ class PackedDPOTrainer(DPOTrainer):
             data_collator.overlong = overlong
         self._packed_collator = data_collator
         self.overlong_dropped: dict[str, int] = {}
+        refuse_dispatch(args, "PackedDPOTrainer")
         if args is not None:
             check_dpo_options(args)
             self._adopt_length(args)
@@ -109,6 +110,7 @@ class PackedDPOTrainer(DPOTrainer):
         eval_dataset = ({k: _with_rows(v) for k, v in eval_dataset.items()} if isinstance(eval_dataset, dict)
                         else _with_rows(eval_dataset))
         super().__init__(model, ref_model, args, data_collator, train_dataset, eval_dataset, *pargs, **kwargs)
+        keep_batches_whole(self)
         check_dpo_options(self.args)
         self._adopt_length(self.args)
         if self._is_vision_dataset:  # TRL prepares no vision dataset (_prepare_dataset is not called)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from trl import RewardTrainer
 
 from ..core.batch import METADATA_KEY
-from ..integrations.hf_model import enable_packing
+from ..integrations.hf_model import enable_packing, keep_batches_whole, refuse_dispatch
 from ..core.packing import pack_sequences
 
 __all__ = ["PackedRewardTrainer", "RewardCollator", "sequence_scores"]
@@ -99,7 +99,9 @@ class PackedRewardTrainer(RewardTrainer):
     def __init__(self, model, args=None, data_collator=None, *pargs, **kwargs) -> None:
         if not isinstance(data_collator, RewardCollator):
             raise ValueError("PackedRewardTrainer needs data_collator=vlm_pack.preference.RewardCollator(pad_token_id)")
+        refuse_dispatch(args, "PackedRewardTrainer")
         super().__init__(model, args, data_collator, *pargs, **kwargs)
+        keep_batches_whole(self)
         enable_packing(self.accelerator.unwrap_model(self.model))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
