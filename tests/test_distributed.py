@@ -270,7 +270,7 @@ def _check_dp_cp(world_rank):
             _assert_matches(reduced, grads, ref_loss, ref_grads, f"dp2 x cp2 {normalisation} grad_sync={grad_sync}")
 
 
-def _worker(rank, world_size, port):
+def _worker(rank, world_size, port, done_dir):
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=30)
@@ -284,6 +284,7 @@ def _worker(rank, world_size, port):
         else:
             _check_dp_cp(rank)
         dist.barrier()
+        (done_dir / f"rank{rank}").touch()  # every check of this rank passed
     finally:
         dist.destroy_process_group()
 
@@ -294,23 +295,31 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def _spawn(world_size):
+def _spawn(world_size, done_dir):
     context = mp.start_processes(
-        _worker, args=(world_size, _free_port()), nprocs=world_size, join=False, start_method="spawn"
+        _worker, args=(world_size, _free_port(), done_dir), nprocs=world_size, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     # join() re-raises a worker's exception (with its traceback) as ProcessRaisedException.
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"distributed test with world_size={world_size} hung for {SPAWN_TIMEOUT_S}s")
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail(f"distributed test with world_size={world_size} hung for {SPAWN_TIMEOUT_S}s")
+    except mp.ProcessExitedException as error:
+        # torch 2.14's gloo teardown aborts now and then ("terminate called without an active exception", about
+        # 1 run in 8, on the code before this test changed too) AFTER every rank passed its checks and the final
+        # barrier: that is torch's, not ours. A rank that did not finish its checks still fails here.
+        finished = sorted(path.name for path in done_dir.iterdir())
+        if error.signal_name != "SIGABRT" or len(finished) != world_size:
+            raise
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_context_parallel_training_matches_single_process(world_size):
-    _spawn(world_size)
+def test_context_parallel_training_matches_single_process(world_size, tmp_path):
+    _spawn(world_size, tmp_path)
 
 
 def test_packed_reference_equals_unpacked_samples():
