@@ -117,7 +117,7 @@ def _loss(trainer, inputs: dict, *, loss_type: str = "dapo", beta: float = 0.04,
     loss = trainer._compute_loss(model, inputs)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    result = Result(float(loss), grads, mask=inputs["completion_mask"].bool())
+    result = Result(float(loss.detach()), grads, mask=inputs["completion_mask"].bool())
     if with_logps:
         result.logps, result.entropies = _logps(trainer, inputs)
     return result
@@ -201,3 +201,153 @@ def test_loss_and_gradients_equal_trl(family, mode, case, tmp, one_thread):
     if reference.logps is not None:
         assert _rel(packed.logps, reference.logps, reference.mask) < TOLERANCE
         assert _rel(packed.entropies, reference.entropies, reference.mask) < TOLERANCE
+
+
+# ---------------------------------------------------------------- corruption tests (each must break the equality)
+
+def _hook_inputs(generation: dict) -> tuple[tuple, dict]:
+    ids = torch.cat([generation["prompt_ids"], generation["completion_ids"]], 1)
+    mask = torch.cat([generation["prompt_mask"], generation["completion_mask"]], 1)
+    vision = {k: generation[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if k in generation}
+    return (ids, mask, generation["completion_ids"].shape[1]), {"num_images": generation.get("num_images"), **vision}
+
+
+def reference_error(family: str, mode: str, tmp: str, corrupt=None) -> float:
+    """Our reference-model log-probs (through a corrupted layout) vs TRL's, on the same generation batch."""
+    reference, packed = run(family, "trl", tmp), run(family, mode, tmp)
+    trainer = packed.trainer
+    packer = trainer._packers["train"]
+    if corrupt is not None:
+        trainer._packers["train"] = lambda *a, **k: corrupt(packer(*a, **k))
+    try:
+        args, kwargs = _hook_inputs(packed.generation)
+        with torch.no_grad():
+            logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, *args, **kwargs)
+    finally:
+        trainer._packers["train"] = packer
+    expected = reference.generation["ref_per_token_logps"]
+    return _rel(logps, expected, reference.generation["completion_mask"].bool())
+
+
+def _segments(p: PackedRollouts) -> list[tuple[int, int, int]]:
+    """(start, end, prefix length) of each segment of a shared-prompt row."""
+    cu = p.inputs["cu_seq_lens_q"].tolist()
+    cu_k = p.inputs[SHARED_PREFIX_KWARG]["cu_seqlens_k"].tolist()
+    return [(a, b, (k1 - k0) - (b - a)) for a, b, k0, k1 in zip(cu[:-1], cu[1:], cu_k[:-1], cu_k[1:])]
+
+
+def see_siblings(p: PackedRollouts) -> PackedRollouts:
+    """Each completion also sees the group's earlier completions (its prefix runs up to itself)."""
+    prefixes, prompt_start = [], 0
+    for start, end, prefix in _segments(p):
+        if prefix == 0:
+            prompt_start = start
+        prefixes.append((0, 0) if prefix == 0 else (prompt_start, start - prompt_start))
+    lengths = [end - start for start, end, _ in _segments(p)]
+    p.inputs[SHARED_PREFIX_KWARG] = shared_prefix_keys(lengths, prefixes)
+    return p
+
+
+def restart_positions(p: PackedRollouts) -> PackedRollouts:
+    """Completion positions restart at 0 instead of continuing from the prompt."""
+    positions = p.inputs["position_ids"].clone()
+    for start, end, prefix in _segments(p):
+        if prefix:
+            positions[..., start:end] -= positions[..., start:start + 1].clone()
+    p.inputs["position_ids"] = positions
+    return p
+
+
+def mrope_from_token_count(p: PackedRollouts) -> PackedRollouts:
+    """Completion mRoPE positions continue from the prompt's token count (the text row) instead of the model's rule
+    (one more than the prompt's largest mRoPE position)."""
+    positions = p.inputs["position_ids"].clone()
+    for start, end, prefix in _segments(p):
+        if prefix:
+            positions[1:, ..., start:end] = positions[:1, ..., start:end]
+    p.inputs["position_ids"] = positions
+    return p
+
+
+CORRUPTIONS = {"sibling": see_siblings, "restart": restart_positions, "mrope_count": mrope_from_token_count}
+
+
+def test_reference_logps_exact_without_corruption(tmp, one_thread):
+    assert reference_error("qwen2_vl", "shared", tmp) < TOLERANCE
+
+
+@pytest.mark.parametrize("name", sorted(CORRUPTIONS))
+def test_corrupted_layout_fails(name, tmp, one_thread):
+    error = reference_error("qwen2_vl", "shared", tmp, CORRUPTIONS[name])
+    assert error > 100 * TOLERANCE, f"{name}: {error:.3g}"
+
+
+def test_corruption_normalisation_per_packed_row_fails(tmp, one_thread):
+    """A loss normalised by the packed row's tokens (bnpo's rule) instead of TRL's dapo / grpo rules."""
+    packed = run("qwen2_vl", "shared", tmp)
+    micro = _micro(packed.generation)
+    per_row = _loss(packed.trainer, micro, loss_type="bnpo")
+    for case in ("dapo-beta0.04-nit2", "grpo-beta0.04-nit2"):
+        reference = run("qwen2_vl", "trl", tmp).results[case]
+        assert _loss_rel(per_row.loss, reference.loss) > 100 * TOLERANCE, case
+        assert relative_l2(per_row.grads, reference.grads) > 100 * TOLERANCE, case
+
+
+def test_corruption_old_logps_ignored_fails(tmp, one_thread):
+    packed = run("qwen2_vl", "shared", tmp)
+    ignored = _loss(packed.trainer, _micro(packed.generation), nit=1)  # ratio 1: old log-probs dropped
+    reference = run("qwen2_vl", "trl", tmp).results["dapo-beta0.04-nit2"]
+    assert relative_l2(ignored.grads, reference.grads) > 100 * TOLERANCE
+
+
+# ---------------------------------------------------------------- bad input: a clear error at the first batch
+
+def test_group_with_different_prompts_is_refused(tmp, one_thread):
+    packed = run("llama", "shared", tmp)
+    args, kwargs = _hook_inputs(packed.generation)
+    ids = args[0].clone()
+    split = ids.shape[1] - args[2]
+    ids[1, split - 2] = (ids[1, split - 2] + 1) % 20 + 3
+    with pytest.raises(ValueError, match=r"rollouts 0 and 1 belong to one group .* share_prompts=False"):
+        packed.trainer._get_per_token_logps_and_entropies(packed.trainer.model, ids, *args[1:], **kwargs)
+
+
+def test_completion_longer_than_max_is_refused(tmp, one_thread):
+    packed = run("llama", "packed", tmp)
+    (ids, mask, width), kwargs = _hook_inputs(packed.generation)
+    ids, mask = torch.cat([ids, ids[:, -2:]], 1), torch.cat([mask, torch.ones_like(mask[:, -2:])], 1)
+    mask[:, -width - 2:] = 1  # every completion now spans width + 2 > max_completion_length tokens
+    with pytest.raises(ValueError, match=r"completion of 14 tokens > max_completion_length=12"):
+        packed.trainer._get_per_token_logps_and_entropies(packed.trainer.model, ids, mask, width + 2, **kwargs)
+
+
+def test_processor_padding_right_is_refused(tmp, one_thread):
+    processor = offline_right_padded_processor()
+    trainer = make("qwen2_vl", "shared", tmp, processor=processor)
+    trainer.model.train()
+    batch = next(iter(trainer.get_train_dataloader()))
+    with pytest.raises(ValueError, match=r"pads prompts on the right.*padding_side = 'left'"):
+        trainer._generate_and_score_completions(batch)
+
+
+def offline_right_padded_processor():
+    from vlm_pack.testing.tiny_models import offline_qwen2vl_processor
+
+    processor = offline_qwen2vl_processor()
+    processor.tokenizer.padding_side = "right"
+    return processor
+
+
+def test_groups_split_across_micro_batches_are_refused(tmp):
+    with pytest.raises(ValueError, match=r"per_device_train_batch_size \(6\) to be a multiple of the group size \(4\)"):
+        make("llama", "shared", tmp, per_device_train_batch_size=6, steps_per_generation=2)
+
+
+def test_group_shuffle_keeps_groups():
+    from vlm_pack.rl.trainers import shuffle_groups
+
+    rows = torch.arange(12)
+    out = shuffle_groups({"rows": rows, "names": [str(i) for i in range(12)], "n": torch.tensor(3), "x": None}, 4)
+    groups = out["rows"].view(3, 4)
+    assert torch.equal(groups - groups[:, :1], torch.arange(4).expand(3, 4)) and set(groups[:, 0].tolist()) == {0, 4, 8}
+    assert out["names"] == [str(int(i)) for i in out["rows"]] and out["n"] == 3 and out["x"] is None
