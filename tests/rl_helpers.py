@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import shutil
 import tempfile
 
@@ -36,11 +37,13 @@ def completion_ids(row: int, prompt: list[int], eos: int, low: int, high: int) -
 def fixed(trainer_cls):
     """``trainer_cls`` with generation replaced by :func:`completion_ids` (GRPO's and RLOO's signatures)."""
 
+    returns_logprobs = "num_generations" in inspect.signature(trainer_cls._generate_single_turn).parameters
+
     class Fixed(trainer_cls):
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
             low, high = (3, len(_WORDS.split())) if len(self._tokenizer) < 100 else (10, 4000)
             out = [completion_ids(i, list(p), self.eos_token_ids[0], low, high) for i, p in enumerate(prompt_ids)]
-            return out, None
+            return (out, None) if returns_logprobs else out  # GRPO: (ids, sampling log-probs); RLOO: ids
 
     Fixed.__name__ = f"Fixed{trainer_cls.__name__}"
     return Fixed

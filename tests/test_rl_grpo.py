@@ -53,9 +53,10 @@ def grpo_config(tmp: str, **overrides) -> GRPOConfig:
     return GRPOConfig(**{**base, **overrides})
 
 
-def make(family: str, mode: str, tmp: str, processor=None, **overrides):
+def make(family: str, mode: str, tmp: str, processor=None, peft_config=None, **overrides):
     kwargs = dict(model=policy(family), reward_funcs=reward, args=grpo_config(tmp, **overrides),
-                  train_dataset=examples(family), processing_class=processor or processor_of(family))
+                  train_dataset=examples(family), processing_class=processor or processor_of(family),
+                  peft_config=peft_config)
     if mode == "trl":
         return fixed(GRPOTrainer)(**kwargs)
     return fixed(PackedGRPOTrainer)(share_prompts=mode == "shared", **kwargs)
