@@ -352,3 +352,15 @@ def test_group_shuffle_keeps_groups():
     groups = out["rows"].view(3, 4)
     assert torch.equal(groups - groups[:, :1], torch.arange(4).expand(3, 4)) and set(groups[:, 0].tolist()) == {0, 4, 8}
     assert out["names"] == [str(int(i)) for i in out["rows"]] and out["n"] == 3 and out["x"] is None
+
+
+def test_all_completions_masked_give_a_connected_zero(tmp, one_thread):
+    """A micro-batch whose completions are all masked (truncated, ``mask_truncated_completions``) scores nothing
+    but still returns a differentiable zero, as TRL's fused head does."""
+    packed = run("llama", "shared", tmp)
+    (ids, mask, width), kwargs = _hook_inputs(packed.generation)
+    mask = mask.clone()
+    mask[:, -width:] = 0
+    logps, entropies, _ = packed.trainer._get_per_token_logps_and_entropies(
+        packed.trainer.model, ids, mask, width, compute_entropy=True, **kwargs)
+    assert logps.requires_grad and not logps.any() and not entropies.any() and logps.shape == ids[:, -width:].shape

@@ -123,10 +123,12 @@ class _PackedRollouts:
 
     def _packed_chunk(self, model, packed: PackedRollouts, shape: tuple[int, int], compute_entropy: bool):
         """One packed forward -> ``[B, C]`` log-probs and entropies (None unless asked) in TRL's layout."""
-        if packed.predictors.numel() == 0:
-            zeros = torch.zeros(shape, device=self.accelerator.device)
-            return zeros, zeros.clone() if compute_entropy else None
-        backbone = _hf_model(self.accelerator.unwrap_model(model)).base_model
+        hf_model = _hf_model(self.accelerator.unwrap_model(model))
+        if packed.predictors.numel() == 0:  # every completion masked: a zero still connected to the model
+            weight = hf_model.get_output_embeddings().weight
+            zeros = torch.zeros(shape, device=weight.device) + 0.0 * weight[:1, :1].sum()
+            return zeros, zeros.detach().clone() if compute_entropy else None
+        backbone = hf_model.base_model
         with gather_hidden_states(backbone, packed.predictors), self.accelerator.autocast():
             outputs = model(**packed.inputs, shift_labels=packed.targets, fused_lm_head=True)
 
