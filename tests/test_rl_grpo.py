@@ -66,6 +66,7 @@ def make(family: str, mode: str, tmp: str, processor=None, peft_config=None, **o
 class Result:
     loss: float
     grads: dict[str, torch.Tensor]
+    scale: float = 1.0
     logps: torch.Tensor | None = None
     entropies: torch.Tensor | None = None
     mask: torch.Tensor | None = None
@@ -118,7 +119,7 @@ def _loss(trainer, inputs: dict, *, loss_type: str = "dapo", beta: float = 0.04,
     loss = trainer._compute_loss(model, inputs)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    result = Result(float(loss.detach()), grads, mask=inputs["completion_mask"].bool())
+    result = Result(float(loss.detach()), grads, _scale(inputs), mask=inputs["completion_mask"].bool())
     if with_logps:
         result.logps, result.entropies = _logps(trainer, inputs)
     return result
@@ -165,8 +166,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return float((a - b)[mask].abs().max() / b[mask].abs().max())
 
 
-def _loss_rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-3)
+def _scale(inputs: dict) -> float:
+    """The size of a GRPO loss's terms: each token contributes about -advantage x ratio (+ beta x KL), and the
+    group-normalised advantages sum to ~0, so the loss itself can cancel to far below its terms."""
+    return float(inputs["advantages"].abs().mean())
+
+
+def _loss_rel(a: float, b: float, scale: float) -> float:
+    """Loss error relative to the larger of the loss and its terms' size (``_scale``)."""
+    return abs(a - b) / max(abs(b), scale)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -176,7 +184,7 @@ def test_training_steps_equal_trl(family, mode, tmp, one_thread):
     reference, packed = run(family, "trl", tmp), run(family, mode, tmp)
     assert len(packed.train_losses) == 2
     for ours, theirs in zip(packed.train_losses, reference.train_losses):
-        assert _loss_rel(ours, theirs) < TOLERANCE
+        assert _loss_rel(ours, theirs, _scale(reference.generation)) < TOLERANCE
     assert relative_l2(packed.train_grads, reference.train_grads) < TOLERANCE
 
 
@@ -197,7 +205,7 @@ def test_old_and_reference_logps_equal_trl(family, mode, tmp, one_thread):
 def test_loss_and_gradients_equal_trl(family, mode, case, tmp, one_thread):
     reference, packed = run(family, "trl", tmp).results[case], run(family, mode, tmp).results[case]
     assert reference.grads and relative_l2(reference.grads, {k: 0 * v for k, v in reference.grads.items()}) > 0
-    assert _loss_rel(packed.loss, reference.loss) < TOLERANCE, (packed.loss, reference.loss)
+    assert _loss_rel(packed.loss, reference.loss, reference.scale) < TOLERANCE, (packed.loss, reference.loss)
     assert relative_l2(packed.grads, reference.grads) < TOLERANCE
     if reference.logps is not None:
         assert _rel(packed.logps, reference.logps, reference.mask) < TOLERANCE
@@ -290,8 +298,8 @@ def test_corruption_normalisation_per_packed_row_fails(tmp, one_thread):
     per_row = _loss(packed.trainer, micro, loss_type="bnpo")
     for case in ("dapo-beta0.04-nit2", "grpo-beta0.04-nit2"):
         reference = run("qwen2_vl", "trl", tmp).results[case]
-        assert _loss_rel(per_row.loss, reference.loss) > 100 * TOLERANCE, case
-        assert relative_l2(per_row.grads, reference.grads) > 100 * TOLERANCE, case
+        assert _loss_rel(per_row.loss, reference.loss, reference.scale) > 10 * TOLERANCE, case  # measured 29x, 2.5e4x
+        assert relative_l2(per_row.grads, reference.grads) > 100 * TOLERANCE, case  # measured 690x, 5300x
 
 
 def test_corruption_old_logps_ignored_fails(tmp, one_thread):

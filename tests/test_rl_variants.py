@@ -16,8 +16,14 @@ from trl import GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from preference_helpers import relative_l2
 from rl_helpers import G, MAX_COMPLETION, GradientsAtStep, examples, fixed, policy, processor_of, reward
-from test_rl_grpo import TOLERANCE, _loss_rel, _rel, make
+from test_rl_grpo import TOLERANCE, _rel, make
 from vlm_pack.rl import PackedGRPOTrainer, PackedRLOOTrainer
+
+
+def _losses_close(ours: list[float], theirs: list[float]) -> bool:
+    """Step losses within TOLERANCE x max(|loss|, 1) (tests/test_preference_dpo.py's rule): the losses are sums of
+    advantage-weighted terms of size ~1 (normalised advantages) that cancel to ~1e-2, so 1 is their scale."""
+    return len(ours) == len(theirs) == 2 and all(abs(a - b) <= TOLERANCE * max(abs(b), 1.0) for a, b in zip(ours, theirs))
 
 
 def _train(trainer) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -51,7 +57,7 @@ def rloo(family: str, mode: str, tmp: str):
 @pytest.mark.parametrize("family", ["llama", "qwen2_vl"])
 def test_rloo_shared_prompts_equal_trl(family, tmp, one_thread):
     (ref_losses, ref_grads), (losses, grads) = rloo(family, "trl", tmp), rloo(family, "shared", tmp)
-    assert len(losses) == 2 and all(_loss_rel(a, b) < TOLERANCE for a, b in zip(losses, ref_losses))
+    assert _losses_close(losses, ref_losses)
     assert relative_l2(grads, ref_grads) < TOLERANCE
 
 
@@ -68,7 +74,7 @@ def test_lora_shared_prompts_equal_trl(tmp, one_thread):
     assert trainer.ref_model is None  # TRL's rule: the reference is the model with its adapter disabled
     losses, grads = _train(trainer)
     assert grads and all("lora_" in name for name in grads)
-    assert all(_loss_rel(a, b) < TOLERANCE for a, b in zip(losses, ref_losses))
+    assert _losses_close(losses, ref_losses)
     assert relative_l2(grads, ref_grads) < TOLERANCE
 
 
