@@ -153,7 +153,7 @@ def forward_tflop(counts: dict[str, float], shape: Shape, patches: int) -> float
 
 # ---------------------------------------------------------------- run and report
 
-def run(rounds: int, seed: int) -> dict:
+def run(rounds: int, seed: int, dump=None) -> dict:
     torch.set_num_threads(1)
     processor = offline_qwen2vl_processor(min_pixels=SIDE * SIDE, max_pixels=SIDE * SIDE, full_vocabulary=True)
     processor.tokenizer.padding_side = "left"
@@ -176,12 +176,17 @@ def run(rounds: int, seed: int) -> dict:
                 prompt = inputs["prompt_mask"].sum(1).view(-1, G)[:, 0].tolist()
                 completions = inputs["completion_mask"].sum(1).view(-1, G).tolist()
                 batches.append((prompt, completions))
+        if r and dump is not None:  # after every round: an interrupted run keeps its finished rounds
+            dump({"rows": rows, "batches": batches})
     return {"rows": rows, "batches": batches}
 
 
 def report(result: dict, rounds: int) -> str:
     rows, batches = result["rows"], result["batches"]
-    step = {layout: np.array(rows[layout]["step_s"]) for layout in LAYOUTS}
+    done = min(len(rows[layout]["step_s"]) for layout in LAYOUTS)  # rounds every layout finished
+    step = {layout: np.array(rows[layout]["step_s"][:done]) for layout in LAYOUTS}
+    batches = batches[:done]
+    rounds = done
 
     def spread(ratio: np.ndarray) -> str:
         p10, p50, p90 = np.percentile(ratio, [10, 50, 90])
@@ -251,9 +256,9 @@ def main() -> None:
         (RESULTS / "grpo_cpu.md").write_text(text)
         print(text)
         return
-    result = run(args.rounds, args.seed)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "grpo_cpu.json").write_text(json.dumps(result))  # raw timings and batch shapes
+    raw = RESULTS / "grpo_cpu.json"  # raw timings and batch shapes, rewritten after every round
+    result = run(args.rounds, args.seed, dump=lambda partial: raw.write_text(json.dumps(partial)))
     text = report(result, args.rounds)
     (RESULTS / "grpo_cpu.md").write_text(text)
     print(text)

@@ -88,6 +88,8 @@ class RolloutPacker:
         rows, width = input_ids.shape
         split = width - logits_to_keep
         pixels, grids, sizes = vision.get("pixel_values"), vision.get("image_grid_thw"), vision.get("image_sizes")
+        if pixels is not None and num_images is None:
+            raise ValueError("pixel_values without num_images: the images cannot be assigned to their rollouts")
         counts = list(num_images) if num_images is not None else [0] * rows
         per_image_pixels: list[torch.Tensor] = []
         if pixels is not None:
