@@ -10,7 +10,7 @@ forward: beta > 0) and ``training_step`` (policy forward + backward) plus an SGD
 
 Generation is replaced by fixed completions (random lengths 50-400 tokens, seeded per round), identical for the
 three. Tiny Qwen2-VL (hidden 64, 2 layers) with the real 151k-token vocabulary, 448x448 images (256 image tokens),
-a ~340-token prompt, G = 8, 2-4 prompts per step (cycled), rounds in rotating order, process CPU time on one thread.
+a ~395-token prompt, G = 8, 2-4 prompts per step (cycled), rounds in rotating order, process CPU time on one thread.
 On CPU TRL's fused LM head projects EVERY slot of its padded batch onto the vocabulary (on CUDA only the scored
 ones); the packed trainers gather the predicting slots first, so at this tiny width the head dominates and the CPU
 ratio mostly counts slots. The analytic table (same batches, real 2B / 7B shapes, head on scored tokens only as on
@@ -159,7 +159,7 @@ def run(rounds: int, seed: int, dump=None) -> dict:
     processor.tokenizer.padding_side = "left"
     out = tempfile.mkdtemp()
     trainers = {layout: make_trainer(layout, processor, out) for layout in LAYOUTS}
-    rows = {layout: {"step_s": [], "slots": []} for layout in LAYOUTS}
+    rows = {layout: {"step_s": []} for layout in LAYOUTS}
     batches = []
     for r in range(rounds + 1):
         prompts = 2 + (r - 1) % 3 if r else 1  # a small warm-up round (1 prompt, short completions), then 2, 3, 4, 2...
@@ -171,7 +171,6 @@ def run(rounds: int, seed: int, dump=None) -> dict:
             if r == 0:
                 continue
             rows[layout]["step_s"].append(step_s)
-            rows[layout]["slots"].append(int(inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()))
             if layout == "trl":
                 prompt = inputs["prompt_mask"].sum(1).view(-1, G)[:, 0].tolist()
                 completions = inputs["completion_mask"].sum(1).view(-1, G).tolist()
@@ -197,17 +196,18 @@ def report(result: dict, rounds: int) -> str:
         "# GRPO step: TRL's padded GRPOTrainer vs packed rollouts vs shared prompts",
         "",
         f"Tiny Qwen2-VL (hidden 64, 2 layers, real 151k-token vocabulary), {SIDE}x{SIDE} images (256 image tokens), "
-        f"prompts of ~340 tokens, G = {G} completions of 50-400 tokens (fixed ids, seeded), 2-4 prompts per step, "
-        f"{rounds} timed rounds after a warm-up, rotating order; `_prepare_inputs` (rewards, advantages, reference "
+        f"prompts of ~395 tokens, G = {G} completions of 50-400 tokens (fixed ids, seeded), 2-4 prompts per step, "
+        f"{rounds} timed round(s) after a warm-up, rotating order; `_prepare_inputs` (rewards, advantages, reference "
         f"forward, beta = 0.04) + `training_step` (policy forward + backward) + SGD step; process CPU time, 1 thread, "
         f"load average {load:.1f} at the end (a shared machine). {platform.processor() or platform.machine()}, torch "
         f"{torch.__version__}, transformers {transformers.__version__}.",
         "",
-        "| layout | median step (CPU s) | median slots / step |",
+        "| layout | median step (CPU s) | mean LM tokens / step (one forward) |",
         "|---|---|---|",
     ]
     for layout in LAYOUTS:
-        lines.append(f"| {layout} | {np.median(step[layout]):.1f} | {np.median(rows[layout]['slots']):.0f} |")
+        tokens = np.mean([layout_counts(p, c, layout)["tokens"] for p, c in batches])
+        lines.append(f"| {layout} | {np.median(step[layout]):.1f} | {tokens:,.0f} |")
     lines += [
         "",
         f"Step-time speedup over TRL's padded step: packed {spread(step['trl'] / step['packed'])}; shared prompts "
