@@ -298,7 +298,7 @@ def test_corruption_normalisation_per_packed_row_fails(tmp, one_thread):
     per_row = _loss(packed.trainer, micro, loss_type="bnpo")
     for case in ("dapo-beta0.04-nit2", "grpo-beta0.04-nit2"):
         reference = run("qwen2_vl", "trl", tmp).results[case]
-        assert _loss_rel(per_row.loss, reference.loss, reference.scale) > 10 * TOLERANCE, case  # measured 29x, 2.5e4x
+        assert _loss_rel(per_row.loss, reference.loss, reference.scale) > 10 * TOLERANCE, case  # measured 29x (dapo), 440x (grpo)
         assert relative_l2(per_row.grads, reference.grads) > 100 * TOLERANCE, case  # measured 690x, 5300x
 
 
