@@ -147,7 +147,8 @@ def forward_tflop(counts: dict[str, float], shape: Shape, patches: int) -> float
     attention = 4 * shape.layers * shape.hidden * counts["pairs"]
     head = 2 * shape.vocab * shape.hidden * counts["scored"]
     e = shape.vision_dim
-    vision = counts["images"] * (2 * shape.vision_depth * patches * 12 * e * e + 4 * shape.vision_depth * e * patches ** 2)
+    per_image = 2 * shape.vision_depth * patches * 12 * e * e + 4 * shape.vision_depth * e * patches ** 2
+    vision = counts["images"] * per_image
     return (per_token * counts["tokens"] + attention + head + vision) / 1e12
 
 

@@ -23,7 +23,8 @@ from vlm_pack.rl import PackedGRPOTrainer, PackedRLOOTrainer
 def _losses_close(ours: list[float], theirs: list[float]) -> bool:
     """Step losses within TOLERANCE x max(|loss|, 1) (tests/test_preference_dpo.py's rule): the losses are sums of
     advantage-weighted terms of size ~1 (normalised advantages) that cancel to ~1e-2, so 1 is their scale."""
-    return len(ours) == len(theirs) == 2 and all(abs(a - b) <= TOLERANCE * max(abs(b), 1.0) for a, b in zip(ours, theirs))
+    return len(ours) == len(theirs) == 2 and all(abs(a - b) <= TOLERANCE * max(abs(b), 1.0)
+                                                 for a, b in zip(ours, theirs))
 
 
 def _train(trainer) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -101,7 +101,7 @@ class _PackedRollouts:
                         f"the group size ({group}) so each group's rollouts share one forward; change either, or "
                         "pass share_prompts=False")
         processor = self.processing_class
-        media = tuple(t for t in (getattr(processor, "image_token_id", None), getattr(processor, "video_token_id", None))
+        media = tuple(t for t in (getattr(processor, key, None) for key in ("image_token_id", "video_token_id"))
                       if isinstance(t, int))
         self.share_prompts = share_prompts
         self._packers = {
