@@ -14,7 +14,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "vlm_pack"
 FLOORS = {"core": 1, "attention": 2, "models": 3, "data": 4, "integrations": 5,
-          "offline": 6, "budget": 6, "preference": 6, "streaming": 6,
+          "offline": 6, "budget": 6, "preference": 6, "rl": 6, "streaming": 6,
           "sequence_parallel": 6, "cli": 7}
 ROOT_HELPERS = {"lazy_exports", "assets"}  # floor 0: standard-library helpers every layer may use
 

@@ -27,6 +27,7 @@ _LAZY = {
     "SamplePrediction": "integrations.evaluation",
     "split_predictions": "integrations.evaluation",
     "PackedSFTTrainer": "integrations.sft_trainer",
+    "PackedGRPOTrainer": "rl.trainers",
     "to_hf_dataset": "offline.hf_view",
     "METADATA_KEY": "core.batch",
     "varlen_attention": "attention.varlen",
