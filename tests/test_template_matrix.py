@@ -1,0 +1,170 @@
+"""Every official chat template TRL ships x edge chats: tokens are the template's own, labels match a reference
+computed here WITHOUT vlm_pack code, and nothing is refused at batch time.
+
+References (independent of vlm_pack's rendering): tokens = ``tokenizer.apply_chat_template(chat, tools=...,
+tokenize=True)`` with the official template (TRL's copy in ``trl/chat_templates/``); labels = the assistant mask
+of TRL's training variant of that template where it renders the same text (``return_assistant_tokens_mask``),
+else each assistant turn read off prefix renderings: the text between ``render(chat[:i], add_generation_prompt=
+True)`` and ``render(chat[:i + 1])`` when both are prefixes of the whole rendering. Without an end-of-turn token
+(GLM-4-MoE) TRL's training variant appends the next turn's opening tag to the final turn; the reference is then
+that variant's own tokens and mask.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+IGNORE = -100
+TEMPLATES_DIR = pathlib.Path(importlib.util.find_spec("trl").origin).parent / "chat_templates"
+OFFICIAL = sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja") if not p.stem.endswith("_training"))
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City name"}},
+                   "required": ["city"]}}}]
+_LONG = " ".join(f"Step {i}: the answer grows by one more clause, with numbers {i * 7} and words." for i in range(240))
+
+
+def _call(arguments: dict) -> list[dict]:
+    return [{"type": "function", "id": "call_1", "function": {"name": "get_weather", "arguments": arguments}}]
+
+
+# (name, messages, chat-level tools): single / multi-turn, system, edge whitespace, unicode, reasoning, tool calls,
+# a long (~3k-token) answer.
+EDGE_CHATS = [
+    ("single", [{"role": "user", "content": "Is the sky blue?"}, {"role": "assistant", "content": "Yes."}], None),
+    ("system_multi", [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello there"}, {"role": "user", "content": "Again"},
+                      {"role": "assistant", "content": "Bye"}], None),
+    ("leading_newline", [{"role": "user", "content": "List one."}, {"role": "assistant", "content": "\n- one"}],
+     None),
+    ("trailing_spaces", [{"role": "user", "content": "Say ok "}, {"role": "assistant", "content": "ok.   "},
+                         {"role": "user", "content": "Again"}, {"role": "assistant", "content": "ok  "}], None),
+    ("whitespace_turn", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  "},
+                         {"role": "user", "content": "Answer now"}, {"role": "assistant", "content": "Now."}], None),
+    ("unicode", [{"role": "user", "content": "Grüß dich, 日本語?"},
+                 {"role": "assistant", "content": "Ünïcödé 你好 🙂 — ok"}], None),
+    ("reasoning", [{"role": "user", "content": "2+2?"},
+                   {"role": "assistant", "reasoning_content": "Two and two.\n", "content": "4"},
+                   {"role": "user", "content": "3+3?"},
+                   {"role": "assistant", "reasoning_content": "Three and three.", "content": "\n6"}], None),
+    ("thinking", [{"role": "user", "content": "Capital of France?"},
+                  {"role": "assistant", "thinking": "It is Paris.", "content": "Paris."}], None),
+    ("tool_calls", [{"role": "system", "content": "You can call tools."},
+                    {"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": "", "tool_calls": _call({"city": "Paris"})},
+                    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "{\"temp\": 21}"},
+                    {"role": "assistant", "content": "It is 21 degrees."}], TOOLS),
+    ("long", [{"role": "user", "content": "Explain at length."}, {"role": "assistant", "content": _LONG}], None),
+]
+
+
+def template(name: str) -> str:
+    return (TEMPLATES_DIR / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+def _render(tokenizer, chat, chat_template, tools, **kwargs) -> str:
+    return tokenizer.apply_chat_template(chat, chat_template=chat_template, tools=tools, tokenize=False, **kwargs)
+
+
+def reference(tokenizer, name: str, chat: list[dict], tools) -> tuple[list[int], list[int]] | None:
+    """(tokens, labels) of ``chat`` under the official template ``name``; None when the template refuses the chat
+    or no reference locates its turns."""
+    official = template(name)
+    try:
+        text = _render(tokenizer, chat, official, tools)
+    except Exception:
+        return None  # the template itself refuses this chat (e.g. no system role): nothing to compare
+    ids = tokenizer.apply_chat_template(chat, chat_template=official, tools=tools, tokenize=True,
+                                        return_dict=True)["input_ids"]
+    training = TEMPLATES_DIR / f"{name}_training.jinja"
+    if training.is_file():
+        variant = training.read_text(encoding="utf-8")
+        if _render(tokenizer, chat, variant, tools) in (text, text + "<|user|>" if name == "glm4moe" else text):
+            marked = tokenizer.apply_chat_template(chat, chat_template=variant, tools=tools, tokenize=True,
+                                                   return_dict=True, return_assistant_tokens_mask=True)
+            return marked["input_ids"], [t if m else IGNORE for t, m in zip(marked["input_ids"],
+                                                                            marked["assistant_masks"])]
+    spans = []
+    for i, message in enumerate(chat):
+        if message["role"] != "assistant":
+            continue
+        head = _render(tokenizer, chat[:i], official, tools, add_generation_prompt=True)
+        upto = _render(tokenizer, chat[:i + 1], official, tools)
+        if not (text.startswith(upto) and upto.startswith(head)):
+            return None
+        spans.append((len(head), len(upto)))
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert encoded["input_ids"] == ids
+    labels = [t if any(s < b and a < e for s, e in spans) else IGNORE
+              for t, (a, b) in zip(ids, encoded["offset_mapping"])]
+    return ids, labels
+
+
+def _example(chat, tools) -> dict:
+    return {"messages": chat, **({"tools": tools} if tools else {})}
+
+
+def vlm_pack_outcomes(tokenizer, name: str) -> dict[tuple[str, str], str]:
+    """{(chat, path): exact | wrong | refused | n/a | no reference} for the official template ``name`` through
+    ``prepare``'s encoder and the collator (a plain tokenizer)."""
+    from vlm_pack.data.collator import VLMPackingCollator
+    from vlm_pack.offline.encoding import SampleEncoder, SampleFormat
+
+    official = template(name)
+    outcomes = {}
+    try:
+        encoder = SampleEncoder(tokenizer, SampleFormat(template="chat"), None, chat_template=official)
+        collator = VLMPackingCollator(tokenizer, max_length=1 << 16, chat_template=official)
+    except ValueError as exc:
+        return {(chat, path): f"refused at construction: {exc}" for chat, _, _ in EDGE_CHATS
+                for path in ("prepare", "collator")}
+    for chat_name, chat, tools in EDGE_CHATS:
+        expected = reference(tokenizer, name, chat, tools)
+        for path in ("prepare", "collator"):
+            if expected is None:
+                outcomes[chat_name, path] = "n/a"
+                continue
+            try:
+                if path == "prepare":
+                    ids, masks = encoder.encode([_example(chat, tools)], ["row 0"])
+                    ids, labels = list(ids[0]), [t if m else IGNORE for t, m in zip(ids[0], masks[0])]
+                else:
+                    batch = collator([_example(chat, tools)])
+                    ids, labels = batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
+            except ValueError as exc:
+                outcomes[chat_name, path] = f"refused: {exc}"
+                continue
+            want_ids, want_labels = expected
+            if path == "collator":
+                want_labels = [IGNORE] + want_labels[1:]  # the collator's contract: a row's first label is -100
+            outcomes[chat_name, path] = "exact" if (ids, labels) == (list(want_ids), want_labels) else "wrong"
+    return outcomes
+
+
+def _summary(tokenizer) -> dict[str, dict]:
+    return {name: vlm_pack_outcomes(tokenizer, name) for name in OFFICIAL}
+
+
+if __name__ == "__main__":
+    import collections
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from vlm_pack.assets import qwen_tokenizer_path
+
+    tok = AutoTokenizer.from_pretrained(str(qwen_tokenizer_path()))
+    counts = collections.Counter()
+    for name, outcomes in _summary(tok).items():
+        for (chat, path), outcome in outcomes.items():
+            kind = outcome.split(":")[0]
+            counts[kind] += 1
+            if kind not in ("exact",) or "-v" in sys.argv:
+                print(f"{name:24s} {chat:16s} {path:8s} {outcome[:300]}")
+    print(dict(counts))
