@@ -79,7 +79,7 @@ def reference(tokenizer, name: str, chat: list[dict], tools) -> tuple[list[int],
     try:
         text = _render(tokenizer, chat, official, tools)
     except Exception:
-        return None  # the template itself refuses this chat (e.g. no system role): nothing to compare
+        return "template refuses"  # the template itself refuses this chat (e.g. no system role): nothing to compare
     ids = tokenizer.apply_chat_template(chat, chat_template=official, tools=tools, tokenize=True,
                                         return_dict=True)["input_ids"]
     training = TEMPLATES_DIR / f"{name}_training.jinja"
@@ -90,6 +90,21 @@ def reference(tokenizer, name: str, chat: list[dict], tools) -> tuple[list[int],
                                                    return_dict=True, return_assistant_tokens_mask=True)
             return marked["input_ids"], [t if m else IGNORE for t, m in zip(marked["input_ids"],
                                                                             marked["assistant_masks"])]
+    spans = _prefix_reference(tokenizer, official, chat, tools, text)
+    if spans is None:
+        spans = _markup_reference(text, sum(m["role"] == "assistant" for m in chat))
+    if spans is None:
+        return "no reference"
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert encoded["input_ids"] == ids
+    labels = [t if any(s < b and a < e for s, e in spans) else IGNORE
+              for t, (a, b) in zip(ids, encoded["offset_mapping"])]
+    return ids, labels
+
+
+def _prefix_reference(tokenizer, official, chat, tools, text) -> list[tuple[int, int]] | None:
+    """Each assistant turn = what ``render(chat[:i + 1])`` adds to ``render(chat[:i], add_generation_prompt=True)``,
+    when both are prefixes of the whole rendering (a prefix-preserving template)."""
     spans = []
     for i, message in enumerate(chat):
         if message["role"] != "assistant":
@@ -99,11 +114,23 @@ def reference(tokenizer, name: str, chat: list[dict], tools) -> tuple[list[int],
         if not (text.startswith(upto) and upto.startswith(head)):
             return None
         spans.append((len(head), len(upto)))
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    assert encoded["input_ids"] == ids
-    labels = [t if any(s < b and a < e for s, e in spans) else IGNORE
-              for t, (a, b) in zip(ids, encoded["offset_mapping"])]
-    return ids, labels
+    return spans
+
+
+# Turn markup of the templates that render an assistant turn differently once later messages follow (Qwen3 and
+# its successors write reasoning on the turns after the last user message only; Gemma 4 and LFM2.5 likewise):
+# (assistant header, end of turn).
+_MARKUP = (("<|im_start|>assistant\n", "<|im_end|>\n"), ("<|turn>model\n", "<turn|>\n"))
+
+
+def _markup_reference(text: str, turns: int) -> list[tuple[int, int]] | None:
+    """Each assistant turn read off the rendered text's own markup: from the end of the k-th assistant header to
+    the end of the first end-of-turn marker after it."""
+    for header, end in _MARKUP:
+        starts = [i + len(header) for i in range(len(text)) if text.startswith(header, i)]
+        if len(starts) == turns and turns:
+            return [(a, text.index(end, a) + len(end)) for a in starts]
+    return None
 
 
 def _example(chat, tools) -> dict:
@@ -127,8 +154,8 @@ def vlm_pack_outcomes(tokenizer, name: str) -> dict[tuple[str, str], str]:
     for chat_name, chat, tools in EDGE_CHATS:
         expected = reference(tokenizer, name, chat, tools)
         for path in ("prepare", "collator"):
-            if expected is None:
-                outcomes[chat_name, path] = "n/a"
+            if isinstance(expected, str):
+                outcomes[chat_name, path] = expected
                 continue
             try:
                 if path == "prepare":

@@ -18,7 +18,10 @@ Anything else fails closed with a ``ValueError`` naming the template, the sample
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
+import pathlib
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -141,7 +144,7 @@ def resolve_chat_template(
                              f"template_kwargs: {key!r} is set by the renderer itself; remove it")
         if not re.search(rf"\b{re.escape(key)}\b", template):
             raise ValueError(f"template_kwargs: {name} never reads {key!r}, so it would change nothing; remove it")
-    marked = template if _GENERATION_TAG.search(template) else _trl_training_variant(processor, template)
+    marked = template if _GENERATION_TAG.search(template) else _trl_training_variant(template)
     chat = ChatTemplate(template, marked, name, kwargs=kwargs)
     try:
         prompt, terminator = _turn_markup(processor, chat)
@@ -152,22 +155,27 @@ def resolve_chat_template(
     return chat
 
 
-def _trl_training_variant(processor: Any, template: str) -> str | None:
-    """TRL's training variant of ``template`` (an exact copy of an official template plus generation blocks)."""
-    try:
-        from trl.chat_template_utils import get_training_chat_template
-    except ImportError:
-        return None
-    try:
-        original = processor.chat_template
-        processor.chat_template = template
-        try:
-            variant = get_training_chat_template(processor)
-        finally:
-            processor.chat_template = original
-    except Exception:  # TRL refuses templates it does not know (ValueError) or cannot probe: other methods then
-        return None
-    return variant if isinstance(variant, str) and _GENERATION_TAG.search(variant) else None
+def _trl_training_variant(template: str) -> str | None:
+    """TRL's training variant of ``template``: what ``trl.chat_template_utils.get_training_chat_template`` returns
+    for it (TRL ships each official template ``X.jinja`` it patches beside its variant ``X_training.jinja`` and
+    matches the template text exactly), read from the installed package's files without importing TRL (its import
+    pulls in torch and the model code: 20 s of a cold ``prepare`` on a loaded machine)."""
+    return _trl_variants().get(template)
+
+
+@functools.lru_cache(maxsize=1)
+def _trl_variants() -> dict[str, str]:
+    spec = importlib.util.find_spec("trl")
+    if spec is None or spec.origin is None:
+        return {}
+    variants = {}
+    for path in (pathlib.Path(spec.origin).parent / "chat_templates").glob("*_training.jinja"):
+        original = path.with_name(path.name.removesuffix("_training.jinja") + ".jinja")
+        if original.is_file():
+            variant = path.read_text(encoding="utf-8")
+            if _GENERATION_TAG.search(variant):
+                variants[original.read_text(encoding="utf-8")] = variant
+    return variants
 
 
 # ----------------------------------------------------------------------------------------------- rendering
