@@ -138,44 +138,146 @@ def _example(chat, tools) -> dict:
 
 
 def vlm_pack_outcomes(tokenizer, name: str) -> dict[tuple[str, str], str]:
-    """{(chat, path): exact | wrong | refused | n/a | no reference} for the official template ``name`` through
-    ``prepare``'s encoder and the collator (a plain tokenizer)."""
+    """{(chat, path): exact | wrong | refused ... | template refuses} for the official template ``name`` through
+    ``prepare``'s encoder and the collator (a plain tokenizer), all chats of a path in one batch (one by one only
+    to say which one a refusal concerns)."""
     from vlm_pack.data.collator import VLMPackingCollator
     from vlm_pack.offline.encoding import SampleEncoder, SampleFormat
 
     official = template(name)
-    outcomes = {}
     try:
         encoder = SampleEncoder(tokenizer, SampleFormat(template="chat"), None, chat_template=official)
         collator = VLMPackingCollator(tokenizer, max_length=1 << 16, chat_template=official)
     except ValueError as exc:
         return {(chat, path): f"refused at construction: {exc}" for chat, _, _ in EDGE_CHATS
                 for path in ("prepare", "collator")}
-    for chat_name, chat, tools in EDGE_CHATS:
-        expected = reference(tokenizer, name, chat, tools)
-        for path in ("prepare", "collator"):
-            if isinstance(expected, str):
-                outcomes[chat_name, path] = expected
+    expected = {chat_name: reference(tokenizer, name, chat, tools) for chat_name, chat, tools in EDGE_CHATS}
+    outcomes = {(chat_name, path): want for chat_name, want in expected.items() if isinstance(want, str)
+                for path in ("prepare", "collator")}
+    cases = [(chat_name, chat, tools) for chat_name, chat, tools in EDGE_CHATS if not isinstance(expected[chat_name], str)]
+
+    def prepare(chats):
+        ids, masks = encoder.encode([_example(chat, tools) for _, chat, tools in chats], [n for n, _, _ in chats])
+        return [(list(i), [t if m else IGNORE for t, m in zip(i, mask)]) for i, mask in zip(ids, masks)]
+
+    def collate(chats):
+        batch = collator([_example(chat, tools) for _, chat, tools in chats])
+        cu = batch["vlm_pack"]["cu_seqlens"].tolist()
+        return [(batch["input_ids"][0, a:b].tolist(), batch["labels"][0, a:b].tolist()) for a, b in zip(cu, cu[1:])]
+
+    for path, run in (("prepare", prepare), ("collator", collate)) if cases else ():
+        try:
+            results = run(cases)
+        except ValueError:
+            results = []
+            for case in cases:
+                try:
+                    results += run([case])
+                except ValueError as exc:
+                    results.append(f"refused: {exc}")
+        for (chat_name, _, _), got in zip(cases, results):
+            if isinstance(got, str):
+                outcomes[chat_name, path] = got
                 continue
-            try:
-                if path == "prepare":
-                    ids, masks = encoder.encode([_example(chat, tools)], ["row 0"])
-                    ids, labels = list(ids[0]), [t if m else IGNORE for t, m in zip(ids[0], masks[0])]
-                else:
-                    batch = collator([_example(chat, tools)])
-                    ids, labels = batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
-            except ValueError as exc:
-                outcomes[chat_name, path] = f"refused: {exc}"
-                continue
-            want_ids, want_labels = expected
-            if path == "collator":
-                want_labels = [IGNORE] + want_labels[1:]  # the collator's contract: a row's first label is -100
-            outcomes[chat_name, path] = "exact" if (ids, labels) == (list(want_ids), want_labels) else "wrong"
+            want_ids, want_labels = expected[chat_name]
+            want_labels = [IGNORE] + want_labels[1:] if path == "collator" else want_labels  # first label -100
+            outcomes[chat_name, path] = "exact" if got == (list(want_ids), want_labels) else "wrong"
     return outcomes
 
 
-def _summary(tokenizer) -> dict[str, dict]:
-    return {name: vlm_pack_outcomes(tokenizer, name) for name in OFFICIAL}
+def _summary(tokenizer, names=OFFICIAL) -> dict[str, dict]:
+    return {name: vlm_pack_outcomes(tokenizer, name) for name in names}
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer():
+    from transformers import AutoTokenizer
+
+    from vlm_pack.assets import qwen_tokenizer_path
+
+    return AutoTokenizer.from_pretrained(str(qwen_tokenizer_path()))
+
+
+def _counts(summary) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for outcomes in summary.values():
+        for outcome in outcomes.values():
+            kind = outcome.split(":")[0]
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def test_every_official_template_on_every_edge_chat_is_exact(real_tokenizer):
+    """41 official templates x 10 edge chats x (prepare's encoder, the collator): every chat the template renders
+    is exact (tokens and labels), none refused, none wrong. Measured before this rule (main 75003fa, this
+    harness): 552 exact, 95 wrong, 75 refused at batch time."""
+    assert len(OFFICIAL) == 41
+    summary = _summary(real_tokenizer)
+    bad = {(name, chat, path): outcome for name, outcomes in summary.items()
+           for (chat, path), outcome in outcomes.items() if outcome not in ("exact", "template refuses")}
+    assert not bad, bad
+    assert _counts(summary) == {"exact": 764, "template refuses": 56}
+
+
+def test_a_chat_the_template_refuses_is_named(real_tokenizer):
+    """Where the template itself refuses a chat (Gemma's has no system role), vlm_pack says which sample and why."""
+    from vlm_pack.offline.encoding import SampleEncoder, SampleFormat
+
+    encoder = SampleEncoder(real_tokenizer, SampleFormat(template="chat"), None, chat_template=template("gemma"))
+    chat = dict((n, c) for n, c, _ in EDGE_CHATS)["system_multi"]
+    with pytest.raises(ValueError, match=r"^row 7: the chat template cannot render it \(TemplateError"):
+        encoder.encode([_example(chat, None)], ["row 7"])
+
+
+# Planted bugs the matrix must catch: (what, target, replacement factory).
+def _drop_fields(turns, text_only):
+    return [{"role": m["role"], **({"content": m["content"]} if "content" in m else {})}
+            for m in _original_template_messages(turns, text_only)]
+
+
+_original_template_messages = None
+
+
+@pytest.mark.parametrize("bug", ["fields dropped", "header taken as the whole prompt", "terminator left out",
+                                 "stop tag ignored"])
+def test_planted_bugs_are_caught(real_tokenizer, monkeypatch, bug):
+    """Each planted bug makes some case of the matrix wrong or refused (on the templates it concerns)."""
+    global _original_template_messages
+    import vlm_pack.data.chat as chat_module
+    import vlm_pack.data.chat_template as ct
+
+    names = {"fields dropped": ["qwen3", "gptoss"], "header taken as the whole prompt": ["qwen3_5_think"],
+             "terminator left out": ["gemma4", "qwen3"], "stop tag ignored": ["glm4moe"]}[bug]
+    if bug == "fields dropped":  # messages stripped to role/content, as before this rule
+        _original_template_messages = chat_module.template_messages
+        monkeypatch.setattr(chat_module, "template_messages", _drop_fields)
+        original_conversation = __import__("vlm_pack.offline.encoding", fromlist=["x"]).SampleEncoder._conversation
+        monkeypatch.setattr("vlm_pack.offline.encoding.SampleEncoder._conversation", lambda self, row: [
+            {"role": m["role"], "content": m.get("content") or ""} for m in original_conversation(self, row)])
+    elif bug == "header taken as the whole prompt":  # Qwen3.5's pre-filled think block left out of the span
+        original = ct._prompt_end
+        monkeypatch.setattr(ct, "_prompt_end", lambda plain, prompt, floor, start: original(
+            plain, prompt, floor, start) if plain.rfind(prompt, floor, start) < 0 else
+            plain.rfind(prompt, floor, start) + len(prompt))
+    elif bug == "terminator left out":
+        original_spans = ct._prefix_spans
+        monkeypatch.setattr(ct, "_prefix_spans", lambda *a: [(s, e - 1) for s, e in original_spans(*a)])
+        original_sentinels = ct._sentinel_spans
+        monkeypatch.setattr(ct, "_sentinel_spans", lambda *a: [(s, e - 1) for s, e in original_sentinels(*a)])
+    else:  # GLM-4-MoE's final stop tag not appended: the variant's text must equal the template's
+        original_render = ct.render_texts
+
+        def render(*args, **kwargs):
+            texts, spans = original_render(*args, **kwargs)
+            if kwargs.get("marks"):
+                spans = [[(a, min(b, len(t) - len("<|user|>")) if t.endswith("<|user|>") else b) for a, b in found]
+                         for t, found in zip(texts, spans)]
+                texts = [t.removesuffix("<|user|>") for t in texts]
+            return texts, spans
+
+        monkeypatch.setattr(ct, "render_texts", render)
+    counts = _counts(_summary(real_tokenizer, names))
+    assert counts.get("wrong", 0) + sum(v for k, v in counts.items() if k.startswith("refused")) > 0, counts
 
 
 if __name__ == "__main__":

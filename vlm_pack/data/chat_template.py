@@ -19,6 +19,7 @@ Anything else fails closed with a ``ValueError`` naming the template, the sample
 from __future__ import annotations
 
 import functools
+import itertools
 import importlib.util
 import os
 import pathlib
@@ -249,18 +250,21 @@ def locate_turns(
 ) -> list[tuple[str, list[tuple[int, int]]]]:
     """(text, assistant character spans) of each conversation; fails closed with a ``ValueError`` naming the sample.
 
-    The text is ``chat.template``'s rendering. Spans, per sample, from the first method that proves them:
+    The text is ``chat.template``'s rendering. Spans come from the template's own ``{% generation %}`` blocks if it
+    has them; else, per sample, from the first of these methods that proves them:
 
-    1. ``{% generation %}`` blocks of the template itself;
-    2. TRL's training variant, where it renders the same text; or the same text plus a tail inside the final
-       assistant span (GLM-4-MoE has no end-of-turn token: the variant labels the next turn's opening tag, and on
-       the final turn appends it; the tail then joins the text, the one place tokens go beyond the template's);
-    3. per-message sentinels placed inside the message's edge whitespace (a template that strips or trims it
+    1. TRL's training variant, where it renders the same text (TRL chose where its turns begin: Qwen2.5's after
+       ``<|im_start|>assistant``, before the newline); or the same text plus a tail inside the final assistant
+       span (GLM-4-MoE has no end-of-turn token: the variant labels the next turn's opening tag, and on the final
+       turn appends it; the tail then joins the text, the one place tokens go beyond the template's);
+    2. per-message sentinels placed inside the message's edge whitespace (a template that strips or trims it
        renders the same text once they are removed); the span runs from the end of the turn header to the end
        of the template's terminator;
-    4. prefix renderings: the turn is what ``render(messages[:i + 1])`` adds to
-       ``render(messages[:i], add_generation_prompt=True)`` (from the end of its header), provided both are
-       prefixes of the whole rendering (as TRL's prefix-preservation check demands).
+    3. prefix renderings: the turn starts at the end of its header in ``render(messages[:i],
+       add_generation_prompt=True)`` and ends where ``render(messages[:i + 1])`` ends, when that is a prefix of
+       the whole rendering (as TRL's prefix-preservation check demands); where it is not (Qwen3 writes a think
+       block on the final turn only), at the first end-of-turn terminator after the header, provided that
+       terminator holds a special token (no text writes one).
     """
     tools = list(tools) if tools is not None else [None] * len(conversations)
     plain, own = _checked_render(processor, conversations, chat.template, tools, chat.kwargs,
@@ -268,6 +272,7 @@ def locate_turns(
     if chat.marked == chat.template:
         return list(zip(plain, own))
     located: list[tuple[str, list[tuple[int, int]]] | None] = [None] * len(conversations)
+    reasons: dict[int, list[str]] = {index: [] for index in range(len(conversations))}
     if chat.marked is not None:
         try:
             texts, spans = render_texts(processor, conversations, chat.marked, tools, chat.kwargs, marks=True)
@@ -277,8 +282,9 @@ def locate_turns(
             if variant == text or (variant is not None and variant.startswith(text) and found
                                    and found[-1][0] <= len(text) and found[-1][1] == len(variant)):
                 located[index] = (variant, found)
+            else:
+                reasons[index].append("TRL's training variant renders it differently")
     pending = [index for index, done in enumerate(located) if done is None]
-    reasons: dict[int, list[str]] = {index: [] for index in pending}
     if pending and chat.terminator:
         marked_chats = [_with_sentinels(conversations[index]) for index in pending]
         try:
@@ -296,14 +302,14 @@ def locate_turns(
     elif pending:
         for index in pending:
             reasons[index].append("the template's turn markup could not be read off a probe chat")
+    pending = [index for index, done in enumerate(located) if done is None]
     for index in [i for i in pending if located[i] is None]:
         try:
             located[index] = (plain[index], _prefix_spans(processor, conversations[index], chat, tools[index],
                                                           plain[index]))
         except ValueError as exc:
             reasons[index].append(str(exc))
-            variant = "TRL's training variant renders it differently; " if chat.marked is not None else ""
-            raise _unlocatable(chat, variant + "; ".join(reasons[index]), f"sample {index}") from None
+            raise _unlocatable(chat, "; ".join(reasons[index]), f"sample {index}") from None
     return located  # type: ignore[return-value]
 
 
@@ -333,7 +339,8 @@ def _tokenize_spans(
     out = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, **tokenizer_kwargs)
     masks = []
     for offsets, text_spans in zip(out["offset_mapping"], spans):
-        offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+        offsets = np.fromiter(itertools.chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets))
+        offsets = offsets.reshape(-1, 2)
         bounds = np.asarray(text_spans, dtype=np.int64).reshape(-1, 2)
         # the first span ending after the token starts; the token overlaps it when it ends after that span starts
         span = np.searchsorted(bounds[:, 1], offsets[:, 0], side="right")
