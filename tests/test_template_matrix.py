@@ -297,3 +297,117 @@ if __name__ == "__main__":
             if kind not in ("exact",) or "-v" in sys.argv:
                 print(f"{name:24s} {chat:16s} {path:8s} {outcome[:300]}")
     print(dict(counts))
+
+
+# ------------------------------------------------------------------ the VLM templates, through the processor path
+
+
+def _vlm_processor(name: str):
+    """(processor, model config, chat_template to pass or None) of a VLM template with a tiny offline processor."""
+    from vlm_pack.testing.tiny_families import tiny_vlm, tiny_vlm_processor
+    from vlm_pack.testing.tiny_models import offline_gemma3_processor, offline_qwen2vl_processor, tiny_config
+
+    if name in ("qwen2_5_vl", "qwen3_vl", "qwen3_5_think", "qwen3_5_nothink"):
+        family = {"qwen3_5_think": "qwen3_5", "qwen3_5_nothink": "qwen3_5"}.get(name, name)
+        return offline_qwen2vl_processor(), tiny_config(family), template(name)
+    if name == "gemma3":
+        return offline_gemma3_processor(), tiny_config("gemma3"), template(name)
+    if name == "gemma4":
+        from test_budget_packs import _gemma4_processor
+
+        processor = _gemma4_processor()
+        return processor, tiny_config("gemma4"), processor.chat_template
+    processor = tiny_vlm_processor(name)
+    return processor, tiny_vlm(name, processor, layers=1).config, template(name)
+
+
+VLM_TEMPLATES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5_think", "qwen3_5_nothink", "gemma3", "gemma4", "idefics3",
+                 "smolvlm", "llava_next")
+_WITH_IMAGE = ("single", "system_multi", "unicode", "reasoning")
+
+
+def _vlm_chat(chat_name: str, chat: list[dict]) -> list[dict]:
+    """The edge chat with list content (what VLM templates index), an image first in its first user turn."""
+    from PIL import Image
+
+    out, image = [], chat_name in _WITH_IMAGE
+    for message in chat:
+        parts = [{"type": "text", "text": message["content"]}] if "content" in message else None
+        if image and message["role"] == "user":
+            parts = [{"type": "image", "image": Image.new("RGB", (40, 32), (200, 30, 90))}, *parts]
+            image = False
+        out.append({**message, **({"content": parts} if parts is not None else {})})
+    return out
+
+
+_PIECES = ("{%- for piece in messages[0]['pieces'] -%}{%- if piece[1] -%}{% generation %}{{ piece[0] }}"
+           "{% endgeneration %}{%- else -%}{{ piece[0] }}{%- endif -%}{%- endfor -%}")
+_VISION = {"processor_kwargs": {"images_kwargs": {"return_tensors": "pt"},
+                                "text_kwargs": {"return_tensors": None, "padding": False}}, "return_tensors": "auto"}
+
+
+def vlm_reference(processor, official: str, name: str, chat: list[dict], tools):
+    """(tokens, labels) through the processor (images expanded): tokens of ``apply_chat_template`` with the
+    official template; labels from TRL's training variant where it renders the same text, else from the text
+    spans of the prefix / markup references written as generation blocks, masked by the processor itself."""
+    try:
+        text = processor.apply_chat_template(chat, chat_template=official, tools=tools, tokenize=False)
+    except Exception:
+        return "template refuses"
+
+    def tokens(template_, conversation, **kw):
+        out = processor.apply_chat_template(conversation, chat_template=template_, tools=tools, tokenize=True,
+                                            return_dict=True, **_VISION, **kw)
+        return np.asarray(out["input_ids"]).reshape(-1).tolist(), out
+
+    ids, _ = tokens(official, chat)
+    training = TEMPLATES_DIR / f"{name}_training.jinja"
+    variant = training.read_text(encoding="utf-8") if training.is_file() else None
+    if variant is not None and processor.apply_chat_template(chat, chat_template=variant, tools=tools,
+                                                             tokenize=False) == text:
+        marked, out = tokens(variant, chat, return_assistant_tokens_mask=True)
+    else:
+        spans = _prefix_reference(processor, official, chat, tools, text) or _markup_reference(
+            text, sum(m["role"] == "assistant" for m in chat))
+        if spans is None:
+            return "no reference"
+        pieces, start = [], 0
+        for a, b in spans:
+            pieces += [(text[start:a], False), (text[a:b], True)]
+            start = b
+        pieces.append((text[start:], False))
+        marked, out = tokens(_PIECES, [{**chat[0], "pieces": pieces}, *chat[1:]], return_assistant_tokens_mask=True)
+    assert marked == ids
+    mask = np.asarray(out["assistant_masks"]).reshape(-1)
+    return ids, [t if m else IGNORE for t, m in zip(ids, mask)]
+
+
+def test_vlm_templates_through_the_processor_are_exact():
+    """The VLM templates whose tiny processors vlm_pack.testing builds, x the edge chats (4 with an image):
+    collator tokens == the processor's apply_chat_template, labels == the reference; none refused or wrong."""
+    from vlm_pack.data.collator import VLMPackingCollator
+
+    counts: dict[str, int] = {}
+    bad = []
+    for name in VLM_TEMPLATES:
+        processor, config, official = _vlm_processor(name)
+        collator = VLMPackingCollator(processor, max_length=1 << 16, model_config=config, chat_template=official)
+        cases, expected = [], []
+        for chat_name, chat, tools in EDGE_CHATS:
+            chat = _vlm_chat(chat_name, chat)
+            want = vlm_reference(processor, official, name, chat, tools)
+            if isinstance(want, str):
+                counts[want] = counts.get(want, 0) + 1
+                continue
+            cases.append((chat_name, chat, tools))
+            expected.append(want)
+        batch = collator([_example(chat, tools) for _, chat, tools in cases])
+        cu = batch["vlm_pack"]["cu_seqlens"].tolist()
+        for (chat_name, _, _), (ids, labels), a, b in zip(cases, expected, cu, cu[1:]):
+            got = (batch["input_ids"][0, a:b].tolist(), batch["labels"][0, a:b].tolist())
+            ok = got == (ids, [IGNORE] + labels[1:])
+            counts["exact" if ok else "wrong"] = counts.get("exact" if ok else "wrong", 0) + 1
+            if not ok:
+                bad.append((name, chat_name))
+    assert not bad, bad
+    print(counts)
