@@ -103,6 +103,7 @@ class ChatTemplate:
     prompt: str = ""
     terminator: str = ""
     kwargs: Mapping[str, Any] = field(default_factory=dict)
+    markup_error: str = ""
 
 
 def check_role(role: Any, where: str) -> None:
@@ -149,9 +150,12 @@ def resolve_chat_template(
     chat = ChatTemplate(template, marked, name, kwargs=kwargs)
     try:
         prompt, terminator = _turn_markup(processor, chat)
-    except ValueError:
-        prompt, terminator = "", ""
-    chat = replace(chat, prompt=prompt, terminator=terminator)
+        chat = replace(chat, prompt=prompt, terminator=terminator)
+    except _NoPrompt:
+        if marked is None:  # nothing says where an answer begins
+            raise
+    except ValueError as exc:  # no sentinels; the other methods may still prove the turns
+        chat = replace(chat, markup_error=str(exc).split("label masking: ", 1)[-1].split(". Pass chat_template")[0])
     _dry_run(processor, chat)
     return chat
 
@@ -301,7 +305,7 @@ def locate_turns(
                 reasons[index].append(str(exc))
     elif pending:
         for index in pending:
-            reasons[index].append("the template's turn markup could not be read off a probe chat")
+            reasons[index].append(chat.markup_error or "the template's turn markup could not be read off a probe")
     pending = [index for index, done in enumerate(located) if done is None]
     for index in [i for i in pending if located[i] is None]:
         try:
@@ -371,10 +375,15 @@ def _turn_markup(processor: Any, chat: ChatTemplate) -> tuple[str, str]:
     except Exception as exc:
         raise _unlocatable(chat, f"it cannot render a probe conversation ({type(exc).__name__}: {exc})") from exc
     if not prompt.startswith(bare) or len(prompt) == len(bare):
-        raise _unlocatable(chat, "add_generation_prompt=True adds no assistant prompt after the conversation")
+        error = _unlocatable(chat, "add_generation_prompt=True adds no assistant prompt after the conversation")
+        raise _NoPrompt(str(error))
     if answered.count(_mark(0, "e")) != 1:
         raise _unlocatable(chat, "it does not write an assistant message's text as given")
     return prompt[len(bare):], answered.split(_mark(0, "e"))[1]
+
+
+class _NoPrompt(ValueError):
+    """The template writes no generation prompt: nothing tells where an assistant turn begins."""
 
 
 def _probe_content(processor: Any, text: str) -> Any:
