@@ -1,19 +1,14 @@
 """The model's own chat template, and where its assistant turns are (no torch: the offline path keys caches on it).
 
 Tokens are always those of the model's OWN template (or the caller's ``chat_template=``): exactly what
-``processor.apply_chat_template(..., tokenize=True)`` gives, so fine-tuning sees the format used at inference.
-Labels need the assistant spans; they come from, in order:
-
-1. the template's own ``{% generation %}`` blocks (Hugging Face's ``return_assistant_tokens_mask``);
-2. TRL's training variant of that exact template (``trl.chat_template_utils.get_training_chat_template``), used
-   for a batch only when it renders every sample to the same text as the template itself;
-3. per-message sentinels: each assistant message is rendered with unique markers around its text; the markers,
-   once removed, must leave exactly the plain rendering (so they changed nothing), and each span runs from the
-   end of the template's own generation prompt (what ``add_generation_prompt`` writes) to the end of the turn's
-   terminator (what the template writes after an assistant message). The spans are handed to Hugging Face's
-   mask machinery through a template that writes the plain rendering piece by piece.
-
-Anything else fails closed with a ``ValueError`` naming the template, the sample and the fix.
+``processor.apply_chat_template(..., tools=..., tokenize=True)`` gives, so fine-tuning sees the format used at
+inference. Every message field the template reads is passed through (reasoning, tool calls, tool responses,
+names), an example's ``tools`` as ``tools=``, and chat-level ``template_kwargs`` (e.g. ``enable_thinking``).
+Labels need the assistant spans; they come from the template's own ``{% generation %}`` blocks, else, per
+sample, from TRL's training variant of that exact template, edge-whitespace sentinels or prefix renderings
+(:func:`locate_turns`), each proven against the template's own rendering of that sample. The template is tried
+on probe chats when a collator / ``prepare`` is built: a feature no method can label is refused there, naming
+it. See ``docs/chat_templates.md``.
 """
 
 from __future__ import annotations
@@ -42,7 +37,8 @@ __all__ = [
 
 # Names how tokens and spans are chosen (module doc); part of the offline token-cache key, so caches written under
 # another rule (e.g. the former ChatML fallback) are never reused. Change it whenever the rule changes.
-RENDERING_RULE = "own template; spans from generation blocks, TRL's training variant, or sentinels (v1)"
+RENDERING_RULE = ("own template, every message field and tools; spans from generation blocks, TRL's training "
+                  "variant (+ its stop tag), edge-whitespace sentinels or prefix renderings (v2)")
 # Roles a conversation may use; anything else (e.g. "Assistant") is a typo that would silently drop labels.
 ACCEPTED_ROLES = ("system", "user", "assistant", "tool")
 
@@ -476,14 +472,12 @@ def _sentinel_spans(conversation: list[dict], plain: str, marked: str, chat: Cha
     """Character spans of the assistant turns in ``plain`` given its rendering with sentinels ``marked`` (module
     doc, method 3); raises a ValueError saying why they cannot be trusted."""
     turns = [turn for turn, message in enumerate(conversation) if message["role"] == "assistant"]
-    found, pieces, last = [], [], 0
-    for match in _SENTINEL.finditer(marked):
-        pieces.append(marked[last:match.start()])
-        last = match.end()
-        found.append((int(match.group(1)), match.group(2), sum(map(len, pieces))))
-    pieces.append(marked[last:])
-    if "".join(pieces) != plain:
+    if _SENTINEL.sub("", marked) != plain:
         raise ValueError("marking an assistant message changes how the template renders it")
+    found, removed = [], 0
+    for match in _SENTINEL.finditer(marked):  # each sentinel's offset in the plain text
+        found.append((int(match.group(1)), match.group(2), match.start() - removed))
+        removed += match.end() - match.start()
     expected = [(turn, side) for turn in turns for side in "se"]
     if [(turn, side) for turn, side, _ in found] != expected:
         raise ValueError("it drops, repeats or reorders an assistant message's text")
