@@ -411,3 +411,28 @@ def test_vlm_templates_through_the_processor_are_exact():
                 bad.append((name, chat_name))
     assert not bad, bad
     print(counts)
+
+
+def test_template_kwargs_reach_every_rendering_and_unknown_ones_are_refused(real_tokenizer):
+    """``template_kwargs={"enable_thinking": False}`` with Qwen3.5 (its generation prompt pre-fills an empty think
+    block then): tokens == apply_chat_template(..., enable_thinking=False), labels == TRL's variant rendered with it;
+    a variable the template never reads, or one the renderer sets, is refused when built."""
+    from vlm_pack.data.collator import VLMPackingCollator
+
+    chat = next(c for n, c, _ in EDGE_CHATS if n == "single")
+    official, variant = template("qwen3_5_think"), template("qwen3_5_think_training")
+    collator = VLMPackingCollator(real_tokenizer, max_length=4096, chat_template=official,
+                                  template_kwargs={"enable_thinking": False})
+    batch = collator([{"messages": chat}])
+    want = real_tokenizer.apply_chat_template(chat, chat_template=variant, enable_thinking=False, tokenize=True,
+                                              return_dict=True, return_assistant_tokens_mask=True)
+    assert want["input_ids"] == real_tokenizer.apply_chat_template(chat, chat_template=official, enable_thinking=False,
+                                                                   tokenize=True, return_dict=True)["input_ids"]
+    assert batch["input_ids"][0].tolist() == want["input_ids"]
+    assert batch["labels"][0].tolist()[1:] == [t if m else IGNORE for t, m in zip(want["input_ids"],
+                                                                                 want["assistant_masks"])][1:]
+    with pytest.raises(ValueError, match="never reads 'enable_reasoning'"):
+        VLMPackingCollator(real_tokenizer, max_length=64, chat_template=official,
+                           template_kwargs={"enable_reasoning": False})
+    with pytest.raises(ValueError, match="'tools' is set by the renderer itself; give tools per example"):
+        VLMPackingCollator(real_tokenizer, max_length=64, chat_template=official, template_kwargs={"tools": []})

@@ -30,7 +30,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from .chat_template import CHATML_TEMPLATE, ChatTemplate, check_role, render_with_assistant_masks, resolve_chat_template
+from .chat_template import (
+    CHATML_TEMPLATE, ChatTemplate, check_role, example_tools, render_with_assistant_masks, resolve_chat_template,
+)
 from ..core.packing import IGNORE_INDEX
 
 __all__ = [
@@ -189,24 +191,6 @@ def _as_messages(example: Any, index: int) -> tuple[list[Mapping], list[Any] | N
             f"turns); got {type(messages).__name__}"
         )
     return list(messages), None if images is None else list(images)
-
-
-def example_tools(example: Any, index: int) -> list | None:
-    """The example's chat-level ``tools`` (TRL's dataset column: function schemas handed to the chat template as
-    ``tools=``), or None."""
-    tools = example.get("tools") if isinstance(example, Mapping) else None
-    if tools is None:
-        return None
-    if isinstance(tools, str):  # datasets often store the schemas as a JSON string
-        import json
-
-        try:
-            tools = json.loads(tools)
-        except ValueError as exc:
-            raise ValueError(f"sample {index}: 'tools' is a string that is not JSON ({exc})") from None
-    if not isinstance(tools, Sequence) or not all(isinstance(tool, Mapping) for tool in tools):
-        raise ValueError(f"sample {index}: 'tools' must be a list of function schemas (dicts); got {tools!r:.120}")
-    return [dict(tool) for tool in tools] or None
 
 
 def template_messages(turns: list[dict], text_only: bool) -> list[dict]:

@@ -29,6 +29,7 @@ __all__ = [
     "CHATML_TEMPLATE",
     "ChatTemplate",
     "check_role",
+    "example_tools",
     "locate_turns",
     "render_texts",
     "render_with_assistant_masks",
@@ -106,6 +107,24 @@ def check_role(role: Any, where: str) -> None:
     """Refuse a role outside :data:`ACCEPTED_ROLES` (a misspelled one would silently lose its labels)."""
     if role not in ACCEPTED_ROLES:
         raise ValueError(f"{where}: unknown role {role!r}; accepted roles: {', '.join(ACCEPTED_ROLES)}")
+
+
+def example_tools(example: Any, index: int) -> list | None:
+    """The example's chat-level ``tools`` (TRL's dataset column: function schemas handed to the chat template as
+    ``tools=``), or None."""
+    tools = example.get("tools") if isinstance(example, Mapping) else None
+    if tools is None:
+        return None
+    if isinstance(tools, str):  # datasets often store the schemas as a JSON string
+        import json
+
+        try:
+            tools = json.loads(tools)
+        except ValueError as exc:
+            raise ValueError(f"sample {index}: 'tools' is a string that is not JSON ({exc})") from None
+    if not isinstance(tools, Sequence) or not all(isinstance(tool, Mapping) for tool in tools):
+        raise ValueError(f"sample {index}: 'tools' must be a list of function schemas (dicts); got {tools!r:.120}")
+    return [dict(tool) for tool in tools] or None
 
 
 # Variables the renderer itself sets: a chat-level kwarg must not override them.

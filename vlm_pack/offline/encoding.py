@@ -152,7 +152,7 @@ class SampleEncoder:
         return messages  # every field the template reads (reasoning, tool calls, names, ...), as given
 
     def _chat(self, rows: list[dict], wheres: list[str]) -> tuple[list[list[int]], list[np.ndarray]]:
-        from ..data.chat import example_tools
+        from ..data.chat_template import example_tools
 
         conversations = [self._conversation(r) for r in rows]
         tools = [example_tools(row, i) for i, row in enumerate(rows)]
