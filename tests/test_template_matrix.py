@@ -239,7 +239,7 @@ _original_template_messages = None
 
 
 @pytest.mark.parametrize("bug", ["fields dropped", "header taken as the whole prompt", "terminator left out",
-                                 "stop tag ignored"])
+                                 "markup spans", "stop tag ignored"])
 def test_planted_bugs_are_caught(real_tokenizer, monkeypatch, bug):
     """Each planted bug makes some case of the matrix wrong or refused (on the templates it concerns)."""
     global _original_template_messages
@@ -247,7 +247,7 @@ def test_planted_bugs_are_caught(real_tokenizer, monkeypatch, bug):
     import vlm_pack.data.chat_template as ct
 
     names = {"fields dropped": ["qwen3", "gptoss"], "header taken as the whole prompt": ["qwen3_5_think"],
-             "terminator left out": ["gemma4", "qwen3"], "stop tag ignored": ["glm4moe"]}[bug]
+             "terminator left out": ["gemma4", "qwen3"], "markup spans": ["qwen3"], "stop tag ignored": ["glm4moe"]}[bug]
     if bug == "fields dropped":  # messages stripped to role/content, as before this rule
         _original_template_messages = chat_module.template_messages
         monkeypatch.setattr(chat_module, "template_messages", _drop_fields)
@@ -255,15 +255,17 @@ def test_planted_bugs_are_caught(real_tokenizer, monkeypatch, bug):
         monkeypatch.setattr("vlm_pack.offline.encoding.SampleEncoder._conversation", lambda self, row: [
             {"role": m["role"], "content": m.get("content") or ""} for m in original_conversation(self, row)])
     elif bug == "header taken as the whole prompt":  # Qwen3.5's pre-filled think block left out of the span
-        original = ct._prompt_end
-        monkeypatch.setattr(ct, "_prompt_end", lambda plain, prompt, floor, start: original(
-            plain, prompt, floor, start) if plain.rfind(prompt, floor, start) < 0 else
-            plain.rfind(prompt, floor, start) + len(prompt))
+        monkeypatch.setattr(ct, "_header_cuts", lambda prompt: [len(prompt)])
     elif bug == "terminator left out":
         original_spans = ct._prefix_spans
         monkeypatch.setattr(ct, "_prefix_spans", lambda *a: [(s, e - 1) for s, e in original_spans(*a)])
         original_sentinels = ct._sentinel_spans
         monkeypatch.setattr(ct, "_sentinel_spans", lambda *a: [(s, e - 1) for s, e in original_sentinels(*a)])
+        original_markup = ct._markup_spans
+        monkeypatch.setattr(ct, "_markup_spans", lambda *a: [(s, e - 1) for s, e in original_markup(*a) or []] or None)
+    elif bug == "markup spans":  # turns read off the markup one character late
+        original_markup = ct._markup_spans
+        monkeypatch.setattr(ct, "_markup_spans", lambda *a: [(s + 1, e) for s, e in original_markup(*a) or []] or None)
     else:  # GLM-4-MoE's final stop tag not appended: the variant's text must equal the template's
         original_render = ct.render_texts
 

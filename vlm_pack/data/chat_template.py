@@ -304,6 +304,11 @@ def locate_turns(
             else:
                 reasons[index].append("TRL's training variant renders it differently")
     pending = [index for index, done in enumerate(located) if done is None]
+    special = _special_pattern(processor) if pending and chat.terminator else None
+    for index in pending if special is not None else ():
+        spans = _markup_spans(conversations[index], tools[index], plain[index], chat, special)
+        located[index] = None if spans is None else (plain[index], spans)
+    pending = [index for index, done in enumerate(located) if done is None]
     if pending and chat.terminator:
         marked_chats = [_with_sentinels(conversations[index]) for index in pending]
         try:
@@ -479,6 +484,56 @@ def _with_sentinels(conversation: list[dict]) -> list[dict]:
     return marked
 
 
+def _special_pattern(processor: Any) -> re.Pattern | None:
+    """A regex matching any multi-character special / added token of the processor's tokenizer (None if none)."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    tokens = {token for token in getattr(tokenizer, "all_special_tokens", []) if len(token) > 1}
+    tokens |= {token for token in getattr(tokenizer, "get_added_vocab", dict)() if len(token) > 1}
+    return re.compile("|".join(map(re.escape, sorted(tokens, key=len, reverse=True)))) if tokens else None
+
+
+def _strings(value: Any):
+    """Every string inside a message / tools value (nested dicts and lists)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
+
+
+def _markup_spans(conversation: list[dict], tools: Any, plain: str, chat: ChatTemplate,
+                  special: re.Pattern) -> list[tuple[int, int]] | None:
+    """Assistant spans read off the rendered text's own markup, None where that is not proven.
+
+    Proven when the assistant header (the generation prompt's first line, see :func:`_prompt_end`) and the
+    terminator each hold a special token and NO string of the chat or its tools holds one: every header and
+    terminator in the text is then the template's own; the text must hold exactly one header per assistant
+    message, each followed by its terminator before the next header. The span is what the sentinel method
+    gives (header end to terminator end), at the cost of no extra rendering."""
+    header = chat.prompt[:_header_cut(chat.prompt)]
+    if not (special.search(header) and special.search(chat.terminator)):
+        return None
+    if any(special.search(text) for text in _strings(conversation)) or any(
+            special.search(text) for text in _strings(tools)):
+        return None
+    starts, at = [], plain.find(header)
+    while at >= 0:
+        starts.append(at + len(header))
+        at = plain.find(header, at + len(header))
+    if len(starts) != sum(message["role"] == "assistant" for message in conversation):
+        return None
+    spans = []
+    for k, start in enumerate(starts):
+        end = plain.find(chat.terminator, start)
+        if end < 0 or (k + 1 < len(starts) and end + len(chat.terminator) > starts[k + 1] - len(header)):
+            return None
+        spans.append((start, end + len(chat.terminator)))
+    return spans
+
+
 def _trailing_space(message: dict) -> str:
     content = message.get("content")
     if isinstance(content, list):
@@ -565,12 +620,20 @@ def _prompt_end(plain: str, prompt: str, floor: int, start: int) -> int:
     The header is the generation prompt's shortest whole-line prefix followed by more than whitespace (else the
     whole prompt): a prompt that pre-fills text after the header (Qwen3.5's empty think block, written only on the
     final turn) leaves that text inside the span, where TRL's training variants put it too."""
-    cuts = [i + 1 for i, char in enumerate(prompt) if char == "\n" and prompt[i + 1:].strip()] + [len(prompt)]
-    for cut in cuts:
+    for cut in _header_cuts(prompt):
         head = plain.rfind(prompt[:cut], floor, start)
         if head >= 0:
             return head + cut
     return -1
+
+
+def _header_cuts(prompt: str) -> list[int]:
+    """Candidate ends of the turn header in the generation prompt, shortest first (:func:`_prompt_end`)."""
+    return [i + 1 for i, char in enumerate(prompt) if char == "\n" and prompt[i + 1:].strip()] + [len(prompt)]
+
+
+def _header_cut(prompt: str) -> int:
+    return _header_cuts(prompt)[0]
 
 
 def _unlocatable(chat: ChatTemplate, why: str, where: str | None = None) -> ValueError:
