@@ -5,8 +5,8 @@ Tokens are always those of the model's OWN template (or the caller's ``chat_temp
 inference. Every message field the template reads is passed through (reasoning, tool calls, tool responses,
 names), an example's ``tools`` as ``tools=``, and chat-level ``template_kwargs`` (e.g. ``enable_thinking``).
 Labels need the assistant spans; they come from the template's own ``{% generation %}`` blocks, else, per
-sample, from TRL's training variant of that exact template, edge-whitespace sentinels or prefix renderings
-(:func:`locate_turns`), each proven against the template's own rendering of that sample. The template is tried
+sample, from TRL's training variant of that exact template, the rendered text's markup, edge-whitespace
+sentinels or prefix renderings (:func:`locate_turns`), each proven against the template's own rendering of that sample. The template is tried
 on probe chats when a collator / ``prepare`` is built: a feature no method can label is refused there, naming
 it. See ``docs/chat_templates.md``.
 """
@@ -39,7 +39,7 @@ __all__ = [
 # Names how tokens and spans are chosen (module doc); part of the offline token-cache key, so caches written under
 # another rule (e.g. the former ChatML fallback) are never reused. Change it whenever the rule changes.
 RENDERING_RULE = ("own template, every message field and tools; spans from generation blocks, TRL's training "
-                  "variant (+ its stop tag), edge-whitespace sentinels or prefix renderings (v2)")
+                  "variant (+ its stop tag), markup, edge-whitespace sentinels or prefix renderings (v2)")
 # Roles a conversation may use; anything else (e.g. "Assistant") is a typo that would silently drop labels.
 ACCEPTED_ROLES = ("system", "user", "assistant", "tool")
 
@@ -276,10 +276,13 @@ def locate_turns(
        ``<|im_start|>assistant``, before the newline); or the same text plus a tail inside the final assistant
        span (GLM-4-MoE has no end-of-turn token: the variant labels the next turn's opening tag, and on the final
        turn appends it; the tail then joins the text, the one place tokens go beyond the template's);
-    2. per-message sentinels placed inside the message's edge whitespace (a template that strips or trims it
+    2. the rendered text's markup (:func:`_markup_spans`): where the turn header and terminator hold special
+       tokens and no string of the chat does, one header per assistant message, each closed by its terminator;
+       no extra rendering;
+    3. per-message sentinels placed inside the message's edge whitespace (a template that strips or trims it
        renders the same text once they are removed); the span runs from the end of the turn header to the end
        of the template's terminator;
-    3. prefix renderings: the turn starts at the end of its header in ``render(messages[:i],
+    4. prefix renderings: the turn starts at the end of its header in ``render(messages[:i],
        add_generation_prompt=True)`` and ends where ``render(messages[:i + 1])`` ends, when that is a prefix of
        the whole rendering (as TRL's prefix-preservation check demands); where it is not (Qwen3 writes a think
        block on the final turn only), at the first end-of-turn terminator after the header, provided that

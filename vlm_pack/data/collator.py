@@ -91,8 +91,8 @@ class VLMPackingCollator:
     unregistered family or unhandled feature is refused unless ``allow_unproven=True``. Required with a
     multimodal processor; optional with a text tokenizer (then positions restart at 0 per sample).
     ``chat_template``: the template to render with (default: the processor's own). Tokens are always that
-    template's; assistant spans come from its ``{% generation %}`` blocks, TRL's training variant of it, or
-    per-message sentinels proven by re-rendering, or prefix renderings (``vlm_pack.data.chat_template``); a template
+    template's; assistant spans come from its ``{% generation %}`` blocks, TRL's training variant of it, the
+    rendered text's markup, per-message sentinels or prefix renderings (``vlm_pack.data.chat_template``); a template
     none of them can label is refused here, naming the feature. Every message field the template reads is passed
     through (reasoning, tool calls, tool responses, names), and an example's ``tools`` reach it as ``tools=``.
     ``template_kwargs``: chat-level template variables for every sample (e.g. ``{"enable_thinking": False}``).

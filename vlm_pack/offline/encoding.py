@@ -6,10 +6,11 @@ Templates:
   piece by piece, so the response's character span is known by construction; the fast tokenizer's offsets
   map it onto tokens.
 * ``chat``: the tokenizer's own chat template (or ``chat_template``), tokens exactly as ``apply_chat_template``
-  gives them; assistant spans from its ``{% generation %}`` blocks, TRL's training variant of it, or per-message
-  sentinels proven by re-rendering (``vlm_pack.data.chat_template``), mapped onto tokens by
-  ``apply_chat_template(return_assistant_tokens_mask=True)``. Labels never come from searching the reply's text, so a reply that also
-  occurs in the prompt, in a system prompt or in an earlier turn is labelled where the assistant said it.
+  gives them (every message field, the row's ``tools``); assistant spans from its ``{% generation %}`` blocks,
+  TRL's training variant of it, the rendered text's markup, per-message sentinels or prefix renderings
+  (``vlm_pack.data.chat_template``), mapped onto tokens by the fast tokenizer's offsets. Labels never come from
+  searching the reply's text, so a reply that also occurs in the prompt, in a system prompt or in an earlier turn
+  is labelled where the assistant said it.
 * ``auto`` (default): ``chat`` when the first record has the messages field and no prompt field, else ``alpaca``.
 
 Each sample's tokens are exactly the tokenizer's output for the rendered text. With ``max_seq_length`` a longer
