@@ -13,7 +13,6 @@ that variant's own tokens and mask.
 from __future__ import annotations
 
 import importlib.util
-import json
 import pathlib
 
 import numpy as np

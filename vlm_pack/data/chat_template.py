@@ -14,8 +14,8 @@ it. See ``docs/chat_templates.md``.
 from __future__ import annotations
 
 import functools
-import itertools
 import importlib.util
+import itertools
 import os
 import pathlib
 import re
