@@ -425,3 +425,41 @@ def test_text_tokenizer_plans_string_chats_as_its_template_renders_them():
     stock = [len(tokenizer.apply_chat_template(chat["messages"], tokenize=True, return_dict=True)["input_ids"])
              for chat in chats]
     assert planned == stock == _materialised_lengths(collator, chats)
+
+
+def _edge_whitespace_examples(n: int) -> list[dict]:
+    """Image and text chats whose answers have the edge whitespace real data has (a leading newline, trailing
+    spaces, both, a whitespace-only earlier turn), the kind a trimming template (Gemma 4) renders differently."""
+    answers = ["\nA flat picture.", "Flat colours.   ", "\n\nTwo shapes.  ", " Red. ", "Plain."]
+    examples = []
+    for i in range(n):
+        answer = answers[i % len(answers)]
+        if i % 2:
+            user = [*[{"type": "image", "image": Image.new("RGB", (40 + 8 * i, 32), (9 * i, 90, 200))}],
+                    {"type": "text", "text": "What is shown? "}]
+        else:
+            user = [{"type": "text", "text": f"\nQuestion {i}?  "}]
+        turns = [{"role": "user", "content": user}, {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
+        if i % 3 == 0:  # an earlier whitespace-only answer
+            turns = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                     {"role": "assistant", "content": [{"type": "text", "text": "  "}]}, *turns]
+        examples.append({"messages": turns})
+    return examples
+
+
+def test_gemma4_official_template_plans_edge_whitespace_without_refusing():
+    """Gemma 4's official template trims answers: 40 probe samples with leading newlines / trailing spaces (13 were
+    refused at batch time before the labels came from edge-whitespace sentinels or prefix renderings) plan to
+    exactly the processor's lengths, and every sample is labelled on its answers only."""
+    collator = _family_collator("gemma4")
+    examples = _edge_whitespace_examples(40)
+    planned = measure_lengths(examples, collator, progress=False)
+    assert planned.tokens.tolist() == _materialised_lengths(collator, examples)
+    batch = collator(examples)
+    tokenizer = collator.processor.tokenizer
+    cu = batch["vlm_pack"]["cu_seqlens"].tolist()
+    for example, a, b in zip(examples, cu, cu[1:]):
+        labels = batch["labels"][0, a:b]
+        text = tokenizer.decode(labels[labels != -100])
+        answers = [m["content"][0]["text"].strip() for m in example["messages"] if m["role"] == "assistant"]
+        assert text == "".join(f"{answer}<turn|>\n" for answer in answers), text

@@ -100,3 +100,55 @@ def test_template_without_generation_blocks_is_refused(tmp_path, tokenizer):
     with pytest.raises(ValueError, match=r"cannot locate the assistant turns.*adds no assistant prompt"):
         prepare_packed_sequence_data(path, tokenizer, tmp_path, [512], chat_template=plain, progress=False,
                                      cache_dir=str(tmp_path / "cache"), log=lambda _: None)
+
+
+TOOL_CHAT = {
+    "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "reasoning_content": "Ask the tool.", "content": "",
+         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "name": "get_weather", "tool_call_id": "c1", "content": "21 C"},
+        {"role": "assistant", "reasoning_content": "Report it.", "content": "\nIt is 21 degrees.  "},
+    ],
+    "tools": json.dumps([{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]),
+}
+
+
+def test_prepare_renders_reasoning_tool_calls_and_tools(tmp_path, tokenizer):
+    """A JSONL row with reasoning, a tool-call turn without text, a tool response and its tools (as a JSON string,
+    as datasets store them): the packed tokens are apply_chat_template(messages, tools=...) exactly (old code:
+    refused by the record check, and every field but role/content dropped), labels the two assistant turns as the
+    template renders them (reasoning and tool call included), "<|im_start|>assistant\\n" and the tool response
+    not."""
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps(TOOL_CHAT) + "\n")
+    written = prepare_packed_sequence_data(path, tokenizer, tmp_path, [512], tokenizer_name="t", progress=False,
+                                           cache_dir=str(tmp_path / "cache"), log=lambda _: None)
+    data = open_packed(written[0].path)
+    tokens, mask = np.asarray(data.tokens[:data.seq_offsets[1]]), np.asarray(data.loss_mask[:data.seq_offsets[1]])
+    messages = [{k: v for k, v in m.items() if v is not None} for m in TOOL_CHAT["messages"]]
+    assert tokens.tolist() == tokenizer.apply_chat_template(messages, tools=json.loads(TOOL_CHAT["tools"]),
+                                                            tokenize=True, return_dict=True)["input_ids"]
+    runs = np.split(tokens[mask.astype(bool)], np.flatnonzero(np.diff(np.flatnonzero(mask)) > 1) + 1)
+    assert [tokenizer.decode(r) for r in runs] == [
+        '<think>\nAsk the tool.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call><|im_end|>\n",
+        "<think>\nReport it.\n</think>\n\nIt is 21 degrees.  <|im_end|>\n"]
+
+
+def test_record_check_allows_tool_call_turns_and_refuses_chats_without_any_answer():
+    from vlm_pack.offline.encoding import SampleFormat
+
+    fmt = SampleFormat(template="chat")
+    fmt.check(TOOL_CHAT, "x.jsonl:1")
+    fmt.check({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": {}}}]}]}, "x.jsonl:1")  # OpenAI's None content
+    fmt.check({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": " "},
+                            {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]}, "x.jsonl:2")
+    with pytest.raises(ValueError, match=r"x.jsonl:3: empty response \(no assistant message has content\)"):
+        fmt.check({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": " "}]}, "x.jsonl:3")
+    with pytest.raises(ValueError, match=r"x.jsonl:4: field 'messages' must be a list of \{role, content\} strings"):
+        fmt.check({"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "c"}]},
+                  "x.jsonl:4")

@@ -234,19 +234,34 @@ def _template(answer: str) -> str:
             "m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def test_a_template_that_rewrites_assistant_text_fails_closed(qwen_tok):
-    """Sentinels must leave the plain rendering unchanged, else the template is refused (old code: any such
-    template was replaced by ChatML). Upper-casing answers: refused when built; trimming them: refused for the
-    sample whose answer has surrounding spaces (the others are located)."""
-    with pytest.raises(ValueError, match=r"cannot locate the assistant turns of the chat_template passed in.*does not "
-                                         r"write an assistant message's text as given"):
-        VLMPackingCollator(qwen_tok, max_length=512, chat_template=_template("m.content | upper"))
-    collator = VLMPackingCollator(qwen_tok, max_length=512, chat_template=_template("m.content | trim"))
-    assert collator([{"messages": TEXT_CHATS[0]}])["vlm_pack"]["stats"].label_tokens > 0
+def test_a_template_that_rewrites_assistant_text_is_labelled_where_it_renders_it(qwen_tok):
+    """Sentinels cannot locate an answer the template rewrites (upper-cased) or trims (surrounding spaces); prefix
+    renderings do: the label is the turn as the template renders it (old code: refused, the trimmed one only
+    when the batch was built)."""
+    upper = VLMPackingCollator(qwen_tok, max_length=512, chat_template=_template("m.content | upper"))
+    batch = upper([{"messages": TEXT_CHATS[1]}])
+    assert _runs(batch["input_ids"][0].tolist(), batch["labels"][0].tolist(), qwen_tok) == [
+        "HELLO THERE<|im_end|>\n", "BYE<|im_end|>\n"]
+    trim = VLMPackingCollator(qwen_tok, max_length=512, chat_template=_template("m.content | trim"))
     spaced = [TEXT_CHATS[0][0], {"role": "assistant", "content": " Yes. "}]
-    with pytest.raises(ValueError, match=r"sample 1: cannot locate the assistant turns of the chat_template passed in"
-                                         r".*changes how the template renders it"):
-        collator([{"messages": TEXT_CHATS[0]}, {"messages": spaced}])
+    batch = trim([{"messages": TEXT_CHATS[0]}, {"messages": spaced}])
+    assert [_runs(ids, labels, qwen_tok) for ids, labels in zip(segments(batch, "input_ids"),
+                                                                 segments(batch, "labels"))] == [
+        ["Yes.<|im_end|>\n"], ["Yes.<|im_end|>\n"]]
+
+
+def test_a_template_no_method_can_label_is_refused_when_built_naming_the_feature(qwen_tok):
+    """Truly ambiguous: the last answer upper-cased (an earlier turn renders differently once more follow: not
+    prefix-preserving), turns ending in a plain newline (no end-of-turn token), no TRL variant. Refused when the
+    collator / encoder is built, naming the feature, not mid-training."""
+    template = ("{% for m in messages %}{{ m.role }}: {{ m.content | upper if (loop.last and m.role == 'assistant') "
+                "else m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    match = (r"the chat_template passed in is refused for chats with a system turn and several turns: cannot "
+             r"locate the assistant turns .*not prefix-preserving")
+    with pytest.raises(ValueError, match=match):
+        VLMPackingCollator(qwen_tok, max_length=512, chat_template=template)
+    with pytest.raises(ValueError, match=match):
+        SampleEncoder(qwen_tok, SampleFormat(template="chat"), None, chat_template=template)
 
 
 # ------------------------------------------------------------------ roles and empty labels

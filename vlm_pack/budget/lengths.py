@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..data.chat import _as_text, image_size, normalize_example
+from ..data.chat import example_tools, image_size, normalize_example, template_messages
+from ..data.chat_template import locate_turns
 
 __all__ = ["SampleLengths", "measure_lengths"]
 
@@ -125,9 +126,10 @@ def _measure_chunk(collator: Any, examples: Sequence[Any], first: int) -> tuple[
                           allow_images=collator.has_images, decode_images=False)
         for row, example in enumerate(examples)
     ]
-    # rendered as the collator renders them: a text template gets each turn's text as one string
-    rendered = conversations if collator.has_images else [_as_text(conversation) for conversation in conversations]
-    texts = processor.apply_chat_template(rendered, chat_template=collator.chat_template, tokenize=False)
+    rendered = [template_messages(conversation, not collator.has_images) for conversation in conversations]
+    tools = [example_tools(example, first + row) for row, example in enumerate(examples)]
+    # the collator's text (the template's rendering, plus a stop tag where TRL's training variant adds one)
+    texts = [text for text, _ in locate_turns(processor, rendered, collator.chat, tools)]
     tokens, image_tokens, images = (np.zeros(len(examples), dtype=np.int64) for _ in range(3))
     for row, conversation in enumerate(conversations):
         where = f"sample {first + row}"

@@ -30,7 +30,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from .chat_template import CHATML_TEMPLATE, ChatTemplate, check_role, render_with_assistant_masks, resolve_chat_template
+from .chat_template import (
+    CHATML_TEMPLATE, ChatTemplate, check_role, example_tools, render_with_assistant_masks, resolve_chat_template,
+)
 from ..core.packing import IGNORE_INDEX
 
 __all__ = [
@@ -39,16 +41,22 @@ __all__ = [
     "IMAGE_PLACEHOLDER",
     "carry_assistant_mask",
     "encode_conversations",
+    "example_tools",
     "image_size",
     "load_image",
     "normalize_example",
     "resolve_chat_template",
+    "template_messages",
 ]
 
 # Placeholder for an image inside plain-string content (LLaVA / TRL convention), filled from example["images"].
 IMAGE_PLACEHOLDER = "<image>"
 # Per-video values some processors return as plain lists rather than tensors (Qwen2.5-VL's seconds per grid).
 _PER_VIDEO_LISTS = ("second_per_grid_ts",)
+# Marks a normalised turn whose message had no content (a tool-call turn): rendered without a content key.
+NO_CONTENT = "vlm_pack_no_content"
+# Message fields that make an assistant turn something to train on besides its content.
+_ANSWER_FIELDS = ("tool_calls", "reasoning_content", "thinking", "reasoning")
 # Keys an image part may carry its payload under (HF chat-template conventions plus raw bytes).
 _IMAGE_KEYS = ("image", "url", "path", "bytes")
 
@@ -185,14 +193,31 @@ def _as_messages(example: Any, index: int) -> tuple[list[Mapping], list[Any] | N
     return list(messages), None if images is None else list(images)
 
 
+def template_messages(turns: list[dict], text_only: bool) -> list[dict]:
+    """Normalised turns as the chat template reads them: every field of the message as given (reasoning,
+    ``tool_calls``, ``name``, ``tool_call_id``, ...), the content as parts (a processor) or one string (a text
+    tokenizer, whose templates expect string content), and no content where the message had none."""
+    messages = []
+    for turn in turns:
+        message = {key: value for key, value in turn.items() if key != NO_CONTENT}
+        if turn.get(NO_CONTENT):
+            del message["content"]
+        elif text_only:
+            message["content"] = "".join(part["text"] for part in turn["content"])
+        messages.append(message)
+    return messages
+
+
 def normalize_example(
     example: Any, index: int, *, reserved_tokens: Sequence[str] = (), allow_images: bool = True,
     decode_images: bool = True,
 ) -> list[dict]:
     """Validate one example and return its turns with list content and decoded PIL images, ready to render.
 
+    Every other field of a message (``reasoning_content``, ``thinking``, ``tool_calls``, ``tool_call_id``,
+    ``name``, ...) is kept as given: the chat template reads them (:func:`template_messages`).
     Errors name the sample (``index``) and the turn. Checks: roles and content types, at least one assistant
-    turn with content, image slots == images given, images decodable, no ``reserved_tokens`` (the processor's
+    turn with content (or tool calls / reasoning), image slots == images given, images decodable, no ``reserved_tokens`` (the processor's
     image/video placeholder tokens) typed inside text, where they would silently add image slots.
     ``decode_images=False`` leaves each image part's payload as given (planning reads only its header).
     """
@@ -203,10 +228,17 @@ def normalize_example(
     has_answer = False
     for turn_index, message in enumerate(messages):
         where = f"sample {index}, turn {turn_index}"
-        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+        if not isinstance(message, Mapping) or "role" not in message:
             raise ValueError(f"{where}: each turn needs 'role' and 'content' keys; got {message!r:.120}")
         check_role(message["role"], where)
-        content = message["content"]
+        content = message.get("content")
+        extras = {key: value for key, value in message.items() if key not in ("role", "content")}
+        if content is None:  # OpenAI-style tool-call turns carry no content: the template sees none either
+            if not message.get("tool_calls"):
+                raise ValueError(f"{where}: each turn needs 'role' and 'content' keys; got {message!r:.120}")
+            turns.append({"role": message["role"], "content": [], NO_CONTENT: True, **extras})
+            has_answer = has_answer or message["role"] == "assistant"
+            continue
         if isinstance(content, str):
             content = _split_placeholders(content) if extra_images is not None else [{"type": "text", "text": content}]
         elif not isinstance(content, Sequence):
@@ -216,9 +248,10 @@ def normalize_example(
             if part["type"] == "image" and part["image"] is None:
                 slots += 1
                 part["image"] = pending.pop(0) if pending else None
-        if message["role"] == "assistant" and any(p["type"] != "text" or p["text"].strip() for p in parts):
+        if message["role"] == "assistant" and (any(p["type"] != "text" or p["text"].strip() for p in parts) or any(
+                message.get(key) for key in _ANSWER_FIELDS)):
             has_answer = True
-        turns.append({"role": message["role"], "content": parts})
+        turns.append({"role": message["role"], "content": parts, **extras})
     given = len(extra_images or [])
     if slots != given:
         raise ValueError(
@@ -337,6 +370,7 @@ def encode_conversations(
     unlabelled_ids: Sequence[int] = (),
     unlabelled_spans: Sequence[tuple[int, int]] = (),
     mask_before_expansion: bool = False,
+    tools: Sequence[Any] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Render and tokenise normalised conversations in ONE processor call; returns one dict per sample.
 
@@ -352,22 +386,23 @@ def encode_conversations(
     processor fails, the error names the first sample it fails on. ``mask_before_expansion``: the family's
     ``FamilySpec.mask_before_expansion`` (the processor's assistant mask is that of the unexpanded text): the mask
     is then carried from the template's own tokens (each placeholder one token) onto the expanded ones
-    (:func:`carry_assistant_mask`).
+    (:func:`carry_assistant_mask`). ``tools``: each conversation's chat-level tools (:func:`example_tools`).
     """
-    rendered = conversations
-    if not hasattr(processor, "image_processor"):  # text templates expect string content
-        rendered = [_as_text(conversation) for conversation in conversations]
+    text_only = not hasattr(processor, "image_processor")  # text templates expect string content
+    rendered = [template_messages(conversation, text_only) for conversation in conversations]
+    tools = list(tools) if tools is not None else [None] * len(conversations)
     try:
-        out = _apply_template(processor, rendered, chat_template)
+        out = _apply_template(processor, rendered, chat_template, tools)
     except Exception as batch_error:
         for index, conversation in enumerate(rendered):
             try:
-                _apply_template(processor, [conversation], chat_template)
+                _apply_template(processor, [conversation], chat_template, [tools[index]])
             except Exception as exc:
                 raise ValueError(f"sample {index}: {_reason(exc)}") from exc
         raise batch_error
     if mask_before_expansion:
-        out["assistant_masks"] = _expanded_masks(processor, rendered, chat_template, out["input_ids"], unlabelled_ids)
+        out["assistant_masks"] = _expanded_masks(processor, rendered, chat_template, out["input_ids"], unlabelled_ids,
+                                                 tools)
     images, videos = ([media_parts(c, kind) for c in conversations] for kind in ("image", "video"))
     samples: list[dict[str, torch.Tensor]] = [{} for _ in conversations]
     # Per-image tensors some processors return as a list (Gemma 3's pixel_values): one row per image.
@@ -397,11 +432,11 @@ def encode_conversations(
 
 def _expanded_masks(
     processor: Any, conversations: list[list[dict]], chat_template: ChatTemplate,
-    expanded: Sequence[Sequence[int]], media_ids: Sequence[int],
+    expanded: Sequence[Sequence[int]], media_ids: Sequence[int], tools: Sequence[Any],
 ) -> list[list[int]]:
     """Assistant masks of the processor's ``expanded`` ids, carried from the chats tokenised by the tokenizer alone
     (the template's text, each image placeholder one token), whose mask is exact."""
-    before = render_with_assistant_masks(processor.tokenizer, conversations, chat_template)
+    before = render_with_assistant_masks(processor.tokenizer, conversations, chat_template, tools)
     return [carry_assistant_mask(ids, mask, after, set(media_ids), f"sample {index}")
             for index, (ids, mask, after) in enumerate(zip(before["input_ids"], before["assistant_masks"], expanded))]
 
@@ -469,11 +504,6 @@ def _inside_spans(ids: torch.Tensor, open_id: int, close_id: int) -> torch.Tenso
     return (opens.cumsum(-1) - closes.cumsum(-1) + closes) > 0
 
 
-def _as_text(conversation: list[dict]) -> list[dict]:
-    """Text-only turns with their text parts joined into one string (what text chat templates render)."""
-    return [{**turn, "content": "".join(part["text"] for part in turn["content"])} for turn in conversation]
-
-
 def _reason(exc: Exception) -> str:
     """A sample's rendering error: ours as is (it names the template and fix), else the processor's."""
     text = str(exc)
@@ -484,7 +514,9 @@ def _is_tensor_list(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and len(value) > 0 and all(isinstance(v, torch.Tensor) for v in value)
 
 
-def _apply_template(processor: Any, conversations: list[list[dict]], chat_template: ChatTemplate) -> Mapping[str, Any]:
+def _apply_template(
+    processor: Any, conversations: list[list[dict]], chat_template: ChatTemplate, tools: Sequence[Any],
+) -> Mapping[str, Any]:
     # Vision outputs as tensors (some image processors return lists by default); token ids stay per-sample lists
     # (some processors default to tensors for text too, which fails on samples of different lengths) and unpadded
     # (Aya Vision's processor left-pads by default: pad tokens would enter the packed row). The top-level
@@ -492,7 +524,7 @@ def _apply_template(processor: Any, conversations: list[list[dict]], chat_templa
     images = hasattr(processor, "image_processor")
     per_kind = {"images_kwargs": {"return_tensors": "pt"}, "text_kwargs": {"return_tensors": None, "padding": False}}
     tensors = {"processor_kwargs": per_kind, "return_tensors": "auto"} if images else {}
-    return render_with_assistant_masks(processor, conversations, chat_template, **tensors)
+    return render_with_assistant_masks(processor, conversations, chat_template, tools, **tensors)
 
 
 def _image_token_counts(processor: Any, input_ids: Sequence[Sequence[int]]) -> list[int]:

@@ -1,26 +1,26 @@
 """The model's own chat template, and where its assistant turns are (no torch: the offline path keys caches on it).
 
 Tokens are always those of the model's OWN template (or the caller's ``chat_template=``): exactly what
-``processor.apply_chat_template(..., tokenize=True)`` gives, so fine-tuning sees the format used at inference.
-Labels need the assistant spans; they come from, in order:
-
-1. the template's own ``{% generation %}`` blocks (Hugging Face's ``return_assistant_tokens_mask``);
-2. TRL's training variant of that exact template (``trl.chat_template_utils.get_training_chat_template``), used
-   for a batch only when it renders every sample to the same text as the template itself;
-3. per-message sentinels: each assistant message is rendered with unique markers around its text; the markers,
-   once removed, must leave exactly the plain rendering (so they changed nothing), and each span runs from the
-   end of the template's own generation prompt (what ``add_generation_prompt`` writes) to the end of the turn's
-   terminator (what the template writes after an assistant message). The spans are handed to Hugging Face's
-   mask machinery through a template that writes the plain rendering piece by piece.
-
-Anything else fails closed with a ``ValueError`` naming the template, the sample and the fix.
+``processor.apply_chat_template(..., tools=..., tokenize=True)`` gives, so fine-tuning sees the format used at
+inference. Every message field the template reads is passed through (reasoning, tool calls, tool responses,
+names), an example's ``tools`` as ``tools=``, and chat-level ``template_kwargs`` (e.g. ``enable_thinking``).
+Labels need the assistant spans; they come from the template's own ``{% generation %}`` blocks, else, per
+sample, from TRL's training variant of that exact template, the rendered text's markup, edge-whitespace
+sentinels or prefix renderings (:func:`locate_turns`), each proven against the template's own rendering of that sample. The template is tried
+on probe chats when a collator / ``prepare`` is built: a feature no method can label is refused there, naming
+it. See ``docs/chat_templates.md``.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import itertools
+import os
+import pathlib
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = [
@@ -29,13 +29,17 @@ __all__ = [
     "CHATML_TEMPLATE",
     "ChatTemplate",
     "check_role",
+    "example_tools",
+    "locate_turns",
+    "render_texts",
     "render_with_assistant_masks",
     "resolve_chat_template",
 ]
 
 # Names how tokens and spans are chosen (module doc); part of the offline token-cache key, so caches written under
 # another rule (e.g. the former ChatML fallback) are never reused. Change it whenever the rule changes.
-RENDERING_RULE = "own template; spans from generation blocks, TRL's training variant, or sentinels (v1)"
+RENDERING_RULE = ("own template, every message field and tools; spans from generation blocks, TRL's training "
+                  "variant (+ its stop tag), markup, edge-whitespace sentinels or prefix renderings (v2)")
 # Roles a conversation may use; anything else (e.g. "Assistant") is a typo that would silently drop labels.
 ACCEPTED_ROLES = ("system", "user", "assistant", "tool")
 
@@ -84,10 +88,10 @@ class ChatTemplate:
 
     ``template``: the template whose rendering is tokenised (the model's own or the caller's). ``marked``: a
     template with ``{% generation %}`` blocks expected to render the same text (``template`` itself, or TRL's
-    training variant of it); None when spans come from sentinels. ``name``: how errors name the template.
-    ``prompt`` / ``terminator``: what the template writes before an assistant message's text
-    (``add_generation_prompt``) and after it, for the sentinel method; ``unlocatable``: why the sentinel method
-    cannot work with this template (then only ``marked`` can give spans).
+    training variant of it); None without one. ``name``: how errors name the template. ``prompt`` /
+    ``terminator``: what the template writes before an assistant message's text (``add_generation_prompt``) and
+    after it, for the sentinel and prefix methods (empty when a probe cannot read them). ``kwargs``: chat-level
+    template variables passed to every rendering (e.g. ``enable_thinking``).
     """
 
     template: str
@@ -95,7 +99,8 @@ class ChatTemplate:
     name: str
     prompt: str = ""
     terminator: str = ""
-    unlocatable: str | None = None
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    markup_error: str = ""
 
 
 def check_role(role: Any, where: str) -> None:
@@ -104,8 +109,38 @@ def check_role(role: Any, where: str) -> None:
         raise ValueError(f"{where}: unknown role {role!r}; accepted roles: {', '.join(ACCEPTED_ROLES)}")
 
 
-def resolve_chat_template(processor: Any, chat_template: str | None = None) -> ChatTemplate:
-    """The caller's template, else the processor's own; with the way its assistant spans are found (module doc)."""
+def example_tools(example: Any, index: int) -> list | None:
+    """The example's chat-level ``tools`` (TRL's dataset column: function schemas handed to the chat template as
+    ``tools=``), or None."""
+    tools = example.get("tools") if isinstance(example, Mapping) else None
+    if tools is None:
+        return None
+    if isinstance(tools, str):  # datasets often store the schemas as a JSON string
+        import json
+
+        try:
+            tools = json.loads(tools)
+        except ValueError as exc:
+            raise ValueError(f"sample {index}: 'tools' is a string that is not JSON ({exc})") from None
+    if not isinstance(tools, Sequence) or not all(isinstance(tool, Mapping) for tool in tools):
+        raise ValueError(f"sample {index}: 'tools' must be a list of function schemas (dicts); got {tools!r:.120}")
+    return [dict(tool) for tool in tools] or None
+
+
+# Variables the renderer itself sets: a chat-level kwarg must not override them.
+_RESERVED_KWARGS = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                    "return_assistant_tokens_mask", "tokenize", "chat_template")
+
+
+def resolve_chat_template(
+    processor: Any, chat_template: str | None = None, template_kwargs: Mapping[str, Any] | None = None
+) -> ChatTemplate:
+    """The caller's template, else the processor's own; with the way its assistant spans are found (module doc).
+
+    ``template_kwargs``: chat-level template variables (e.g. ``{"enable_thinking": False}``) passed to every
+    rendering; each must be a variable the template reads. The template is tried on probe chats (a single turn,
+    edge whitespace, reasoning, tool calls): a feature it renders but whose assistant turns no method locates is
+    refused here, naming the feature, not in the middle of training."""
     if chat_template is not None:
         template, name = chat_template, "the chat_template passed in"
     else:
@@ -118,69 +153,205 @@ def resolve_chat_template(processor: Any, chat_template: str | None = None) -> C
                 "e.g. from its tokenizer_config.json / chat_template.jinja)"
             )
         name = f"the chat template of {type(processor).__name__}"
-    if _GENERATION_TAG.search(template):
-        return ChatTemplate(template, template, name)
-    chat = ChatTemplate(template, _trl_training_variant(processor, template), name)
+    kwargs = dict(template_kwargs or {})
+    for key in kwargs:
+        if key in _RESERVED_KWARGS:
+            raise ValueError(f"template_kwargs: {key!r} is set by the renderer itself; give tools per example "
+                             "(an example's 'tools' field)" if key == "tools" else
+                             f"template_kwargs: {key!r} is set by the renderer itself; remove it")
+        if not re.search(rf"\b{re.escape(key)}\b", template):
+            raise ValueError(f"template_kwargs: {name} never reads {key!r}, so it would change nothing; remove it")
+    marked = template if _GENERATION_TAG.search(template) else _trl_training_variant(template)
+    chat = ChatTemplate(template, marked, name, kwargs=kwargs)
     try:
         prompt, terminator = _turn_markup(processor, chat)
-    except ValueError as exc:
-        if chat.marked is None:
+        chat = replace(chat, prompt=prompt, terminator=terminator)
+    except _NoPrompt:
+        if marked is None:  # nothing says where an answer begins
             raise
-        return replace(chat, unlocatable=str(exc))
-    return replace(chat, prompt=prompt, terminator=terminator)
+    except ValueError as exc:  # no sentinels; the other methods may still prove the turns
+        chat = replace(chat, markup_error=str(exc).split("label masking: ", 1)[-1].split(". Pass chat_template")[0])
+    _dry_run(processor, chat)
+    return chat
 
 
-def _trl_training_variant(processor: Any, template: str) -> str | None:
-    """TRL's training variant of ``template`` (an exact copy of an official template plus generation blocks)."""
-    try:
-        from trl.chat_template_utils import get_training_chat_template
-    except ImportError:
-        return None
-    try:
-        original = processor.chat_template
-        processor.chat_template = template
-        try:
-            variant = get_training_chat_template(processor)
-        finally:
-            processor.chat_template = original
-    except Exception:  # TRL refuses templates it does not know (ValueError) or cannot probe: sentinels then
-        return None
-    return variant if isinstance(variant, str) and _GENERATION_TAG.search(variant) else None
+def _trl_training_variant(template: str) -> str | None:
+    """TRL's training variant of ``template``: what ``trl.chat_template_utils.get_training_chat_template`` returns
+    for it (TRL ships each official template ``X.jinja`` it patches beside its variant ``X_training.jinja`` and
+    matches the template text exactly), read from the installed package's files without importing TRL (its import
+    pulls in torch and the model code: 20 s of a cold ``prepare`` on a loaded machine)."""
+    return _trl_variants().get(template)
+
+
+@functools.lru_cache(maxsize=1)
+def _trl_variants() -> dict[str, str]:
+    spec = importlib.util.find_spec("trl")
+    if spec is None or spec.origin is None:
+        return {}
+    variants = {}
+    for path in (pathlib.Path(spec.origin).parent / "chat_templates").glob("*_training.jinja"):
+        original = path.with_name(path.name.removesuffix("_training.jinja") + ".jinja")
+        if original.is_file():
+            variant = path.read_text(encoding="utf-8")
+            if _GENERATION_TAG.search(variant):
+                variants[original.read_text(encoding="utf-8")] = variant
+    return variants
+
+
+# ----------------------------------------------------------------------------------------------- rendering
+
+
+def render_texts(
+    processor: Any, conversations: list[list[dict]], template: str, tools: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None, *, add_generation_prompt: bool = False, marks: bool = False,
+) -> tuple[list[str], list[list[tuple[int, int]]]]:
+    """``apply_chat_template(..., tokenize=False)`` of each conversation (with its own ``tools``): the texts, and with
+    ``marks`` the character spans of the template's ``{% generation %}`` blocks. Renders as transformers does
+    (the tokenizer's special tokens as variables, messages without their None-valued fields), without tokenising."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    tokenizer = getattr(processor, "tokenizer", processor)
+    variables = {**tokenizer.special_tokens_map, **(kwargs or {})}
+    tools = list(tools) if tools is not None else [None] * len(conversations)
+    texts: list[str] = [""] * len(conversations)
+    spans: list[list[tuple[int, int]]] = [[] for _ in conversations]
+    groups: dict[str, list[int]] = {}
+    for index, chat_tools in enumerate(tools):  # one call per distinct tools list (usually one)
+        groups.setdefault(_tools_key(chat_tools), []).append(index)
+    for rows in groups.values():
+        chats = [[{k: v for k, v in m.items() if v is not None} for m in conversations[i]] for i in rows]
+        rendered, indices = render_jinja_template(
+            conversations=chats, tools=tools[rows[0]], chat_template=template, return_assistant_tokens_mask=marks,
+            add_generation_prompt=add_generation_prompt, **variables,
+        )
+        for row, text, found in zip(rows, rendered, indices if marks else [[]] * len(rows)):
+            texts[row], spans[row] = text, [(int(a), int(b)) for a, b in found]
+    return texts, spans
+
+
+def _tools_key(tools: Any) -> str:
+    if tools is None:
+        return ""
+    import json
+
+    return json.dumps(tools, sort_keys=True, default=repr)
 
 
 def render_with_assistant_masks(
-    processor: Any, conversations: list[list[dict]], chat: ChatTemplate, **kwargs: Any
+    processor: Any, conversations: list[list[dict]], chat: ChatTemplate, tools: Sequence[Any] | None = None,
+    **kwargs: Any,
 ) -> Mapping[str, Any]:
-    """``processor.apply_chat_template(conversations, tokenize=True, return_dict=True,
-    return_assistant_tokens_mask=True, **kwargs)``, with tokens of ``chat.template`` and masks on assistant spans."""
-    def call(template: str, convs: list[list[dict]]) -> Mapping[str, Any]:
-        return processor.apply_chat_template(
-            convs, chat_template=template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
-            **kwargs,
-        )
-
-    if chat.marked == chat.template:
-        return call(chat.template, conversations)
-    plain = _texts(processor, conversations, chat.template)
-    if chat.marked is not None and _texts(processor, conversations, chat.marked) == plain:
-        return call(chat.marked, conversations)
-    if chat.unlocatable is not None:
-        raise ValueError(f"TRL's training variant of {chat.name} renders this batch differently from the template "
-                         f"itself, and {chat.unlocatable}")
-    marked = _texts(processor, [_with_sentinels(conversation) for conversation in conversations], chat.template)
-    spans = [_sentinel_spans(conversation, text, with_marks, chat, index)
-             for index, (conversation, text, with_marks) in enumerate(zip(conversations, plain, marked))]
+    """``processor.apply_chat_template(conversations, tools=..., tokenize=True, return_dict=True,
+    return_assistant_tokens_mask=True, **kwargs)``: tokens of ``chat.template``'s rendering (plus the final
+    turn's stop tag where TRL's training variant adds one, :func:`locate_turns`) and masks on the assistant
+    spans."""
+    located = locate_turns(processor, conversations, chat, tools)
+    texts = [text for text, _ in located]
+    spans = [text_spans for _, text_spans in located]
     if not kwargs.keys() - {"tokenizer_kwargs"} and not hasattr(processor, "image_processor"):
-        return _tokenize_spans(processor, plain, spans, kwargs.get("tokenizer_kwargs") or {})
+        return _tokenize_spans(processor, texts, spans, kwargs.get("tokenizer_kwargs") or {})
     pieced = []
-    for conversation, text, text_spans in zip(conversations, plain, spans):
+    for conversation, text, text_spans in zip(conversations, texts, spans):
         pieces, start = [], 0
         for begin, end in text_spans:
             pieces += [(text[start:begin], False), (text[begin:end], True)]
             start = end
         pieces.append((text[start:], False))
         pieced.append([{**conversation[0], _PIECES_KEY: pieces}, *conversation[1:]])
-    return call(_PIECES_TEMPLATE, pieced)
+    return processor.apply_chat_template(
+        pieced, chat_template=_PIECES_TEMPLATE, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+        **kwargs,
+    )
+
+
+def locate_turns(
+    processor: Any, conversations: list[list[dict]], chat: ChatTemplate, tools: Sequence[Any] | None = None,
+) -> list[tuple[str, list[tuple[int, int]]]]:
+    """(text, assistant character spans) of each conversation; fails closed with a ``ValueError`` naming the sample.
+
+    The text is ``chat.template``'s rendering. Spans come from the template's own ``{% generation %}`` blocks if it
+    has them; else, per sample, from the first of these methods that proves them:
+
+    1. TRL's training variant, where it renders the same text (TRL chose where its turns begin: Qwen2.5's after
+       ``<|im_start|>assistant``, before the newline); or the same text plus a tail inside the final assistant
+       span (GLM-4-MoE has no end-of-turn token: the variant labels the next turn's opening tag, and on the final
+       turn appends it; the tail then joins the text, the one place tokens go beyond the template's);
+    2. the rendered text's markup (:func:`_markup_spans`): where the turn header and terminator hold special
+       tokens and no string of the chat does, one header per assistant message, each closed by its terminator;
+       no extra rendering;
+    3. per-message sentinels placed inside the message's edge whitespace (a template that strips or trims it
+       renders the same text once they are removed); the span runs from the end of the turn header to the end
+       of the template's terminator;
+    4. prefix renderings: the turn starts at the end of its header in ``render(messages[:i],
+       add_generation_prompt=True)`` and ends where ``render(messages[:i + 1])`` ends, when that is a prefix of
+       the whole rendering (as TRL's prefix-preservation check demands); where it is not (Qwen3 writes a think
+       block on the final turn only), at the first end-of-turn terminator after the header, provided that
+       terminator holds a special token (no text writes one).
+    """
+    tools = list(tools) if tools is not None else [None] * len(conversations)
+    plain, own = _checked_render(processor, conversations, chat.template, tools, chat.kwargs,
+                                 marks=chat.marked == chat.template)
+    if chat.marked == chat.template:
+        return list(zip(plain, own))
+    located: list[tuple[str, list[tuple[int, int]]] | None] = [None] * len(conversations)
+    reasons: dict[int, list[str]] = {index: [] for index in range(len(conversations))}
+    if chat.marked is not None:
+        try:
+            texts, spans = render_texts(processor, conversations, chat.marked, tools, chat.kwargs, marks=True)
+        except Exception:  # the variant fails on this batch: the other methods decide
+            texts, spans = [None] * len(conversations), [[]] * len(conversations)
+        for index, (text, variant, found) in enumerate(zip(plain, texts, spans)):
+            if variant == text or (variant is not None and variant.startswith(text) and found
+                                   and found[-1][0] <= len(text) and found[-1][1] == len(variant)):
+                located[index] = (variant, found)
+            else:
+                reasons[index].append("TRL's training variant renders it differently")
+    pending = [index for index, done in enumerate(located) if done is None]
+    special = _special_pattern(processor) if pending and chat.terminator else None
+    for index in pending if special is not None else ():
+        spans = _markup_spans(conversations[index], tools[index], plain[index], chat, special)
+        located[index] = None if spans is None else (plain[index], spans)
+    pending = [index for index, done in enumerate(located) if done is None]
+    if pending and chat.terminator:
+        marked_chats = [_with_sentinels(conversations[index]) for index in pending]
+        try:
+            marked_texts, _ = render_texts(processor, marked_chats, chat.template, [tools[i] for i in pending],
+                                           chat.kwargs)
+        except Exception:
+            marked_texts = [None] * len(pending)
+        for index, text in zip(pending, marked_texts):
+            try:
+                if text is None:
+                    raise ValueError("the template fails on the marked messages")
+                located[index] = (plain[index], _sentinel_spans(conversations[index], plain[index], text, chat))
+            except ValueError as exc:
+                reasons[index].append(str(exc))
+    elif pending:
+        for index in pending:
+            reasons[index].append(chat.markup_error or "the template's turn markup could not be read off a probe")
+    pending = [index for index, done in enumerate(located) if done is None]
+    for index in [i for i in pending if located[i] is None]:
+        try:
+            located[index] = (plain[index], _prefix_spans(processor, conversations[index], chat, tools[index],
+                                                          plain[index]))
+        except ValueError as exc:
+            reasons[index].append(str(exc))
+            raise _unlocatable(chat, "; ".join(reasons[index]), f"sample {index}") from None
+    return located  # type: ignore[return-value]
+
+
+def _checked_render(processor, conversations, template, tools, kwargs, marks):
+    """:func:`render_texts`; a failure names the first sample the template refuses."""
+    try:
+        return render_texts(processor, conversations, template, tools, kwargs, marks=marks)
+    except Exception as batch_error:
+        for index, conversation in enumerate(conversations):
+            try:
+                render_texts(processor, [conversation], template, [tools[index]], kwargs)
+            except Exception as exc:
+                raise ValueError(f"sample {index}: the chat template cannot render it ({type(exc).__name__}: "
+                                 f"{exc})") from exc
+        raise batch_error
 
 
 def _tokenize_spans(
@@ -195,7 +366,8 @@ def _tokenize_spans(
     out = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, **tokenizer_kwargs)
     masks = []
     for offsets, text_spans in zip(out["offset_mapping"], spans):
-        offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+        offsets = np.fromiter(itertools.chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets))
+        offsets = offsets.reshape(-1, 2)
         bounds = np.asarray(text_spans, dtype=np.int64).reshape(-1, 2)
         # the first span ending after the token starts; the token overlaps it when it ends after that span starts
         span = np.searchsorted(bounds[:, 1], offsets[:, 0], side="right")
@@ -206,88 +378,243 @@ def _tokenize_spans(
     return {"input_ids": out["input_ids"], "assistant_masks": masks}
 
 
-def _texts(processor: Any, conversations: list[list[dict]], template: str) -> list[str]:
-    texts = processor.apply_chat_template(conversations, chat_template=template, tokenize=False)
-    return [texts] if isinstance(texts, str) else list(texts)
-
-
-def _render_one(processor: Any, conversation: list[dict], template: str, **kwargs: Any) -> str:
-    text = processor.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
-    return text if isinstance(text, str) else text[0]
+def _render_one(processor: Any, conversation: list[dict], chat: ChatTemplate, tools: Any = None,
+                add_generation_prompt: bool = False) -> str:
+    texts, _ = render_texts(processor, [conversation], chat.template, [tools], chat.kwargs,
+                            add_generation_prompt=add_generation_prompt)
+    return texts[0]
 
 
 def _turn_markup(processor: Any, chat: ChatTemplate) -> tuple[str, str]:
     """(generation prompt, assistant-turn terminator) of ``chat.template``, read off a two-turn probe."""
     user = [{"role": "user", "content": _probe_content(processor, "Hi")}]
     try:
-        bare = _render_one(processor, user, chat.template)
-        prompt = _render_one(processor, user, chat.template, add_generation_prompt=True)
+        bare = _render_one(processor, user, chat)
+        prompt = _render_one(processor, user, chat, add_generation_prompt=True)
         answered = _render_one(
             processor, user + [{"role": "assistant", "content": _probe_content(processor, f"Yes{_mark(0, 'e')}")}],
-            chat.template,
+            chat,
         )
     except Exception as exc:
         raise _unlocatable(chat, f"it cannot render a probe conversation ({type(exc).__name__}: {exc})") from exc
     if not prompt.startswith(bare) or len(prompt) == len(bare):
-        raise _unlocatable(chat, "add_generation_prompt=True adds no assistant prompt after the conversation")
+        error = _unlocatable(chat, "add_generation_prompt=True adds no assistant prompt after the conversation")
+        raise _NoPrompt(str(error))
     if answered.count(_mark(0, "e")) != 1:
         raise _unlocatable(chat, "it does not write an assistant message's text as given")
     return prompt[len(bare):], answered.split(_mark(0, "e"))[1]
+
+
+class _NoPrompt(ValueError):
+    """The template writes no generation prompt: nothing tells where an assistant turn begins."""
 
 
 def _probe_content(processor: Any, text: str) -> Any:
     return [{"type": "text", "text": text}] if hasattr(processor, "image_processor") else text
 
 
+# Probe chats of the construction-time dry run: (template feature, messages, tools). Each is tried only when the
+# template renders it (many templates refuse a system turn or tool messages themselves).
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a word up.", "parameters": {
+    "type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}]
+_PROBES = (
+    ("a single turn", [("user", "Hi"), ("assistant", "Hello.")], None),
+    ("a system turn and several turns", [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello."),
+                                         ("user", "Again"), ("assistant", "Bye.")], None),
+    ("an answer with a leading newline and trailing spaces", [("user", "Hi"), ("assistant", "\nHello.  "),
+                                                              ("user", "More"), ("assistant", " Yes ")], None),
+    ("a whitespace-only answer", [("user", "Hi"), ("assistant", "  "), ("user", "Now"), ("assistant", "Ok.")], None),
+    ("reasoning (reasoning_content)", [("user", "Hi"), ("assistant", "Hello.", {"reasoning_content": "Greet.\n"}),
+                                       ("user", "More"), ("assistant", "\nYes.", {"reasoning_content": "Agree."})],
+     None),
+    ("tool calls and tool responses", [
+        ("user", "Define cat."),
+        ("assistant", "", {"tool_calls": [{"type": "function", "id": "c1",
+                                           "function": {"name": "lookup", "arguments": {"word": "cat"}}}]}),
+        ("tool", "A small feline.", {"tool_call_id": "c1", "name": "lookup"}),
+        ("assistant", "A cat is a small feline.")], _PROBE_TOOLS),
+)
+
+
+def _dry_run(processor: Any, chat: ChatTemplate) -> None:
+    """Locate the assistant turns of each probe chat the template renders; refuse the template, naming the
+    feature, where none of the methods of :func:`locate_turns` can."""
+    for feature, turns, tools in _PROBES:
+        messages = [{"role": role, "content": _probe_content(processor, text), **(extra[0] if extra else {})}
+                    for role, text, *extra in turns]
+        try:
+            render_texts(processor, [messages], chat.template, [tools], chat.kwargs)
+        except Exception:
+            continue  # the template itself refuses such chats: nothing to label
+        try:
+            locate_turns(processor, [messages], chat, [tools])
+        except ValueError as exc:
+            raise ValueError(f"{chat.name} is refused for chats with {feature}: {exc}".replace("sample 0: ", ""))
+
+
 def _mark(turn: int, side: str) -> str:
     return f"{_OPEN}{turn}{side}{_CLOSE}"
 
 
+def _edges(text: str) -> tuple[str, str, str]:
+    """(leading whitespace, core, trailing whitespace) of ``text``."""
+    core = text.strip()
+    if not core:
+        return text, "", ""
+    head = len(text) - len(text.lstrip())
+    return text[:head], core, text[head + len(core):]
+
+
 def _with_sentinels(conversation: list[dict]) -> list[dict]:
-    """Each assistant message's text wrapped in its own start/end sentinels (first and last text part)."""
+    """Each assistant message's text with its own start/end sentinels INSIDE its edge whitespace (first and last
+    text part), so a template that strips or trims the text removes the same whitespace as without them."""
     marked = []
     for turn, message in enumerate(conversation):
-        content = message["content"]
-        if message["role"] == "assistant":
+        content = message.get("content")
+        if message["role"] == "assistant" and content is not None:
             if isinstance(content, str):
-                content = _mark(turn, "s") + content + _mark(turn, "e")
+                head, core, tail = _edges(content)
+                content = head + _mark(turn, "s") + core + _mark(turn, "e") + tail
             else:
                 texts = [i for i, part in enumerate(content) if part.get("type") == "text"]
                 content = [dict(part) for part in content]
                 if texts:
-                    content[texts[0]]["text"] = _mark(turn, "s") + content[texts[0]]["text"]
-                    content[texts[-1]]["text"] += _mark(turn, "e")
-        marked.append({**message, "content": content})
+                    head, core, tail = _edges(content[texts[0]]["text"])
+                    content[texts[0]]["text"] = head + _mark(turn, "s") + core + tail
+                    head, core, tail = _edges(content[texts[-1]]["text"])
+                    content[texts[-1]]["text"] = head + core + _mark(turn, "e") + tail
+        marked.append({**message, "content": content} if content is not None else dict(message))
     return marked
 
 
-def _sentinel_spans(
-    conversation: list[dict], plain: str, marked: str, chat: ChatTemplate, index: int
-) -> list[tuple[int, int]]:
+def _special_pattern(processor: Any) -> re.Pattern | None:
+    """A regex matching any multi-character special / added token of the processor's tokenizer (None if none)."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    tokens = {token for token in getattr(tokenizer, "all_special_tokens", []) if len(token) > 1}
+    tokens |= {token for token in getattr(tokenizer, "get_added_vocab", dict)() if len(token) > 1}
+    return re.compile("|".join(map(re.escape, sorted(tokens, key=len, reverse=True)))) if tokens else None
+
+
+def _strings(value: Any):
+    """Every string inside a message / tools value (nested dicts and lists)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
+
+
+def _markup_spans(conversation: list[dict], tools: Any, plain: str, chat: ChatTemplate,
+                  special: re.Pattern) -> list[tuple[int, int]] | None:
+    """Assistant spans read off the rendered text's own markup, None where that is not proven.
+
+    Proven when the assistant header (the generation prompt's first line, see :func:`_prompt_end`) and the
+    terminator each hold a special token and NO string of the chat or its tools holds one: every header and
+    terminator in the text is then the template's own; the text must hold exactly one header per assistant
+    message, each followed by its terminator before the next header. The span is what the sentinel method
+    gives (header end to terminator end), at the cost of no extra rendering."""
+    header = chat.prompt[:_header_cut(chat.prompt)]
+    if not (special.search(header) and special.search(chat.terminator)):
+        return None
+    if any(special.search(text) for text in _strings(conversation)) or any(
+            special.search(text) for text in _strings(tools)):
+        return None
+    starts, at = [], plain.find(header)
+    while at >= 0:
+        starts.append(at + len(header))
+        at = plain.find(header, at + len(header))
+    if len(starts) != sum(message["role"] == "assistant" for message in conversation):
+        return None
+    spans = []
+    for k, start in enumerate(starts):
+        end = plain.find(chat.terminator, start)
+        if end < 0 or (k + 1 < len(starts) and end + len(chat.terminator) > starts[k + 1] - len(header)):
+            return None
+        spans.append((start, end + len(chat.terminator)))
+    return spans
+
+
+def _trailing_space(message: dict) -> str:
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = [part["text"] for part in content if part.get("type") == "text"]
+        content = texts[-1] if texts else ""
+    return _edges(content)[2] if isinstance(content, str) else ""
+
+
+def _sentinel_spans(conversation: list[dict], plain: str, marked: str, chat: ChatTemplate) -> list[tuple[int, int]]:
     """Character spans of the assistant turns in ``plain`` given its rendering with sentinels ``marked`` (module
-    doc, method 3); fails closed."""
-    where = f"sample {index}"
+    doc, method 3); raises a ValueError saying why they cannot be trusted."""
     turns = [turn for turn, message in enumerate(conversation) if message["role"] == "assistant"]
-    found, pieces, last = [], [], 0
-    for match in _SENTINEL.finditer(marked):
-        pieces.append(marked[last:match.start()])
-        last = match.end()
-        found.append((int(match.group(1)), match.group(2), sum(map(len, pieces))))
-    pieces.append(marked[last:])
-    if "".join(pieces) != plain:
-        raise _unlocatable(chat, "marking an assistant message changes how the template renders it", where)
+    if _SENTINEL.sub("", marked) != plain:
+        raise ValueError("marking an assistant message changes how the template renders it")
+    found, removed = [], 0
+    for match in _SENTINEL.finditer(marked):  # each sentinel's offset in the plain text
+        found.append((int(match.group(1)), match.group(2), match.start() - removed))
+        removed += match.end() - match.start()
     expected = [(turn, side) for turn in turns for side in "se"]
     if [(turn, side) for turn, side, _ in found] != expected:
-        raise _unlocatable(chat, "it drops, repeats or reorders an assistant message's text", where)
+        raise ValueError("it drops, repeats or reorders an assistant message's text")
     spans, floor = [], 0
-    for (_, _, start), (_, _, end) in zip(found[::2], found[1::2]):
+    for (turn, _, start), (_, _, end) in zip(found[::2], found[1::2]):
         head = _prompt_end(plain, chat.prompt, floor, start)
+        tail = _trailing_space(conversation[turn])
+        if not plain.startswith(chat.terminator, end) and plain.startswith(tail + chat.terminator, end):
+            end += len(tail)  # the template kept the message's trailing whitespace
         if head < 0 or not plain.startswith(chat.terminator, end):
-            raise _unlocatable(chat, "an assistant message is not framed by the template's own prompt and "
-                               "terminator", where)
+            raise ValueError("an assistant message is not framed by the template's own prompt and terminator "
+                             "(e.g. tool-call markup after its text)")
         spans.append((head, end + len(chat.terminator)))
         floor = spans[-1][1]
     return spans
+
+
+def _prefix_spans(processor: Any, conversation: list[dict], chat: ChatTemplate, tools: Any,
+                  plain: str) -> list[tuple[int, int]]:
+    """Character spans of the assistant turns in ``plain`` from prefix renderings (module doc, method 4)."""
+    spans, floor = [], 0
+    for turn, message in enumerate(conversation):
+        if message["role"] != "assistant":
+            continue
+        try:
+            head = _render_one(processor, conversation[:turn], chat, tools, add_generation_prompt=True)
+            upto = _render_one(processor, conversation[:turn + 1], chat, tools)
+        except Exception as exc:
+            raise ValueError(f"it cannot render the chat up to turn {turn} ({type(exc).__name__}: {exc})") from None
+        shared = len(os.path.commonprefix([head, plain]))
+        start = _prompt_end(plain, chat.prompt, floor, shared) if chat.prompt else -1
+        if start < 0:
+            if shared != len(head):
+                raise ValueError(f"the generation prompt before assistant turn {turn} is not where the turn begins")
+            start = shared
+        if plain.startswith(upto):
+            end = len(upto)
+        elif _ends_with_special(processor, chat.terminator):
+            # Not prefix-preserving (Qwen3 writes a think block on the last turn only): the turn ends at the first
+            # end-of-turn terminator after its header, a special token no text writes.
+            end = plain.find(chat.terminator, start)
+            if end < 0:
+                raise ValueError(f"assistant turn {turn} has no end-of-turn terminator {chat.terminator!r}")
+            end += len(chat.terminator)
+        else:
+            raise ValueError(f"it is not prefix-preserving: it renders assistant turn {turn} differently once later "
+                             "messages follow, and its turns end without an end-of-turn token")
+        if start < floor or end <= start:
+            raise ValueError(f"assistant turn {turn} begins before the previous one ends")
+        spans.append((start, end))
+        floor = end
+    return spans
+
+
+def _ends_with_special(processor: Any, terminator: str) -> bool:
+    """Whether ``terminator`` (what a template writes after an assistant message) holds a special token."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    special = [token for token in getattr(tokenizer, "all_special_tokens", []) if len(token) > 1]
+    special += [token for token in getattr(tokenizer, "get_added_vocab", dict)() if len(token) > 1]
+    return bool(terminator.strip()) and any(token in terminator for token in special)
 
 
 def _prompt_end(plain: str, prompt: str, floor: int, start: int) -> int:
@@ -296,12 +623,20 @@ def _prompt_end(plain: str, prompt: str, floor: int, start: int) -> int:
     The header is the generation prompt's shortest whole-line prefix followed by more than whitespace (else the
     whole prompt): a prompt that pre-fills text after the header (Qwen3.5's empty think block, written only on the
     final turn) leaves that text inside the span, where TRL's training variants put it too."""
-    cuts = [i + 1 for i, char in enumerate(prompt) if char == "\n" and prompt[i + 1:].strip()] + [len(prompt)]
-    for cut in cuts:
+    for cut in _header_cuts(prompt):
         head = plain.rfind(prompt[:cut], floor, start)
         if head >= 0:
             return head + cut
     return -1
+
+
+def _header_cuts(prompt: str) -> list[int]:
+    """Candidate ends of the turn header in the generation prompt, shortest first (:func:`_prompt_end`)."""
+    return [i + 1 for i, char in enumerate(prompt) if char == "\n" and prompt[i + 1:].strip()] + [len(prompt)]
+
+
+def _header_cut(prompt: str) -> int:
+    return _header_cuts(prompt)[0]
 
 
 def _unlocatable(chat: ChatTemplate, why: str, where: str | None = None) -> ValueError:

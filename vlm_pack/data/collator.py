@@ -30,7 +30,7 @@ import torch
 from transformers.configuration_utils import PreTrainedConfig
 
 from ..core.batch import METADATA_KEY, mask_first_labels, model_inputs
-from .chat import encode_conversations, media_parts, normalize_example, resolve_chat_template
+from .chat import encode_conversations, example_tools, media_parts, normalize_example, resolve_chat_template
 from ..core.config import PackingConfig
 from ..core.packing import IGNORE_INDEX, PackedBatch, pack_batch_sequences, pack_sequences, pad_multiple
 from ..models import FamilySpec, get_family
@@ -91,8 +91,11 @@ class VLMPackingCollator:
     unregistered family or unhandled feature is refused unless ``allow_unproven=True``. Required with a
     multimodal processor; optional with a text tokenizer (then positions restart at 0 per sample).
     ``chat_template``: the template to render with (default: the processor's own). Tokens are always that
-    template's; assistant spans come from its ``{% generation %}`` blocks, TRL's training variant of it, or
-    per-message sentinels proven by re-rendering (``vlm_pack.data.chat_template``); otherwise it is refused.
+    template's; assistant spans come from its ``{% generation %}`` blocks, TRL's training variant of it, the
+    rendered text's markup, per-message sentinels or prefix renderings (``vlm_pack.data.chat_template``); a template
+    none of them can label is refused here, naming the feature. Every message field the template reads is passed
+    through (reasoning, tool calls, tool responses, names), and an example's ``tools`` reach it as ``tools=``.
+    ``template_kwargs``: chat-level template variables for every sample (e.g. ``{"enable_thinking": False}``).
     ``on_empty``: a sample left without any label (e.g. an empty answer once rendered) raises (``"error"``) or is
     dropped with a counted warning (``"drop"``); a batch without any label always raises.
     """
@@ -113,6 +116,7 @@ class VLMPackingCollator:
         allow_unproven: bool = False,
         pad_to_length: int | None = None,
         on_empty: Literal["error", "drop"] = "error",
+        template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if max_length < 1:
             raise ValueError(f"max_length must be >= 1; got {max_length}")
@@ -126,7 +130,7 @@ class VLMPackingCollator:
         self.on_overlong = on_overlong
         self.on_empty = on_empty
         self.pad_to_length = pad_to_length
-        self.chat = resolve_chat_template(processor, chat_template)  # how assistant spans are found
+        self.chat = resolve_chat_template(processor, chat_template, template_kwargs)  # how spans are found
         self.chat_template = self.chat.template  # the template every sample is rendered (tokenised) with
         self.has_images = hasattr(processor, "image_processor")
         tokenizer = getattr(processor, "tokenizer", processor)
@@ -228,7 +232,8 @@ class VLMPackingCollator:
         vision_rows = None if self.family is None else self.family.vision_rows
         encoded = encode_conversations(self.processor, conversations, self.chat, vision_rows,
                                        self.unlabelled_ids, self.unlabelled_spans,
-                                       self.family is not None and self.family.mask_before_expansion)
+                                       self.family is not None and self.family.mask_before_expansion,
+                                       [example_tools(example, index) for index, example in enumerate(examples)])
         if self.family is not None and self.rope_index is not None:
             for index, features in enumerate(encoded):
                 _check_video_runs(features, self.processor, self.family, self.rope_index.spatial_merge_size, index)

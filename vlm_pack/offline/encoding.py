@@ -3,9 +3,9 @@
 Formats (TRL's dataset types, detected from the first record with ``auto``; docs/data_formats.md):
 
 * ``chat`` (conversational ``messages``): the tokenizer's own chat template (or ``chat_template``), tokens exactly
-  as ``apply_chat_template`` gives them; assistant spans from its ``{% generation %}`` blocks, TRL's training
-  variant of it, or per-message sentinels proven by re-rendering (``vlm_pack.data.chat_template``), mapped onto
-  tokens by ``apply_chat_template(return_assistant_tokens_mask=True)``. Labels never come from searching the
+  as ``apply_chat_template`` gives them (every message field, the row's ``tools``); assistant spans from its
+  ``{% generation %}`` blocks, TRL's training variant of it, the rendered text's markup, per-message sentinels or
+  prefix renderings (``vlm_pack.data.chat_template``), mapped onto tokens by the fast tokenizer's offsets. Labels never come from searching the
   reply's text, so a reply that also occurs in the prompt, in a system prompt or in an earlier turn is labelled
   where the assistant said it. Conversational prompt-completion records (``prompt`` and ``completion`` lists of
   messages) are the chat ``prompt + completion``, labelled on the completion's assistant turns only (TRL's
@@ -44,6 +44,8 @@ ALPACA_PROMPT = (
 )
 # Private record key: how many assistant turns at the end of a chat are the completion of a prompt-completion record.
 COMPLETION_TURNS = "vlm_pack_completion_turns"
+# Message fields that make an assistant turn something to train on besides its content.
+_ANSWER_FIELDS = ("tool_calls", "reasoning_content", "thinking", "reasoning")
 BATCH_ROWS = 1000  # rows per tokenizer call: the fast tokenizer encodes a batch on all cores
 MIN_ROWS_PER_PROCESS = 5000  # below this a worker process costs more to start than it saves
 
@@ -137,19 +139,24 @@ class SampleFormat:
         messages = record.get(self.messages_field)
         if self.template == "chat" and messages is not None:
             if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                isinstance(m, dict) and isinstance(m.get("role"), str) and (
+                    isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls")))
                 for m in messages
             ):
-                raise ValueError(f"{where}: field {self.messages_field!r} must be a list of {{role, content}} strings")
+                raise ValueError(f"{where}: field {self.messages_field!r} must be a list of {{role, content}} strings "
+                                 "(content may be absent only beside tool_calls)")
             from ..data.chat_template import check_role
 
             for turn, message in enumerate(messages):
                 check_role(message["role"], f"{where}, turn {turn}")
-            answers = [m["content"] for m in messages if m["role"] == "assistant"]
+            answers = [m for m in messages if m["role"] == "assistant"]
             if not answers:
                 raise ValueError(f"{where}: {self.messages_field!r} has no assistant message, so nothing to train on")
-            if not all(a.strip() for a in answers):
-                raise ValueError(f"{where}: empty response (an assistant message has no content); fill or drop it")
+            if not any((m.get("content") or "").strip() or any(m.get(k) for k in _ANSWER_FIELDS) for m in answers):
+                raise ValueError(f"{where}: empty response (no assistant message has content); fill or drop it")
+            tools = record.get("tools")
+            if tools is not None and not isinstance(tools, (list, str)):
+                raise ValueError(f"{where}: field 'tools' must be a list of function schemas")
             return
         self._check_strings(record, where)
 
@@ -177,7 +184,8 @@ class SampleFormat:
 class SampleEncoder:
     """Rows -> ``(ids, loss mask)`` per row, for one resolved :class:`SampleFormat`."""
 
-    def __init__(self, tokenizer, fmt: SampleFormat, max_seq_length: int | None, chat_template: str | None = None):
+    def __init__(self, tokenizer, fmt: SampleFormat, max_seq_length: int | None, chat_template: str | None = None,
+                 template_kwargs: dict[str, Any] | None = None):
         if fmt.template == "auto":
             raise ValueError("resolve the 'auto' template with SampleFormat.resolved(first_record) first")
         if not getattr(tokenizer, "is_fast", False):
@@ -189,7 +197,7 @@ class SampleEncoder:
         if fmt.template == "chat":
             from ..data.chat_template import resolve_chat_template
 
-            self.chat_template = resolve_chat_template(tokenizer, chat_template)
+            self.chat_template = resolve_chat_template(tokenizer, chat_template, template_kwargs)
 
     def encode(self, rows: list[dict], wheres: list[str]) -> tuple[list[list[int]], list[np.ndarray]]:
         """Token ids and aligned loss masks (uint8) of ``rows`` (already checked); errors name ``wheres``."""
@@ -253,22 +261,26 @@ class SampleEncoder:
         if messages is None:
             messages = [{"role": "user", "content": row[fmt.prompt_field]},
                         {"role": "assistant", "content": row[fmt.response_field]}]
-        return [{"role": m["role"], "content": m["content"]} for m in messages]
+        return messages  # every field the template reads (reasoning, tool calls, names, ...), as given
 
     def _chat(self, rows: list[dict], wheres: list[str]) -> tuple[list[list[int]], list[np.ndarray]]:
+        from ..data.chat_template import example_tools
+
         conversations = [self._conversation(r) for r in rows]
+        tools = [example_tools(row, i) for i, row in enumerate(rows)]
         try:
-            out = self._render(conversations)
+            out = self._render(conversations, tools)
         except Exception:
-            for conversation, where in zip(conversations, wheres):  # name the first sample that fails
+            for conversation, chat_tools, where in zip(conversations, tools, wheres):  # name the first that fails
                 try:
-                    self._render([conversation])
+                    self._render([conversation], [chat_tools])
                 except Exception as err:
-                    raise ValueError(f"{where}: the chat template cannot render it ({err})") from None
+                    raise ValueError(f"{where}: {str(err).removeprefix('sample 0: ')}") from None
             raise
         masks = [np.asarray(m, dtype=np.uint8) for m in out["assistant_masks"]]
         for conversation, mask, where in zip(conversations, masks, wheres):
-            turns = sum(m["role"] == "assistant" for m in conversation)
+            turns = sum(m["role"] == "assistant" and bool((m.get("content") or "").strip() or m.get("tool_calls"))
+                        for m in conversation)
             runs = int(np.count_nonzero(np.diff(np.concatenate(([0], mask))) == 1))
             if runs < turns:  # HF stops marking at a block it cannot map (e.g. a reply glued to the prompt)
                 raise ValueError(
@@ -277,11 +289,11 @@ class SampleEncoder:
                 )
         return out["input_ids"], masks
 
-    def _render(self, conversations: list[list[dict]]):
+    def _render(self, conversations: list[list[dict]], tools: list):
         from ..data.chat_template import render_with_assistant_masks
 
         return render_with_assistant_masks(  # the tokenizer's own template's tokens (vlm_pack.data.chat_template)
-            self.tokenizer, conversations, self.chat_template,
+            self.tokenizer, conversations, self.chat_template, tools,
             tokenizer_kwargs={"verbose": False},  # no "longer than the model's maximum" warning: we truncate
         )
 
