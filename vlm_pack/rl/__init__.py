@@ -2,6 +2,9 @@
 
 TRL's trainers with their log-prob method replaced by one packed row per forward (each group's prompt and images
 once with ``share_prompts=True``); everything else is TRL's. Names load on first use (TRL is imported only then).
+
+Imports: ``core``, ``attention``, ``models``, ``data`` and ``integrations`` (a path, floor 6 of
+tests/test_layers.py); TRL and PEFT where used. Nothing below imports it.
 """
 
 

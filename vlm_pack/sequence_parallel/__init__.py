@@ -9,6 +9,9 @@ with the row's packed boundaries (``cu_seq_lens_*``) passed as they are. See doc
 * :mod:`.model` - :func:`prepare_model`: attention names, the whole-row / slice hooks, what is refused;
 * :mod:`.trainer` - :class:`UlyssesTrainer`: the global token mean over the step, setup checks;
 * :mod:`.setup` - :func:`ulysses_setup`: model + collator + ``ParallelismConfig`` in one call.
+
+Imports: ``core``, ``attention``, ``models``, ``data`` and ``integrations`` (a path, floor 6 of
+tests/test_layers.py); DeepSpeed and accelerate where used. Nothing below imports it.
 """
 
 from ..lazy_exports import lazy_getattr

@@ -5,6 +5,9 @@ streaming=True)``), exactly once per epoch across DataLoader workers and data-pa
            (the token-budget planner's counts) --BufferedBestFit (bounded look-ahead)--> packs collated on the spot
     Trainer + StreamingPackCallback: every rank takes the same number of steps (loss-free packs once a rank's
     epoch is over), and the units' states are saved with each checkpoint and restored on resume.
+
+Imports: ``core``, ``data``, ``integrations`` and the ``budget`` / ``offline`` paths beside it (floor 6 of
+tests/test_layers.py); ``datasets`` and transformers where used. Nothing below imports it.
 """
 
 from ..lazy_exports import lazy_getattr
