@@ -61,3 +61,21 @@ def test_text_chat_view_has_no_images_column():
     assert torch.equal(collator(examples)["input_ids"], collator(list(view))["input_ids"])
     with pytest.raises(ValueError, match="PackedSFTDataset, a PackedDataset or a list of chat examples"):
         to_hf_dataset("not a dataset")
+
+
+@pytest.mark.parametrize("field, where", [("reasoning_content", "example 1, turn 1"), ("tool_calls", "example 1, turn 1"),
+                                          ("tools", "example 1")])
+def test_fields_the_view_cannot_hold_are_refused_not_dropped(field, where):
+    """The messages column holds role and content parts only: a reasoning field, tool calls or an example's tools
+    (which the template renders) would be lost, so the view refuses them, naming the example and turn."""
+    examples = text_chat_examples(2)
+    examples[1] = {**examples[1], "messages": [dict(m) for m in examples[1]["messages"]]}
+    value = [{"type": "function", "function": {"name": "f", "arguments": {}}}] if field != "reasoning_content" else "Hm."
+    if field == "tools":
+        examples[1]["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    else:
+        examples[1]["messages"][1][field] = value
+    assert examples[1]["messages"][1]["role"] == "assistant"
+    with pytest.raises(ValueError, match=f"to_hf_dataset: {where} carries .*{field}"):
+        to_hf_dataset(examples)
+    assert len(to_hf_dataset(examples[:1])) == 1

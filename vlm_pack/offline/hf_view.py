@@ -40,10 +40,22 @@ def _pack_rows(packs: PackedSFTDataset | PackedDataset) -> Iterator[dict[str, li
         }
 
 
+_UNCARRIED = (
+    "to_hf_dataset: {where} carries {fields}, which the template renders but the messages column (role and text / "
+    "image parts) cannot hold, so training on this view would drop them; give transformers.Trainer the examples "
+    "themselves (train_dataset=examples, data_collator=VLMPackingCollator(...)) instead"
+)
+
+
 def _chat_rows(examples: Sequence[Any], with_images: bool) -> Iterator[dict[str, Any]]:
     for index, example in enumerate(examples):
+        if isinstance(example, Mapping) and example.get("tools") is not None:
+            raise ValueError(_UNCARRIED.format(where=f"example {index}", fields="['tools']"))
         images, messages = [], []
-        for turn in normalize_example(example, index, allow_images=with_images):
+        for number, turn in enumerate(normalize_example(example, index, allow_images=with_images)):
+            extra = sorted(k for k, v in turn.items() if k not in ("role", "content") and v is not None)
+            if extra:
+                raise ValueError(_UNCARRIED.format(where=f"example {index}, turn {number}", fields=extra))
             parts = []
             for part in turn["content"]:
                 if part["type"] == "image":
