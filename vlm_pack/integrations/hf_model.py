@@ -42,14 +42,14 @@ from .token_mean import install_token_mean_check
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "DISPATCH_FIX",
-    "keep_batches_whole",
-    "refuse_dispatch",
     "IMAGE_BLOCKS_KWARG",
     "ImageBlocks",
     "enable_packing",
+    "keep_batches_whole",
     "packed_forward_hook",
     "packing_attention_forward",
     "packing_mask",
+    "refuse_dispatch",
     "register_attention",
 ]
 
