@@ -31,7 +31,8 @@ import torch
 from PIL import Image, ImageOps
 
 from .chat_template import (
-    CHATML_TEMPLATE, ChatTemplate, check_role, example_tools, render_with_assistant_masks, resolve_chat_template,
+    ANSWER_FIELDS, CHATML_TEMPLATE, ChatTemplate, check_role, example_tools, render_with_assistant_masks,
+    resolve_chat_template,
 )
 from ..core.packing import IGNORE_INDEX
 
@@ -55,8 +56,6 @@ IMAGE_PLACEHOLDER = "<image>"
 _PER_VIDEO_LISTS = ("second_per_grid_ts",)
 # Marks a normalised turn whose message had no content (a tool-call turn): rendered without a content key.
 NO_CONTENT = "vlm_pack_no_content"
-# Message fields that make an assistant turn something to train on besides its content.
-_ANSWER_FIELDS = ("tool_calls", "reasoning_content", "thinking", "reasoning")
 # Keys an image part may carry its payload under (HF chat-template conventions plus raw bytes).
 _IMAGE_KEYS = ("image", "url", "path", "bytes")
 
@@ -249,7 +248,7 @@ def normalize_example(
                 slots += 1
                 part["image"] = pending.pop(0) if pending else None
         if message["role"] == "assistant" and (any(p["type"] != "text" or p["text"].strip() for p in parts) or any(
-                message.get(key) for key in _ANSWER_FIELDS)):
+                message.get(key) for key in ANSWER_FIELDS)):
             has_answer = True
         turns.append({"role": message["role"], "content": parts, **extras})
     given = len(extra_images or [])

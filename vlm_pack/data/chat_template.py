@@ -25,6 +25,7 @@ from typing import Any
 
 __all__ = [
     "ACCEPTED_ROLES",
+    "ANSWER_FIELDS",
     "RENDERING_RULE",
     "CHATML_TEMPLATE",
     "ChatTemplate",
@@ -42,6 +43,8 @@ RENDERING_RULE = ("own template, every message field and tools; spans from gener
                   "variant (+ its stop tag), markup, edge-whitespace sentinels or prefix renderings (v2)")
 # Roles a conversation may use; anything else (e.g. "Assistant") is a typo that would silently drop labels.
 ACCEPTED_ROLES = ("system", "user", "assistant", "tool")
+# Message fields that make an assistant turn something to train on besides its content.
+ANSWER_FIELDS = ("tool_calls", "reasoning_content", "thinking", "reasoning")
 
 # ChatML with Qwen-VL vision markers; assistant turns (content + <|im_end|>) sit inside a generation block. Kept
 # for the offline tiny processors of families whose official template no installed package ships. Newlines are

@@ -44,8 +44,6 @@ ALPACA_PROMPT = (
 )
 # Private record key: how many assistant turns at the end of a chat are the completion of a prompt-completion record.
 COMPLETION_TURNS = "vlm_pack_completion_turns"
-# Message fields that make an assistant turn something to train on besides its content.
-_ANSWER_FIELDS = ("tool_calls", "reasoning_content", "thinking", "reasoning")
 BATCH_ROWS = 1000  # rows per tokenizer call: the fast tokenizer encodes a batch on all cores
 MIN_ROWS_PER_PROCESS = 5000  # below this a worker process costs more to start than it saves
 
@@ -145,14 +143,14 @@ class SampleFormat:
             ):
                 raise ValueError(f"{where}: field {self.messages_field!r} must be a list of {{role, content}} strings "
                                  "(content may be absent only beside tool_calls)")
-            from ..data.chat_template import check_role
+            from ..data.chat_template import ANSWER_FIELDS, check_role
 
             for turn, message in enumerate(messages):
                 check_role(message["role"], f"{where}, turn {turn}")
             answers = [m for m in messages if m["role"] == "assistant"]
             if not answers:
                 raise ValueError(f"{where}: {self.messages_field!r} has no assistant message, so nothing to train on")
-            if not any((m.get("content") or "").strip() or any(m.get(k) for k in _ANSWER_FIELDS) for m in answers):
+            if not any((m.get("content") or "").strip() or any(m.get(k) for k in ANSWER_FIELDS) for m in answers):
                 raise ValueError(f"{where}: empty response (no assistant message has content); fill or drop it")
             tools = record.get("tools")
             if tools is not None and not isinstance(tools, (list, str)):
