@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU check in one command, from the repository root (docs/gpu_check.md):
+#   bash benchmarks/gpu/run.sh             on the borrowed GPU machine (no network; wheels carried in .gpu_wheels/)
+#   bash benchmarks/gpu/run.sh --dry-run   every stage on CPU at tiny shapes, in the running environment
+# Installs the carried wheels (scripts/gpu_wheels.sh) into a temporary site folder, puts it and the checkout on
+# PYTHONPATH and runs benchmarks/gpu/check.py: stages in order of value, each in its own time box, the report in
+# ${OUT:-benchmarks/results}/gpu_report.md + gpu_results.json, the log in gpu_run.log. Extra arguments go to
+# check.py (--stages, --box STAGE=SECONDS, --inject-failures). Exit status 0 when every stage is ok or skipped.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
+WHEELS=.gpu_wheels
+DRY=0
+for arg in "$@"; do [ "$arg" = "--dry-run" ] && DRY=1; done
+SITE=""
+NOTE="none installed"
+exec > >(tee "$OUT/gpu_run.log") 2>&1
+
+probe() {  # empty when the carried packages import together, else the error's last line
+    local text
+    text=$(PYTHONPATH="$SITE:$PWD" "$PYTHON" -c "import transformers, datasets, trl" 2>&1) || echo "$text" | tail -1
+}
+
+if [ "$DRY" = 0 ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    SITE=$(mktemp -d "${TMPDIR:-/tmp}/vlm_pack_gpu_site.XXXXXX")
+    trap 'rm -rf "$SITE"' EXIT
+    if ! "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl; then
+        echo "pip install failed: unpacking the wheels instead"
+        for wheel in "$WHEELS"/*.whl; do "$PYTHON" -m zipfile -e "$wheel" "$SITE"; done
+    fi
+    NOTE="$(cd "$WHEELS" && ls *.whl | sed 's/-py.*\|-cp.*//' | paste -sd ' ')"
+    error=$(probe)
+    if [ -n "$error" ]; then  # the carried transformers may not fit the image's other packages: keep the image's
+        echo "carried wheels do not import together ($error); retrying with the image's own transformers"
+        rm -rf "$SITE"/transformers "$SITE"/transformers-*.dist-info
+        NOTE="$NOTE (transformers wheel dropped: $error)"
+        error=$(probe)
+        [ -n "$error" ] && NOTE="$NOTE; still failing: $error"
+    fi
+fi
+echo "wheels: $NOTE"
+GPU_CHECK_WHEELS="$NOTE" PYTHONPATH="${SITE:+$SITE:}$PWD" OUT="$OUT" \
+    "$PYTHON" -m benchmarks.gpu.check --out "$OUT" "$@"
