@@ -93,3 +93,28 @@ def test_wheels_script_prints_the_sizes_and_the_carry():
     assert "flash-attn: no binary wheel on PyPI" in run.stdout
     assert f"(limit {LIMIT_MIB} MiB)" in run.stdout and "= carry " in run.stdout
     assert "/.gpu_wheels/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_the_kernel_and_exactness_checks_fail_when_packing_ignores_boundaries(monkeypatch):
+    """Corruption: a varlen route that treats the whole row as one sample must fail both stages' checks (the dry
+    run's passing checks are then evidence, not a tautology)."""
+    import torch
+
+    from benchmarks.gpu import exactness, kernels
+    from benchmarks.gpu.common import Context
+    from vlm_pack.attention import varlen
+    from vlm_pack.integrations import hf_model
+
+    real = varlen.varlen_attention
+
+    def one_segment(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        whole = lambda n: torch.tensor([0, n], dtype=torch.int32)  # noqa: E731
+        return real(q, k, v, whole(q.shape[0]), whole(k.shape[0]), q.shape[0], k.shape[0], **kwargs)
+
+    monkeypatch.setattr(kernels, "varlen_attention", one_segment)
+    monkeypatch.setattr(hf_model, "varlen_attention", one_segment)
+    monkeypatch.setattr(kernels, "_gpu_tests", lambda ctx: {"status": "not run"})
+    context = Context(dry=True, device="cpu")
+    kernel_checks, exact_checks = kernels.run(context).checks, exactness.run(context).checks
+    assert kernel_checks and not any(kernel_checks.values()), kernel_checks
+    assert not any(ok for name, ok in exact_checks.items() if "fp32" in name), exact_checks

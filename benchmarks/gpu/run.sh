@@ -16,6 +16,8 @@ DRY=0
 for arg in "$@"; do [ "$arg" = "--dry-run" ] && DRY=1; done
 SITE=""
 NOTE="none installed"
+# check.py forks every stage from a parent that must not initialise CUDA: ask NVML, not the driver, if asked
+export PYTORCH_NVML_BASED_CUDA_CHECK=1
 exec > >(tee "$OUT/gpu_run.log") 2>&1
 
 probe() {  # empty when the carried packages import together, else the error's last line
