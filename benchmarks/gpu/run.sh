@@ -20,9 +20,9 @@ NOTE="none installed"
 export PYTORCH_NVML_BASED_CUDA_CHECK=1
 exec > >(tee "$OUT/gpu_run.log") 2>&1
 
-probe() {  # empty when the carried packages import together, else the error's last line
+probe() {  # empty when the modules import with the carried wheels first, else the error's last line
     local text
-    text=$(PYTHONPATH="$SITE:$PWD" "$PYTHON" -c "import transformers, datasets, trl" 2>&1) || echo "$text" | tail -1
+    text=$(PYTHONPATH="$SITE:$PWD" "$PYTHON" -c "import $1" 2>&1) || echo "$text" | tail -1
 }
 
 if [ "$DRY" = 0 ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
@@ -33,14 +33,14 @@ if [ "$DRY" = 0 ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
         for wheel in "$WHEELS"/*.whl; do "$PYTHON" -m zipfile -e "$wheel" "$SITE"; done
     fi
     NOTE="$(cd "$WHEELS" && ls *.whl | sed 's/-py.*\|-cp.*//' | paste -sd ' ')"
-    error=$(probe)
-    if [ -n "$error" ]; then  # the carried transformers may not fit the image's other packages: keep the image's
-        echo "carried wheels do not import together ($error); retrying with the image's own transformers"
-        rm -rf "$SITE"/transformers "$SITE"/transformers-*.dist-info
-        NOTE="$NOTE (transformers wheel dropped: $error)"
-        error=$(probe)
-        [ -n "$error" ] && NOTE="$NOTE; still failing: $error"
+    error=$(probe transformers)
+    if [ -n "$error" ]; then  # the carried transformers does not fit the image's packages: keep the image's pair
+        echo "the carried transformers does not import ($error): using the image's transformers and huggingface_hub"
+        rm -rf "$SITE"/transformers "$SITE"/transformers-*.dist-info "$SITE"/huggingface_hub "$SITE"/huggingface_hub-*.dist-info
+        NOTE="$NOTE (transformers + huggingface_hub wheels dropped: $error)"
     fi
+    error=$(probe "datasets, trl")
+    [ -n "$error" ] && NOTE="$NOTE; datasets / trl do not import: $error"
 fi
 echo "wheels: $NOTE"
 GPU_CHECK_WHEELS="$NOTE" PYTHONPATH="${SITE:+$SITE:}$PWD" OUT="$OUT" \
