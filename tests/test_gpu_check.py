@@ -118,3 +118,11 @@ def test_the_kernel_and_exactness_checks_fail_when_packing_ignores_boundaries(mo
     kernel_checks, exact_checks = kernels.run(context).checks, exactness.run(context).checks
     assert kernel_checks and not any(kernel_checks.values()), kernel_checks
     assert not any(ok for name, ok in exact_checks.items() if "fp32" in name), exact_checks
+
+
+def test_the_time_boxes_fit_an_8_minute_run_and_the_docs_list_them():
+    # 30 s for the wheel install, the imports and the CUDA start-ups on top of the boxes
+    assert sum(box for _, _, box in STAGES) + 30 <= 8 * 60
+    rows = [line.split("|") for line in (ROOT / "docs" / "gpu_check.md").read_text().splitlines()
+            if line.startswith("| ") and line[2:4] in {f"{c}." for c in "abcdefg"}]
+    assert [int(row[2]) for row in rows] == [box for _, _, box in STAGES]

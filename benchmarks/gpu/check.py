@@ -30,9 +30,9 @@ from benchmarks.gpu.common import ROOT, Context, Result, Skip, finite
 # the imports inside an 8-minute run.
 STAGES = (
     ("machine", "machine", 20),
-    ("kernels", "kernels", 85),
+    ("kernels", "kernels", 100),
     ("exactness", "exactness", 40),
-    ("speed", "speed", 110),
+    ("speed", "speed", 95),
     ("grpo", "grpo_step", 60),
     ("long_rows", "long_rows", 40),
     ("compile", "recompiles", 75),
