@@ -343,6 +343,11 @@ class _UnitPacker:
         try:
             lengths = measure_lengths(examples, self.owner.collator, batch_size=len(examples), progress=False).tokens
         except ValueError as err:
+            for key, example in zip(keys, examples):  # the error path only: find the sample, alone
+                try:
+                    measure_lengths([example], self.owner.collator, progress=False)
+                except ValueError as alone:
+                    raise ValueError(f"{self._where(key)}: {alone}") from alone
             raise ValueError(f"{self._where(keys[0])} (or one of the {len(keys)} samples read with it): {err}") from err
         for key, example, length in zip(keys, examples, lengths.tolist()):
             aligned = -(-length // self.align) * self.align
