@@ -380,6 +380,35 @@ def test_trainer_resumes_in_the_first_and_a_later_pass_like_the_uninterrupted_ru
         _trainer_run(streams, text_collator, tmp_path / "new", resume=str(copy))
 
 
+def test_packed_sft_trainer_resumes_from_a_copied_checkpoint(streams, text_collator, tmp_path):
+    """TRL's PackedSFTTrainer, the plain recipe: one JSONL file on 2 workers (split by example), 5 steps; resumed
+    from a copy of checkpoint-2 in another folder, the forwards after it and the final weights equal the
+    uninterrupted run's."""
+    from test_trainer import sft_config
+
+    from vlm_pack import PackedSFTTrainer, enable_packing
+    from vlm_pack.testing.tiny_models import _SMALL_VOCAB, tiny_model
+
+    def run(out, resume=None):
+        model = enable_packing(tiny_model("qwen2", layers=1, vocab_size=_SMALL_VOCAB))
+        seen = []
+        model.register_forward_pre_hook(
+            lambda m, a, k: seen.append(k["vlm_pack"]["stream"].get("samples", "pad")), with_kwargs=True)
+        packs = StreamingPackDataset(_source(streams, "one"), text_collator, pack_size=PACK, buffer_size=BUFFER, seed=2)
+        args = sft_config(out, per_device_train_batch_size=1, gradient_accumulation_steps=1, max_steps=5,
+                          dataloader_num_workers=2, save_strategy="steps", save_steps=2)
+        PackedSFTTrainer(model=model, args=args, train_dataset=packs,
+                         processing_class=text_collator.processor).train(resume_from_checkpoint=resume)
+        return seen, [p.detach().clone() for p in model.parameters()]
+
+    full, weights = run(tmp_path / "run")
+    shutil.copytree(tmp_path / "run" / "checkpoint-2", tmp_path / "copy")
+    shutil.rmtree(tmp_path / "run")
+    resumed, resumed_weights = run(tmp_path / "again", resume=str(tmp_path / "copy"))
+    assert len(full) == 5 and resumed == full[2:]
+    assert all(torch.equal(a, b) for a, b in zip(resumed_weights, weights))
+
+
 def test_trainer_without_ignore_data_skip_is_refused(streams, text_collator, tmp_path):
     from transformers import Trainer, TrainingArguments
 
