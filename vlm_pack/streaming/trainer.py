@@ -8,14 +8,14 @@ What a stream needs from the training loop and how this callback provides it:
   ``BatchRebalanceSampler``.
 * **Equal steps.** Ranks pack different data, so their epochs end after different numbers of packs. The prepared
   train dataloader is made to agree on every pull (one tiny all-reduce, on a gloo group, per micro-batch): a rank
-  whose data pipeline raised still joins that pull with an error flag, so every rank stops with an error at the
-  same pull instead of waiting for it; a rank whose epoch is over gets a loss-free pack (a one-sample text pack with every label -100: no token counts in
-  ``num_items_in_batch``, so gradients and the loss are those of the real packs) until every rank is done, then all
-  ranks pad to a multiple of ``gradient_accumulation_steps``. No sample is repeated; every window is whole, so an
-  epoch's last optimizer step is not mixed into the next epoch's first.
+  whose data pipeline raised still joins that pull with an error flag, so every rank stops with an error at the same
+  pull instead of waiting for it; a rank whose epoch is over gets a loss-free pack (a one-sample text pack with
+  every label -100: no token counts in ``num_items_in_batch``, so gradients and the loss are those of the real
+  packs) until every rank is done, then all ranks pad to a multiple of ``gradient_accumulation_steps``. No sample is
+  repeated; every window is whole, so an epoch's last optimizer step is not mixed into the next epoch's first.
 * **Resume that follows the checkpoint.** The dataloader records the stream state carried by every pack it hands
-  over. The callback is a ``transformers`` ``ExportableState``: at every step end the ranks' states are gathered (one
-  small ``all_gather_object`` per optimizer step) and rank 0's ``trainer_state.json`` stores them under
+  over. The callback is a ``transformers`` ``ExportableState``: at the end of a step that saves, the ranks' states
+  are gathered (one small ``all_gather_object``) and rank 0's ``trainer_state.json`` stores them under
   ``stateful_callbacks`` with each checkpoint. Trainer reads that file back from whatever folder
   ``train(resume_from_checkpoint=...)`` names (a copied or moved checkpoint included), and ``on_train_begin`` of the
   resumed run restores every rank's stream from it, after checking its fingerprint (the settings that shape the
@@ -207,8 +207,8 @@ class StreamingPackCallback(TrainerCallback, ExportableState):
     """Add to ``Trainer(callbacks=[...])`` with a :class:`StreamingPackDataset` as ``train_dataset`` (module doc).
 
     ``dataset``: the dataset trained on (checked); without it the callback takes the Trainer's train dataset.
-    ``stream_state``: every rank's stream state at the last step end, what the next checkpoint stores in its
-    ``trainer_state.json`` (an ``ExportableState``; Trainer calls :meth:`state` when it saves).
+    ``stream_state``: every rank's stream state gathered at the last step end that saves, what the checkpoint stores
+    in its ``trainer_state.json`` (an ``ExportableState``; Trainer calls :meth:`state` when it saves).
     """
 
     def __init__(self, dataset: StreamingPackDataset | None = None) -> None:
@@ -222,7 +222,20 @@ class StreamingPackCallback(TrainerCallback, ExportableState):
 
     def state(self) -> dict:
         # no "args": Trainer's restore_callback_states_from_checkpoint rebuilds the callback without arguments
-        return {"args": {}, "attributes": {"stream_state": self.stream_state}}
+        return {"args": {}, "attributes": {"stream_state": self._current()}}
+
+    def _current(self) -> dict | None:
+        """Every rank's stream state now (rank 0 calls this when Trainer saves): its own at one rank, else the one
+        gathered at this step's end; None (a resume from this checkpoint is refused, never wrong) if no gather
+        happened at this step, e.g. a save another callback asked for after this one ran."""
+        if self.aligner is None:
+            return self.stream_state
+        mine = self.aligner.state()
+        if self._group is None:
+            return {"ranks": [mine]}
+        if self.stream_state is not None and self.stream_state["ranks"][self.dataset.rank] == mine:
+            return self.stream_state
+        return None
 
     def on_init_end(self, args, state, control, **kwargs):
         problems = []
@@ -287,10 +300,19 @@ class StreamingPackCallback(TrainerCallback, ExportableState):
         return ranks[self.dataset.rank]
 
     def on_step_end(self, args, state, control, **kwargs):
-        mine = (self.dataset.rank, self.aligner.state())
+        # DefaultFlowCallback (the first callback) has decided on this step's save; a "best" save is decided after
+        # the evaluation, so gather whenever one is due
+        if control.should_save or (control.should_evaluate and args.save_strategy == "best"):
+            self._gather()
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if control.should_save:
+            self._gather()
+
+    def _gather(self) -> None:
+        """Every rank's state to every rank (one small all_gather_object), for the checkpoint about to be saved."""
         if self._group is None:
-            gathered = [mine]
-        else:
-            gathered = [None] * torch.distributed.get_world_size(self._group)
-            torch.distributed.all_gather_object(gathered, mine, group=self._group)
+            return
+        gathered = [None] * torch.distributed.get_world_size(self._group)
+        torch.distributed.all_gather_object(gathered, (self.dataset.rank, self.aligner.state()), group=self._group)
         self.stream_state = {"ranks": [rank_state for _, rank_state in sorted(gathered, key=lambda x: x[0])]}
