@@ -225,8 +225,7 @@ def test_fewer_shards_than_units_once_per_epoch_deterministic_and_resumable(stre
     for epoch in (0, 1):
         packs = [[keys for tag, keys in rank_packs if tag == epoch] for rank_packs in full]
         assert all(packs) and _exactly_once(packs, total), epoch
-    again = [_aligned(*fresh(rank))[0] for rank in range(2)]
-    assert again == full
+    assert _aligned(*fresh(1))[0] == full[1]  # deterministic
     for stop in ((0, 3), (1, 1)):
         head, state = _aligned(*fresh(1), epoch_stop=stop)
         dataset, aligner = fresh(1)
