@@ -261,7 +261,7 @@ class StreamingPackCallback(TrainerCallback, ExportableState):
         shard_wrapper = not isinstance(inner, StreamingPackDataset) and isinstance(
             getattr(inner, "dataset", None), StreamingPackDataset)
         dataset = inner.dataset if shard_wrapper else inner
-        if not isinstance(dataset, StreamingPackDataset) or self.dataset not in (None, dataset):
+        if not isinstance(dataset, StreamingPackDataset) or (self.dataset is not None and self.dataset is not dataset):
             raise ValueError("StreamingPackCallback: the Trainer's train_dataset is not the callback's "
                              "StreamingPackDataset")
         self.dataset = dataset
