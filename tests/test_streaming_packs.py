@@ -246,6 +246,23 @@ def test_an_overlong_sample_is_named_by_file_and_line(streams, text_collator):
     assert length > 64 and f"has {length} tokens" in str(caught.value)  # that line is the over-long one
 
 
+def test_a_smaller_pack_size_after_a_resume_names_a_sample_it_cannot_hold(streams, text_collator):
+    """The refusal names pack_size with both values and a waiting sample of the saved state too long for the new
+    size (its file, line and tokens)."""
+    dataset = StreamingPackDataset(_source(streams, "one"), text_collator, pack_size=PACK, buffer_size=BUFFER, seed=5)
+    aligner = StreamAligner(dataset, 1, PAD_BATCH)
+    for _ in zip(range(2), aligner.epoch_batches(lambda: dataset)):
+        aligner.consume()
+    state = json.loads(json.dumps(aligner.state()))
+    longest = max(length for _, _, length, _ in state["units"]["0"]["packer"]["waiting"])
+    smaller = StreamingPackDataset(_source(streams, "one"), text_collator, pack_size=longest - 1, buffer_size=BUFFER,
+                                   seed=5)
+    file = streams[0]["one"][0]
+    with pytest.raises(ValueError, match=rf"made with pack_size={PACK}, this run has pack_size={longest - 1}: .*"
+                                         rf"\(e\.g\. {file} line \d+, waiting in the saved state, has \d+ tokens\)"):
+        StreamAligner(smaller, 1, PAD_BATCH).restore(state)
+
+
 def test_a_buffer_too_small_to_pack_warns_with_the_predicted_fill(streams, text_collator, caplog):
     """buffer_size=1 packs one sample per pack: warned (the fill predicted from the first 32 lengths, beside offline
     best fit's); a buffer of 64 is not."""
@@ -325,7 +342,8 @@ def test_peak_memory_does_not_grow_with_the_stream(tmp_path, text_collator):
 # ---------------------------------------------------------------- Trainer and TRL
 
 
-def _trainer_run(streams, text_collator, out, resume=None, seed=5, pack_size=512, buffer_size=BUFFER):
+def _trainer_run(streams, text_collator, out, resume=None, seed=5, pack_size=512, buffer_size=BUFFER, workers=2,
+                 **extra):
     """Plain Trainer, tiny Qwen2 LLM, JSONL stream at pack 512, 2 workers, GA 2, 9 steps, a checkpoint
     every 2 steps; returns (each forward's sample keys or "pad", final weights)."""
     from transformers import Trainer, TrainingArguments
@@ -342,8 +360,8 @@ def _trainer_run(streams, text_collator, out, resume=None, seed=5, pack_size=512
     args = TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=9,
         optim="sgd", learning_rate=0.1, use_cpu=True, report_to="none", save_strategy="steps", save_steps=2,
-        logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=2, remove_unused_columns=False,
-        ignore_data_skip=True, accelerator_config={"dispatch_batches": False})
+        logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=workers, remove_unused_columns=False,
+        ignore_data_skip=True, accelerator_config={"dispatch_batches": False}, **extra)
     run = Trainer(model=model, args=args, train_dataset=dataset, data_collator=dataset.collate_fn,
                   callbacks=[StreamingPackCallback(dataset)])
     run.train(resume_from_checkpoint=resume)
@@ -353,7 +371,8 @@ def _trainer_run(streams, text_collator, out, resume=None, seed=5, pack_size=512
 def test_trainer_resumes_in_the_first_and_a_later_pass_like_the_uninterrupted_run(streams, text_collator, tmp_path):
     """The plain recipe (``train(resume_from_checkpoint=PATH)``): from checkpoint-2 (first pass) in place and from a
     copy of checkpoint-6 (second pass) in another folder, with another output_dir; the stream state travels in
-    the checkpoint's trainer_state.json. A resume with another seed, pack size or buffer size is refused."""
+    the checkpoint's trainer_state.json. A resume with another seed, pack size, buffer size or number of workers is
+    refused, naming the setting and both values."""
     full, weights = _trainer_run(streams, text_collator, tmp_path / "run")
     packs = [step for step in full if step != "pad"]
     first_pass_packs = next(i for i in range(len(packs) + 1)
@@ -363,13 +382,18 @@ def test_trainer_resumes_in_the_first_and_a_later_pass_like_the_uninterrupted_ru
     copy = tmp_path / "elsewhere" / "saved-at-6"
     shutil.copytree(tmp_path / "run" / "checkpoint-6", copy)
     shutil.rmtree(tmp_path / "run" / "checkpoint-6")
-    for step, folder, out in ((2, tmp_path / "run" / "checkpoint-2", tmp_path / "run"), (6, copy, tmp_path / "new")):
-        resumed, resumed_weights = _trainer_run(streams, text_collator, out, resume=str(folder))
+    # checkpoint-2 with Trainer's restore_callback_states_from_checkpoint (it rebuilds the callback, no arguments)
+    for step, folder, out, restore in ((2, tmp_path / "run" / "checkpoint-2", tmp_path / "run", True),
+                                       (6, copy, tmp_path / "new", False)):
+        resumed, resumed_weights = _trainer_run(streams, text_collator, out, resume=str(folder),
+                                                restore_callback_states_from_checkpoint=restore)
         assert resumed == full[2 * step:], step
         print(f"resumed from {folder.name}: {len(resumed)} forwards identical, weights equal")
         assert all(torch.equal(resumed_weights[n], weights[n]) for n in weights), step
-    for setting, value, was in (("seed", 6, 5), ("pack_size", 384, 512), ("buffer_size", 8, BUFFER)):
-        with pytest.raises(ValueError, match=rf"made with {setting}={was}, this run has {setting}={value}: "):
+    for setting, value, was in (("seed", 6, 5), ("pack_size", 384, 512), ("buffer_size", 8, BUFFER),
+                                ("workers", 0, 2)):
+        name = "dataloader_num_workers" if setting == "workers" else setting
+        with pytest.raises(ValueError, match=rf"made with {name}={was}, this run has {name}={value}: "):
             _trainer_run(streams, text_collator, tmp_path / "new", resume=str(copy), **{setting: value})
     # corruption: a checkpoint without the stream state is refused (restarting would repeat and skip samples)
     state = json.loads((copy / "trainer_state.json").read_text())
