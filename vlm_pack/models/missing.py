@@ -56,11 +56,6 @@ MISSING_RULES: dict[str, MissingRule] = {
         "GotOcr2Processor, with and without multi_page)",
     ),
     "paligemma": _PALIGEMMA,
-    "llama4": MissingRule(
-        "chunked attention over packed rows is not implemented (chunked layers split each sample at every "
-        "attention_chunk_size tokens counted from the sample's start); its NoPE layers and MoE router are not proven",
-        "chunked layers would attend across chunk borders (max |dlogit| 7.48 measured on a tiny Llama 4)",
-    ),
     "mllama": MissingRule(
         "cross-attention isolation over packed rows is not implemented (each sample's text must attend only to its "
         "own images' tiles through cross_attention_mask, with per-sample image rows)",

@@ -1,0 +1,153 @@
+"""Round-3 families (issue 39, part A) exact under packing: Llama 4 (chunked local attention), ...
+
+Same proof as tests/test_vlm_families.py: a packed micro-batch through ``enable_packing`` + ``VLMPackingCollator``
+equals each sample run ALONE through the stock model (``attn_implementation="sdpa"``, fp32 CPU): logits and
+per-sample losses within the measured fp32 noise floor, gradients within ``GRAD_REL_L2``; the edge batch (system
+prompts, a one-word answer, an image inside an assistant turn, text-only and multi-image samples of different
+sizes); one corruption per family rule that must break the comparison; token-budget plans equal to the
+processor's lengths. Tiny models and offline processors: ``vlm_pack.testing.tiny_families_round3a``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from vlm_pack.budget import measure_lengths
+from vlm_pack.data.collator import VLMPackingCollator
+from vlm_pack.integrations import hf_model
+from vlm_pack.integrations.hf_model import enable_packing
+from vlm_pack.models import UnsupportedModelError, get_family
+from vlm_pack.testing.tiny_families_round3a import round3a_processor, round3a_vlm
+
+from test_budget_packs import _GROUPS, _images_example, _materialised_lengths
+from test_vlm_families import (
+    BOUNDARY_KWARGS, Setup, assert_exact, compare, edge_examples, errors, logit_error, packed_logits, references,
+    swap_examples,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+_SETUPS: dict[str, Setup] = {}
+
+
+def setup_for(family: str) -> Setup:
+    if family not in _SETUPS:
+        processor = round3a_processor(family)
+        stock = round3a_vlm(family, processor)
+        packed = enable_packing(round3a_vlm(family, processor))
+        collator = VLMPackingCollator(processor, max_length=2048, model_config=packed.config)
+        _SETUPS[family] = Setup(family, processor, stock, packed, collator)
+    return _SETUPS[family]
+
+
+FAMILIES = ["llama4"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_edge_batch_equals_each_sample_alone(family):
+    """Edge batch packed against each sample alone: logits, per-sample losses, the model's own loss, gradients."""
+    setup = setup_for(family)
+    result = compare(setup, edge_examples())
+    print(family, "edge", result)
+    assert_exact(result)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_vision_rows_given_to_the_wrong_sample_are_caught(family):
+    """Two same-size single-image samples' vision rows swapped (a well-formed batch) break the comparison; positions
+    not restarted per sample are caught (the stock sdpa model reading boundaries from restarting position ids, as
+    HF does without cu_seq_lens, is exact; with whole-row positions it is not)."""
+    setup = setup_for(family)
+    examples = swap_examples()
+    refs = references(setup, examples)
+    batch = setup.collator(examples)
+    assert_exact(errors(batch, packed_logits(setup.packed, batch), refs))
+    samples = setup.collator._encode_all(examples)[0]
+    swapped = dict(batch)
+    for key in (k for k in samples[0] if k not in setup.collator.token_keys):
+        chunks = [sample.get(key) for sample in samples]
+        chunks[0], chunks[2] = chunks[2], chunks[0]
+        swapped[key] = torch.cat([chunk for chunk in chunks if chunk is not None])
+    assert refs[3].logits.is_far(logit_error(batch, packed_logits(setup.packed, swapped), refs))
+    no_kwargs = dict.fromkeys(BOUNDARY_KWARGS)  # the stock model reads boundaries from restarting positions
+    refs[3].logits.check(logit_error(batch, packed_logits(setup.stock, batch, **no_kwargs), refs))
+    whole_row = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["position_ids"])
+    not_restarted = packed_logits(setup.stock, batch, **no_kwargs, position_ids=whole_row)
+    assert refs[3].logits.is_far(logit_error(batch, not_restarted, refs))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_planned_length_equals_the_real_processor(family):
+    """Token-budget plans count what the processor writes, for images of many sizes and several per sample."""
+    setup = setup_for(family)
+    examples = [_images_example(group) for group in _GROUPS]
+    planned = measure_lengths(examples, setup.collator, progress=False)
+    assert planned.tokens.tolist() == _materialised_lengths(setup.collator, examples)
+    assert planned.images.tolist() == [len(group) for group in _GROUPS]
+
+
+# ------------------------------------------------------------------ Llama 4
+
+
+@torch.no_grad()
+def test_llama4_chunks_restart_per_sample(monkeypatch):
+    """Chunked layers cut each sample at multiples of attention_chunk_size from ITS start: chunks counted from the
+    row's start (the samples' boundaries ignored by the chunk rule), or no chunks at all, are caught."""
+    setup = setup_for("llama4")
+    examples = edge_examples()
+    refs = references(setup, examples)
+    batch = setup.collator(examples)
+    assert_exact(errors(batch, packed_logits(setup.packed, batch), refs))
+    exact = hf_model.chunk_boundaries
+
+    def row_chunks(cu, chunk):
+        cut, _ = exact(torch.tensor([0, int(cu[-1])]), chunk)
+        merged = torch.unique(torch.cat([cut.to(cu), cu.to(torch.int32)]))
+        return merged, int(merged.diff().max())
+
+    monkeypatch.setattr(hf_model, "chunk_boundaries", row_chunks)
+    monkeypatch.setattr(hf_model, "_chunk_cache", None)  # chunks are cached per boundary tensor
+    assert refs[3].logits.is_far(logit_error(batch, packed_logits(setup.packed, batch), refs))
+    monkeypatch.setattr(hf_model, "chunk_boundaries", lambda cu, chunk: (cu, int(cu.diff().max())))
+    monkeypatch.setattr(hf_model, "_chunk_cache", None)
+    assert refs[3].logits.is_far(logit_error(batch, packed_logits(setup.packed, batch), refs))
+
+
+@torch.no_grad()
+def test_llama4_unpacked_sample_keeps_its_chunks():
+    """One sample, unpacked (no boundaries), through the packed model: its chunked layers still chunk."""
+    setup = setup_for("llama4")
+    example = edge_examples()[3]
+    refs = references(setup, [example])
+    single = setup.collator([example])
+    ids = single["input_ids"]
+    assert ids.shape[1] > 2 * setup.packed.config.text_config.attention_chunk_size
+    logits = setup.packed(input_ids=ids, pixel_values=single["pixel_values"], use_cache=False).logits[0]
+    refs[3].logits.check((logits - refs[0][0]).abs().max().item())
+
+
+def test_llama4_row_longer_than_the_temperature_floor_is_refused():
+    """NoPE layers' temperature tuning scales queries by the row index: exact only in rows of at most
+    floor_scale - 1 tokens, so a longer packed row is refused at its forward, naming the bound."""
+    processor = round3a_processor("llama4")
+    model = enable_packing(round3a_vlm("llama4", processor, floor_scale=16))
+    batch = VLMPackingCollator(processor, max_length=2048, model_config=model.config)(swap_examples())
+    with pytest.raises(ValueError, match=r"at most floor_scale - 1 = 15 tokens"):
+        model(**batch)
+
+
+def test_llama4_refusals():
+    """Context parallelism (chunk boundaries not split across ranks) and the router aux loss are refused."""
+    setup = setup_for("llama4")
+    with pytest.raises(ValueError, match="chunked attention is not carried through the context-parallel split"):
+        VLMPackingCollator(setup.processor, max_length=2048, model_config=setup.packed.config,
+                           context_parallel_size=2)
+    config = setup.packed.config.__class__.from_dict(setup.packed.config.to_dict())
+    config.text_config.output_router_logits = True
+    with pytest.raises(UnsupportedModelError, match="output_router_logits"):
+        get_family(config)
