@@ -44,7 +44,7 @@ def setup_for(family: str) -> Setup:
     return _SETUPS[family]
 
 
-FAMILIES = ["llama4"]
+FAMILIES = ["llama4", "granite4_vision"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -91,6 +91,48 @@ def _no_image_outputs(module, args, output):
     return output
 
 
+# ---------------------------------------------------------------- Granite 4 Vision (LLaVA-NeXT crops, window Q-Former)
+
+# 28-px crops of 7-px patches (CLIP, CLS dropped: 16 patches), anyres pinpoints up to 2x2 crops; the Q-Former
+# downsamples each crop 1/2 (4 tokens per crop). Deepstack: the last vision layer into text layer 0, the first into
+# text layer 1; spatial groups into both layers.
+
+
+def _granite4_vision_processor() -> ProcessorMixin:
+    from transformers import LlavaNextImageProcessor
+    from transformers.models.granite4_vision.processing_granite4_vision import Granite4VisionProcessor
+
+    from .tiny_families import _LLAVA_PINPOINTS, _llava_sizes, chatml_template
+
+    return Granite4VisionProcessor(
+        image_processor=LlavaNextImageProcessor(**_llava_sizes(), image_grid_pinpoints=_LLAVA_PINPOINTS),
+        tokenizer=_tokenizer(["<image>"]), patch_size=7, vision_feature_select_strategy="default",
+        chat_template=chatml_template("<image>"), downsample_rate="1/2", num_additional_image_tokens=1,
+    )
+
+
+def _granite4_vision_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import Granite4VisionConfig, Granite4VisionForConditionalGeneration
+
+    from .tiny_families import _LLAVA_PINPOINTS
+
+    tokenizer = processor.tokenizer
+    config = Granite4VisionConfig(
+        vision_config={"model_type": "clip_vision_model", "hidden_size": _HIDDEN, "intermediate_size": _HIDDEN,
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 28, "patch_size": 7},
+        text_config={"vocab_size": len(tokenizer), "hidden_size": _HIDDEN, "intermediate_size": 2 * _HIDDEN,
+                     "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "initializer_range": initializer_range, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                     "attention_multiplier": 0.3, "logits_scaling": 2.0},
+        qformer_config={"num_hidden_layers": 1, "intermediate_size": _HIDDEN},
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-1,
+        vision_feature_select_strategy="default", image_grid_pinpoints=_LLAVA_PINPOINTS, downsample_rate="1/2",
+        deepstack_layer_map=[[-1, 0], [0, layers - 1]], spatial_target_layers=[0, layers - 1, layers - 1, 0],
+        projector_dropout=0.0, initializer_range=initializer_range,
+    )
+    return Granite4VisionForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
 @dataclass(frozen=True)
 class _Builder:
     processor: Callable[[], ProcessorMixin]
@@ -104,6 +146,11 @@ _BUILDERS = {
         "Qwen tokenizer + Llama 4's header and image tokens; the official Llama 4 chat template as transformers ships "
         "it (processing_llama4.chat_template); real Llama4ImageProcessor (28-px tiles, up to 4 + global view, its "
         "bf16 values cast to fp32) and Llama4Processor",
+    ),
+    "granite4_vision": _Builder(
+        _granite4_vision_processor, _granite4_vision_model,
+        "Qwen tokenizer + '<image>' and ChatML (no official Granite template is installed); real "
+        "LlavaNextImageProcessor (anyres 28-px crops, up to 2x2) and Granite4VisionProcessor; CLIP tower",
     ),
 }
 ROUND3A_FAMILIES = tuple(_BUILDERS)
