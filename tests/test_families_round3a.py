@@ -44,7 +44,7 @@ def setup_for(family: str) -> Setup:
     return _SETUPS[family]
 
 
-FAMILIES = ["llama4", "granite4_vision"]
+FAMILIES = ["llama4", "granite4_vision", "granite_docling"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -151,3 +151,19 @@ def test_llama4_refusals():
     config.text_config.output_router_logits = True
     with pytest.raises(UnsupportedModelError, match="output_router_logits"):
         get_family(config)
+
+
+# ------------------------------------------------------------------ Granite Docling
+
+
+def test_granite_docling_fine_route_and_density_router_are_refused():
+    """Only the coarse connector route is proven: the fine route and the density router are refused by name."""
+    config = setup_for("granite_docling").packed.config
+    fine = config.__class__.from_dict(config.to_dict())
+    fine.vision_config.use_fine_route = True
+    with pytest.raises(UnsupportedModelError, match="use_fine_route=True"):
+        get_family(fine)
+    routed = config.__class__.from_dict(config.to_dict())
+    routed.density_router_hidden_size = 8
+    with pytest.raises(UnsupportedModelError, match="density router"):
+        get_family(routed)

@@ -133,6 +133,46 @@ def _granite4_vision_model(processor, initializer_range: float, layers: int, att
     return Granite4VisionForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
+# ---------------------------------------------------------------- Granite Docling (Idefics3-style page tiles)
+
+# 28-px tiles of 7-px patches, pixel shuffle 2: 4 <image> tokens per tile, up to 4 tiles + the global view. One
+# deepstack merger (vision layer 0); the coarse route only (as the 2B checkpoint).
+_DOCLING_TOKENS = ["<image>", "<fake_token_around_image>", "<global-img>"] + [
+    f"<row_{row}_col_{col}>" for row in range(1, 5) for col in range(1, 5)
+]
+
+
+def _granite_docling_processor() -> ProcessorMixin:
+    from transformers.models.granite_docling.image_processing_granite_docling import GraniteDoclingImageProcessor
+    from transformers.models.granite_docling.processing_granite_docling import GraniteDoclingProcessor
+
+    from .tiny_families import chatml_template
+
+    return GraniteDoclingProcessor(
+        image_processor=GraniteDoclingImageProcessor(size={"height": 28, "width": 28}, max_patches=4),
+        tokenizer=_tokenizer(_DOCLING_TOKENS), image_seq_len=4, chat_template=chatml_template("<image>"),
+    )
+
+
+def _granite_docling_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import GraniteDoclingConfig, GraniteDoclingForConditionalGeneration
+
+    tokenizer = processor.tokenizer
+    config = GraniteDoclingConfig(
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": 28, "patch_size": 7, "out_hidden_size": _HIDDEN, "scale_factor": 2,
+                       "deepstack_visual_indexes": [0], "use_fine_route": False,
+                       "initializer_range": initializer_range},
+        text_config={"vocab_size": len(tokenizer), "hidden_size": _HIDDEN, "intermediate_size": 2 * _HIDDEN,
+                     "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "initializer_range": initializer_range, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                     "attention_multiplier": 0.3, "logits_scaling": 2.0, "pad_token_id": tokenizer.pad_token_id,
+                     "bos_token_id": None, "eos_token_id": None},
+        image_token_id=processor.image_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    return GraniteDoclingForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
 @dataclass(frozen=True)
 class _Builder:
     processor: Callable[[], ProcessorMixin]
@@ -151,6 +191,11 @@ _BUILDERS = {
         _granite4_vision_processor, _granite4_vision_model,
         "Qwen tokenizer + '<image>' and ChatML (no official Granite template is installed); real "
         "LlavaNextImageProcessor (anyres 28-px crops, up to 2x2) and Granite4VisionProcessor; CLIP tower",
+    ),
+    "granite_docling": _Builder(
+        _granite_docling_processor, _granite_docling_model,
+        "Qwen tokenizer + Idefics3-style tile tokens and ChatML (no official Granite Docling template is installed); "
+        "real GraniteDoclingImageProcessor (28-px tiles, up to 4 + global view) and GraniteDoclingProcessor",
     ),
 }
 ROUND3A_FAMILIES = tuple(_BUILDERS)
