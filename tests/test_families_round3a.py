@@ -19,6 +19,7 @@ from vlm_pack.budget import measure_lengths
 from vlm_pack.data.collator import VLMPackingCollator
 from vlm_pack.integrations import hf_model
 from vlm_pack.integrations.hf_model import enable_packing
+from vlm_pack.attention.cross import CROSS_KEYS_KWARG as CROSS_KEYS
 from vlm_pack.models import UnsupportedModelError, get_family
 from vlm_pack.testing.tiny_families_round3a import round3a_processor, round3a_vlm
 
@@ -44,7 +45,10 @@ def setup_for(family: str) -> Setup:
     return _SETUPS[family]
 
 
-FAMILIES = ["llama4", "granite4_vision", "granite_docling"]
+FAMILIES = ["llama4", "granite4_vision", "granite_docling", "mllama"]
+# Families whose packed image layout only enable_packing's hook turns into model inputs (the stock model cannot take
+# a packed batch without boundaries): their position rule is checked by their own corruption tests.
+PACKED_LAYOUT_FAMILIES = ("mllama",)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -61,7 +65,7 @@ def test_edge_batch_equals_each_sample_alone(family):
 def test_vision_rows_given_to_the_wrong_sample_are_caught(family):
     """Two same-size single-image samples' vision rows swapped (a well-formed batch) break the comparison; positions
     not restarted per sample are caught (the stock sdpa model reading boundaries from restarting position ids, as
-    HF does without cu_seq_lens, is exact; with whole-row positions it is not)."""
+    HF does without cu_seq_lens, is exact; with whole-row positions it is not; not for PACKED_LAYOUT_FAMILIES)."""
     setup = setup_for(family)
     examples = swap_examples()
     refs = references(setup, examples)
@@ -74,6 +78,8 @@ def test_vision_rows_given_to_the_wrong_sample_are_caught(family):
         chunks[0], chunks[2] = chunks[2], chunks[0]
         swapped[key] = torch.cat([chunk for chunk in chunks if chunk is not None])
     assert refs[3].logits.is_far(logit_error(batch, packed_logits(setup.packed, swapped), refs))
+    if family in PACKED_LAYOUT_FAMILIES:
+        return
     no_kwargs = dict.fromkeys(BOUNDARY_KWARGS)  # the stock model reads boundaries from restarting positions
     refs[3].logits.check(logit_error(batch, packed_logits(setup.stock, batch, **no_kwargs), refs))
     whole_row = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["position_ids"])
@@ -167,3 +173,44 @@ def test_granite_docling_fine_route_and_density_router_are_refused():
     routed.density_router_hidden_size = 8
     with pytest.raises(UnsupportedModelError, match="density router"):
         get_family(routed)
+
+
+# ------------------------------------------------------------------ Mllama
+
+
+@torch.no_grad()
+def test_mllama_cross_attention_follows_the_packed_samples(monkeypatch):
+    """Cross-attention must keep each sample's text on its own images: all images of the row visible to every
+    sample (one key segment), or the processor's mask spans running to the row's end (the processor's rule applied to
+    the concatenated text), are caught. The layout hook is what makes the packed batch exact."""
+    from vlm_pack.attention.cross import CrossKeys
+    from vlm_pack.models import mllama
+
+    setup = setup_for("mllama")
+    examples = edge_examples()
+    refs = references(setup, examples)
+    batch = setup.collator(examples)
+    assert_exact(errors(batch, packed_logits(setup.packed, batch), refs))
+    exact = mllama.packed_image_inputs
+
+    def one_segment(kwargs, image_token_id):
+        inputs = exact(kwargs, image_token_id)
+        counts = inputs[CROSS_KEYS].items_per_segment
+        inputs[CROSS_KEYS] = CrossKeys([sum(counts)] + [0] * (len(counts) - 1))
+        return inputs
+
+    def row_spans(kwargs, image_token_id):
+        total = kwargs["input_ids"].shape[1]
+        inputs = exact({**kwargs, "cu_seq_lens_q": torch.tensor([0, total])}, image_token_id)
+        return {**inputs, CROSS_KEYS: exact(kwargs, image_token_id)[CROSS_KEYS]}
+
+    for corrupt in (one_segment, row_spans):
+        monkeypatch.setattr(mllama, "packed_image_inputs", corrupt)
+        assert refs[3].logits.is_far(logit_error(batch, packed_logits(setup.packed, batch), refs))
+
+
+def test_mllama_refuses_context_parallelism():
+    setup = setup_for("mllama")
+    with pytest.raises(ValueError, match="cross-attention segments are not split"):
+        VLMPackingCollator(setup.processor, max_length=2048, model_config=setup.packed.config,
+                           context_parallel_size=2)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..attention.cross import CROSS_ATTENTION_FLAG, CROSS_KEYS_KWARG, segment_cross_attention
 from ..attention.varlen import dense_attention, varlen_attention
 from ..core.packing import chunk_boundaries
 from ..models import ImageBlockRule, get_family
@@ -256,6 +257,12 @@ def packing_attention_forward(
         )
     if softcap is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError(f"{ATTN_IMPLEMENTATION} supports neither logit softcapping nor attention sinks")
+    if getattr(module, CROSS_ATTENTION_FLAG, False) and kwargs.get("cu_seq_lens_q") is not None:
+        keys = kwargs.get(CROSS_KEYS_KWARG)
+        if keys is None:
+            raise ValueError(f"{type(module).__name__} got a packed row without its samples' media segments "
+                             f"({CROSS_KEYS_KWARG}): call enable_packing on the full model")
+        return segment_cross_attention(query, key, value, attention_mask, kwargs["cu_seq_lens_q"], keys, scaling), None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window = None if sliding_window is None else (sliding_window - 1, sliding_window - 1)
     batch, heads, q_len, _ = query.shape

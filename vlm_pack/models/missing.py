@@ -56,11 +56,6 @@ MISSING_RULES: dict[str, MissingRule] = {
         "GotOcr2Processor, with and without multi_page)",
     ),
     "paligemma": _PALIGEMMA,
-    "mllama": MissingRule(
-        "cross-attention isolation over packed rows is not implemented (each sample's text must attend only to its "
-        "own images' tiles through cross_attention_mask, with per-sample image rows)",
-        "the cross-attention layers would get one mask for the whole row: text may attend to another sample's image",
-    ),
     "gemma3n": MissingRule(
         "Gemma 3n's audio tower and per-layer inputs (AltUp, KV sharing across layers) are not proven under packing",
         "untested: KV-shared layers and audio features could mix samples; nothing here measures it",
