@@ -57,8 +57,12 @@ MISSING_RULES: dict[str, MissingRule] = {
     ),
     "paligemma": _PALIGEMMA,
     "gemma3n": MissingRule(
-        "Gemma 3n's audio tower and per-layer inputs (AltUp, KV sharing across layers) are not proven under packing",
-        "untested: KV-shared layers and audio features could mix samples; nothing here measures it",
+        "the composite Gemma 3n is not proven: its vision tower is timm's MobileNetV5 (the PyPI package timm, absent "
+        "from the proof environment, so the model cannot even be built there) and its audio tower (a conformer over "
+        "per-sample mel features) has no packed proof. Its text model (gemma3n_text: Gemma3nForCausalLM) is "
+        "registered and proven",
+        "untested: audio features and the timm tower's images could be placed or normalised across samples; nothing "
+        "here measures it",
     ),
     "qwen2_5_omni": _OMNI,
     "qwen2_5_omni_thinker": _OMNI,

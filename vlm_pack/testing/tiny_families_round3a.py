@@ -17,7 +17,7 @@ from transformers import PreTrainedModel, ProcessorMixin
 
 from .tiny_families import _tokenizer
 
-__all__ = ["ROUND3A_FAMILIES", "round3a_processor", "round3a_vlm"]
+__all__ = ["ROUND3A_FAMILIES", "round3a_processor", "round3a_vlm", "tiny_gemma3n_text"]
 
 _HIDDEN = 64
 
@@ -215,6 +215,30 @@ def _mllama_model(processor, initializer_range: float, layers: int, attn: str) -
             if "gate" in name.rsplit(".", 1)[-1] and not parameter.any():
                 parameter.uniform_(-1.0, 1.0)
     return model
+
+
+# ---------------------------------------------------------------- Gemma 3n text (Gemma3nForCausalLM)
+
+
+def tiny_gemma3n_text(seed: int = 0, attn_implementation: str = "sdpa", initializer_range: float = 0.2,
+                      vocab_size: int = 4200) -> PreTrainedModel:
+    """A tiny random fp32 ``Gemma3nForCausalLM`` in eval mode: 4 layers (sliding window 4, full, sliding, full), the
+    last 2 sharing KV with earlier ones, per-layer inputs, AltUp (2 inputs), LAuReL and 95% activation sparsity on
+    layer 0 (the Gaussian top-k path)."""
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+    config = Gemma3nTextConfig(
+        vocab_size=vocab_size, vocab_size_per_layer_input=vocab_size, hidden_size=_HIDDEN,
+        intermediate_size=2 * _HIDDEN, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=_HIDDEN // 4, sliding_window=4, hidden_size_per_layer_input=8, num_kv_shared_layers=2, laurel_rank=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        altup_num_inputs=2, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0], initializer_range=initializer_range,
+        pad_token_id=0,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Gemma3nForCausalLM._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    return model.eval()
 
 
 @dataclass(frozen=True)
