@@ -45,7 +45,7 @@ def setup_for(family: str) -> Setup:
     return _SETUPS[family]
 
 
-FAMILIES = ["llama4", "granite4_vision", "granite_docling", "mllama"]
+FAMILIES = ["llama4", "granite4_vision", "granite_docling", "mllama", "phi4_multimodal"]
 # Families whose packed image layout only enable_packing's hook turns into model inputs (the stock model cannot take
 # a packed batch without boundaries): their position rule is checked by their own corruption tests.
 PACKED_LAYOUT_FAMILIES = ("mllama",)
@@ -285,3 +285,33 @@ def test_composite_gemma3n_is_refused_by_name():
 
     with pytest.raises(UnsupportedModelError, match="timm's MobileNetV5"):
         get_family(SimpleNamespace(model_type="gemma3n"))
+
+
+# ------------------------------------------------------------------ Phi-4-multimodal
+
+
+def _short_chat() -> dict:
+    return {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes."}]}
+
+
+def test_phi4_multimodal_longrope_long_factors_exact_and_mixed_rows_refused():
+    """With original_max_position_embeddings=64, image samples (~290 tokens) use longrope's long factors alone: packed
+    together they are exact. A row mixing them with a short sample (short factors alone) is refused, naming the bound;
+    audio inputs in a packed row are refused by name."""
+    processor = round3a_processor("phi4_multimodal")
+    stock = round3a_vlm("phi4_multimodal", processor, original_max_position_embeddings=64)
+    packed = enable_packing(round3a_vlm("phi4_multimodal", processor, original_max_position_embeddings=64))
+    collator = VLMPackingCollator(processor, max_length=2048, model_config=packed.config)
+    setup = Setup("phi4_multimodal", processor, stock, packed, collator)
+    examples = [swap_examples()[0], swap_examples()[2]]
+    refs = references(setup, examples)
+    batch = collator(examples)
+    with torch.no_grad():
+        assert_exact(errors(batch, packed_logits(packed, batch), refs))
+        short = round3a_vlm("phi4_multimodal", processor)  # original 4096: the short factors differ
+        assert refs[3].logits.is_far(logit_error(batch, packed_logits(short, batch), refs))
+        mixed = collator([examples[0], _short_chat()])
+        with pytest.raises(ValueError, match="original_max_position_embeddings=64"):
+            packed_logits(packed, mixed)
+        with pytest.raises(ValueError, match="audio packing is not proven"):
+            packed_logits(packed, batch, audio_input_features=torch.zeros(1, 8, 80))

@@ -83,9 +83,4 @@ MISSING_RULES: dict[str, MissingRule] = {
         "images of a micro-batch have different tile counts; the timm Perception Encoder tower was not built here "
         "(the PyPI package timm is missing)",
     ),
-    "phi4_multimodal": MissingRule(
-        "audio inputs are not packed and Phi-4-multimodal's image embedding (per-sample crops with its own "
-        "attention mask) is not proven",
-        "untested: audio and image features are placed per row, not per sample",
-    ),
 }
