@@ -278,6 +278,24 @@ def test_gemma3n_text_packed_equals_each_sample_alone(monkeypatch):
         assert logit_floor.is_far(max(max_abs(row, ref) for row, ref in zip(no_window, refs)))
 
 
+def test_gemma3n_text_collator_batch_trains_with_its_own_loss():
+    """Chats through the collator (a text tokenizer, ChatML: no official Gemma 3n template is installed; the small
+    Qwen vocabulary) into model(**batch), metadata entry included: the model's own loss is the exact per-sample token
+    mean of the packed row."""
+    from vlm_pack.core.loss import packed_cross_entropy
+    from vlm_pack.testing.data import text_chat_examples
+    from vlm_pack.testing.tiny_families_round3a import tiny_gemma3n_text
+    from vlm_pack.testing.tiny_models import qwen_tokenizer
+
+    tokenizer = qwen_tokenizer()
+    model = enable_packing(tiny_gemma3n_text(vocab_size=len(tokenizer)))
+    batch = VLMPackingCollator(tokenizer, max_length=512, model_config=model.config)(text_chat_examples(4, seed=3))
+    with torch.no_grad():
+        out = model(**batch)
+    expected = packed_cross_entropy(out.logits, batch["labels"], batch["cu_seq_lens_q"])
+    torch.testing.assert_close(out.loss, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_composite_gemma3n_is_refused_by_name():
     """The composite Gemma 3n (timm vision tower, audio tower) is refused, naming why (a stand-in config: only its
     model_type matters to the registry, and the real one needs timm to build)."""
