@@ -15,6 +15,6 @@ tower (a conformer over per-sample mel features) has no packed proof; see ``vlm_
 from . import FamilySpec, register_family
 
 GEMMA3N_TEXT = register_family(FamilySpec(
-    name="gemma3n", model_types=("gemma3n_text",), proof="tests/test_families_round3a.py",
+    name="gemma3n_text", model_types=("gemma3n_text",), proof="tests/test_families_round3a.py",
     layer_kinds=frozenset({"full_attention", "sliding_attention"}),
 ))
