@@ -1,4 +1,5 @@
-"""Round-3 families (issue 39, part A) exact under packing: Llama 4 (chunked local attention), ...
+"""Round-3 families (issue 39, part A) exact under packing: Llama 4 (chunked local attention), Mllama (per-sample
+cross-attention), Granite 4 Vision, Granite Docling, Phi-4-multimodal (longrope), Gemma 3n's text model.
 
 Same proof as tests/test_vlm_families.py: a packed micro-batch through ``enable_packing`` + ``VLMPackingCollator``
 equals each sample run ALONE through the stock model (``attn_implementation="sdpa"``, fp32 CPU): logits and
@@ -10,16 +11,16 @@ processor's lengths. Tiny models and offline processors: ``vlm_pack.testing.tiny
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 
 import pytest
 import torch
 
+from vlm_pack.attention.cross import CROSS_KEYS_KWARG as CROSS_KEYS
 from vlm_pack.budget import measure_lengths
 from vlm_pack.data.collator import VLMPackingCollator
 from vlm_pack.integrations import hf_model
 from vlm_pack.integrations.hf_model import enable_packing
-from vlm_pack.attention.cross import CROSS_KEYS_KWARG as CROSS_KEYS
 from vlm_pack.models import UnsupportedModelError, get_family
 from vlm_pack.testing.tiny_families_round3a import round3a_processor, round3a_vlm
 
@@ -219,7 +220,7 @@ def test_mllama_refuses_context_parallelism():
 # ------------------------------------------------------------------ Gemma 3n (text model)
 
 
-def _gemma3n_rows(model, samples, **overrides):
+def _text_rows(model, samples, **overrides):
     """Packed logits of ``samples`` (one row, boundaries passed) split per sample."""
     from vlm_pack import pack_batch_sequences
 
@@ -254,10 +255,11 @@ def test_gemma3n_text_packed_equals_each_sample_alone(monkeypatch):
         with torch.no_grad():
             logits64 = stock64(input_ids=sample[None], use_cache=False).logits[0]
         logit_floor.observe(logits.detach(), logits64)
-        loss_floor.observe(F.cross_entropy(logits[:-1], sample[1:]).detach(), F.cross_entropy(logits64[:-1], sample[1:]))
+        loss_floor.observe(F.cross_entropy(logits[:-1], sample[1:]).detach(),
+                           F.cross_entropy(logits64[:-1], sample[1:]))
         refs.append(logits.detach())
         losses.append(F.cross_entropy(logits[:-1], sample[1:]))
-    rows = _gemma3n_rows(packed_model, samples)
+    rows = _text_rows(packed_model, samples)
     packed_losses = [F.cross_entropy(row[:-1], sample[1:]) for row, sample in zip(rows, samples)]
     logit_floor.check(max(max_abs(row, ref) for row, ref in zip(rows, refs)))
     loss_floor.check(max(max_abs(a, b) for a, b in zip(packed_losses, losses)))
@@ -270,11 +272,11 @@ def test_gemma3n_text_packed_equals_each_sample_alone(monkeypatch):
     with torch.no_grad():
         total = sum(len(s) for s in samples) + sum(len(s) % 2 for s in samples)
         whole_row = torch.arange(total)[None]  # no boundaries and positions that never restart
-        crossing = _gemma3n_rows(packed_model, samples, **dict.fromkeys(BOUNDARY_KWARGS), position_ids=whole_row)
+        crossing = _text_rows(packed_model, samples, **dict.fromkeys(BOUNDARY_KWARGS), position_ids=whole_row)
         assert logit_floor.is_far(max(max_abs(row, ref) for row, ref in zip(crossing[1:], refs[1:])))
         plain = hf_model.varlen_attention
         monkeypatch.setattr(hf_model, "varlen_attention", lambda *a, **k: plain(*a, **{**k, "window": None}))
-        no_window = _gemma3n_rows(packed_model, samples)
+        no_window = _text_rows(packed_model, samples)
         assert logit_floor.is_far(max(max_abs(row, ref) for row, ref in zip(no_window, refs)))
 
 
@@ -333,3 +335,37 @@ def test_phi4_multimodal_longrope_long_factors_exact_and_mixed_rows_refused():
             packed_logits(packed, mixed)
         with pytest.raises(ValueError, match="audio packing is not proven"):
             packed_logits(packed, batch, audio_input_features=torch.zeros(1, 8, 80))
+
+
+def test_shieldgemma2_is_refused_naming_its_gemma3_model():
+    from types import SimpleNamespace
+
+    with pytest.raises(UnsupportedModelError, match=r"reads logits\[:, -1\]"):
+        get_family(SimpleNamespace(model_type="shieldgemma2"))
+
+
+@torch.no_grad()
+def test_llama4_text_model_packed_equals_each_sample_alone(monkeypatch):
+    """Llama4ForCausalLM (llama4_text: chunked RoPE layer, NoPE MoE layer) on token samples longer than a chunk:
+    packed logits equal each sample alone; dropping the chunk rule is caught."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    from tolerance import NoiseFloor, fp64_copy, max_abs
+    from vlm_pack.testing.tiny_families_round3a import llama4_text_config
+
+    config = Llama4TextConfig(**llama4_text_config(4200))
+    torch.manual_seed(0)
+    stock = Llama4ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    packed_model = enable_packing(copy.deepcopy(stock))
+    stock64, floor = fp64_copy(stock), NoiseFloor("logits")
+    generator = torch.Generator().manual_seed(2)
+    samples = [torch.randint(0, 4000, (n,), generator=generator) for n in (19, 30, 5, 12)]
+    refs = []
+    for sample in samples:
+        refs.append(stock(input_ids=sample[None], use_cache=False).logits[0])
+        floor.observe(refs[-1], stock64(input_ids=sample[None], use_cache=False).logits[0])
+    rows = _text_rows(packed_model, samples)
+    floor.check(max(max_abs(row, ref) for row, ref in zip(rows, refs)))
+    monkeypatch.setattr(hf_model, "_attention_chunk", lambda module: None)
+    unchunked = _text_rows(packed_model, samples)
+    assert floor.is_far(max(max_abs(row, ref) for row, ref in zip(unchunked, refs)))

@@ -297,6 +297,7 @@ def _load_builtin() -> None:
         return
     _loaded = True
     from . import (  # noqa: F401
-        aya_vision, deepseek_vl, gemma3, gemma3n, gemma4, glm4v, glm4v_moe, glm46v, glm_ocr, granite4_vision, granite_docling, idefics2, idefics3, internvl,
-        lighton_ocr, llama, llama4, llava, llava_onevision, mistral, mllama, phi4_multimodal, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
+        aya_vision, deepseek_vl, gemma3, gemma3n, gemma4, glm4v, glm4v_moe, glm46v, glm_ocr, granite4_vision,
+        granite_docling, idefics2, idefics3, internvl, lighton_ocr, llama, llama4, llava, llava_onevision, mistral,
+        mllama, phi4_multimodal, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
     )

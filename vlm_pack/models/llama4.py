@@ -1,4 +1,5 @@
-"""Llama 4: causal text with chunked local-attention layers, NoPE layers, top-k MoE; image tiles as ``<|patch|>`` tokens.
+"""Llama 4: causal text with chunked local-attention layers, NoPE layers and top-k MoE; image tiles as ``<|patch|>``
+tokens.
 
 Rules (proven in tests/test_families_round3a.py against each sample alone through the stock sdpa model):
 
@@ -79,7 +80,8 @@ def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str,
     images = processor.image_processor
     tile = images.size  # a SizeDict
     resolutions = torch.tensor(find_supported_resolutions(max_num_chunks=images.max_patches, patch_size=tile))
-    per_tile = (tile.height // processor.patch_size) * (tile.width // processor.patch_size) // processor.downsample_ratio
+    patches = (tile.height // processor.patch_size) * (tile.width // processor.patch_size)
+    per_tile = patches // processor.downsample_ratio
     out = []
     for height, width in sizes:
         target = get_best_fit((height, width), resolutions, resize_to_max_canvas=images.resize_to_max_canvas)

@@ -56,6 +56,13 @@ MISSING_RULES: dict[str, MissingRule] = {
         "GotOcr2Processor, with and without multi_page)",
     ),
     "paligemma": _PALIGEMMA,
+    "shieldgemma2": MissingRule(
+        "ShieldGemma2ForImageClassification is a classifier, not a causal LM to fine-tune on chats: it returns the "
+        "Yes / No logits of each row's LAST token, so a packed row holds one classification, its last sample's. Its "
+        "language model is Gemma 3 (model.model, a Gemma3ForConditionalGeneration), which is registered and proven: "
+        "pack and fine-tune that",
+        "every sample of a packed row but the last would get no Yes / No output (the classifier reads logits[:, -1])",
+    ),
     "gemma3n": MissingRule(
         "the composite Gemma 3n is not proven: its vision tower is timm's MobileNetV5 (the PyPI package timm, absent "
         "from the proof environment, so the model cannot even be built there) and its audio tower (a conformer over "

@@ -41,7 +41,8 @@ def packed_image_inputs(kwargs: dict, image_token_id: int) -> dict:
     if ids is None or ids.shape[0] != 1:
         raise ValueError("a packed Mllama row needs input_ids of shape [1, T] (its image tokens place the images)")
     bounds = cu.reshape(-1).tolist()
-    pixels, ratio_ids, ratio_mask = kwargs.get("pixel_values"), kwargs.get("aspect_ratio_ids"), kwargs.get("aspect_ratio_mask")
+    pixels, ratio_ids = kwargs.get("pixel_values"), kwargs.get("aspect_ratio_ids")
+    ratio_mask = kwargs.get("aspect_ratio_mask")
     row = ids[0].tolist()
     spans = [get_cross_attention_token_mask(row[s:e], image_token_id) for s, e in zip(bounds[:-1], bounds[1:])]
     counts = [len(sample) for sample in spans]

@@ -33,7 +33,8 @@ def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str,
 
     out = []
     for height, width in sizes:
-        count = int(processor.image_processor(Image.new("RGB", (width, height)), return_tensors="pt")["num_img_tokens"][0])
+        blank = Image.new("RGB", (width, height))
+        count = int(processor.image_processor(blank, return_tensors="pt")["num_img_tokens"][0])
         out.append((processor.image_token * count, count))
     return out
 
