@@ -298,13 +298,19 @@ def test_gemma3n_text_collator_batch_trains_with_its_own_loss():
     torch.testing.assert_close(out.loss, expected, rtol=1e-6, atol=1e-6)
 
 
-def test_composite_gemma3n_is_refused_by_name():
-    """The composite Gemma 3n (timm vision tower, audio tower) is refused, naming why (a stand-in config: only its
-    model_type matters to the registry, and the real one needs timm to build)."""
-    from types import SimpleNamespace
+@pytest.mark.parametrize(("config_class", "rule", "wrong"), [
+    ("Gemma3nConfig", "the composite Gemma 3n is not proven: its vision tower is timm's MobileNetV5",
+     "audio features and the timm tower's images could be"),
+    ("ShieldGemma2Config", "ShieldGemma2ForImageClassification is a classifier", r"reads logits\[:, -1\]"),
+])
+def test_unproven_round3a_models_are_refused_naming_the_rule(config_class, rule, wrong):
+    """The composite Gemma 3n (timm vision tower, audio) and ShieldGemma 2 (a last-token classifier) are refused,
+    naming why and what allow_unproven=True would get wrong."""
+    import transformers
 
-    with pytest.raises(UnsupportedModelError, match="timm's MobileNetV5"):
-        get_family(SimpleNamespace(model_type="gemma3n"))
+    config = getattr(transformers, config_class)()
+    with pytest.raises(UnsupportedModelError, match=rf"model_type '{config.model_type}': {rule}.*{wrong}"):
+        get_family(config)
 
 
 # ------------------------------------------------------------------ Phi-4-multimodal
@@ -335,13 +341,6 @@ def test_phi4_multimodal_longrope_long_factors_exact_and_mixed_rows_refused():
             packed_logits(packed, mixed)
         with pytest.raises(ValueError, match="audio packing is not proven"):
             packed_logits(packed, batch, audio_input_features=torch.zeros(1, 8, 80))
-
-
-def test_shieldgemma2_is_refused_naming_its_gemma3_model():
-    from types import SimpleNamespace
-
-    with pytest.raises(UnsupportedModelError, match=r"reads logits\[:, -1\]"):
-        get_family(SimpleNamespace(model_type="shieldgemma2"))
 
 
 @torch.no_grad()
