@@ -3,7 +3,8 @@
 ``varlen`` routes one THD call to flash-attn, TransformerEngine, torch's varlen kernel, FlexAttention or the
 exact per-segment SDPA path (chosen by device, dtype and what is installed); ``linear`` restarts the Gated
 DeltaNet convolution window and recurrent state at each boundary (Qwen3.5, Qwen3-Next); ``shared_prefix`` lets
-several completions attend to one shared prompt (preference and RL paths).
+several completions attend to one shared prompt (preference and RL paths); ``cross`` keeps each sample's text
+attending to its own media keys in cross-attention layers (Mllama).
 
 Imports: ``vlm_pack.core`` only (and optional kernels detected at run time). Model families (``vlm_pack.models``)
 and everything above choose among these rules; nothing here knows a model family.

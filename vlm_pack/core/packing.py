@@ -28,7 +28,10 @@ from itertools import accumulate, chain
 import numpy as np
 import torch
 
-__all__ = ["IGNORE_INDEX", "PackedBatch", "pack_batch_sequences", "pack_sequences", "pad_multiple", "segment_ids"]
+__all__ = [
+    "IGNORE_INDEX", "PackedBatch", "chunk_boundaries", "pack_batch_sequences", "pack_sequences", "pad_multiple",
+    "segment_ids",
+]
 
 IGNORE_INDEX = -100
 
@@ -62,6 +65,22 @@ def segment_ids(cu_seqlens: torch.Tensor, slots: int | torch.Tensor) -> torch.Te
         return torch.searchsorted(bounds.to(slots.device, torch.long).contiguous(), slots.long(), right=True)
     positions = torch.arange(slots, device=bounds.device, dtype=bounds.dtype)
     return torch.searchsorted(bounds.contiguous(), positions, right=True)
+
+
+def chunk_boundaries(cu_seqlens: torch.Tensor, chunk: int) -> tuple[torch.Tensor, int]:
+    """``cu_seqlens`` with every segment cut into pieces of ``chunk`` slots counted from its own start, and the
+    longest piece: chunked local attention (Llama 4's "chunked_attention" layers) of a packed row is causal
+    attention over these pieces, exactly as each sample alone is cut at multiples of ``chunk`` from position 0.
+    One host read of the boundaries. Example: ``[0, 5, 7]``, chunk 2 -> ``[0, 2, 4, 5, 7]``."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    bounds = cu_seqlens.reshape(-1).tolist()
+    cuts = [bounds[0]]
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        cuts.extend(range(start + chunk, end, chunk))
+        cuts.append(end)
+    out = torch.tensor(cuts, dtype=torch.int32, device=cu_seqlens.device)
+    return out, int(max((b - a for a, b in zip(cuts[:-1], cuts[1:])), default=0))
 
 
 @dataclass

@@ -370,6 +370,7 @@ def encode_conversations(
     unlabelled_spans: Sequence[tuple[int, int]] = (),
     mask_before_expansion: bool = False,
     tools: Sequence[Any] | None = None,
+    row_token_id: int | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Render and tokenise normalised conversations in ONE processor call; returns one dict per sample.
 
@@ -386,6 +387,7 @@ def encode_conversations(
     ``FamilySpec.mask_before_expansion`` (the processor's assistant mask is that of the unexpanded text): the mask
     is then carried from the template's own tokens (each placeholder one token) onto the expanded ones
     (:func:`carry_assistant_mask`). ``tools``: each conversation's chat-level tools (:func:`example_tools`).
+    ``row_token_id``: the token ``"image_token"`` rows are proportional to (default: the processor's placeholder).
     """
     text_only = not hasattr(processor, "image_processor")  # text templates expect string content
     rendered = [template_messages(conversation, text_only) for conversation in conversations]
@@ -409,7 +411,8 @@ def encode_conversations(
     vision = {key: torch.as_tensor(value) if key in _PER_VIDEO_LISTS else value
               for key, value in out.items() if isinstance(value, torch.Tensor) or key in _PER_VIDEO_LISTS}
     vision_rows = vision_rows or {}
-    image_tokens = _image_token_counts(processor, out["input_ids"]) if "image_token" in vision_rows.values() else None
+    image_tokens = (_image_token_counts(processor, out["input_ids"], row_token_id)
+                    if "image_token" in vision_rows.values() else None)
     for key, chunks in _split_vision(vision, images, videos, vision_rows, image_tokens).items():
         for sample, chunk in zip(samples, chunks):
             if chunk is not None:
@@ -526,9 +529,9 @@ def _apply_template(
     return render_with_assistant_masks(processor, conversations, chat_template, tools, **tensors)
 
 
-def _image_token_counts(processor: Any, input_ids: Sequence[Sequence[int]]) -> list[int]:
-    """Image placeholder tokens per sample (``processor.image_token_id``)."""
-    image_token = getattr(processor, "image_token_id", None)
+def _image_token_counts(processor: Any, input_ids: Sequence[Sequence[int]], token_id: int | None = None) -> list[int]:
+    """Image tokens per sample: ``token_id``, else the processor's placeholder (``processor.image_token_id``)."""
+    image_token = token_id if token_id is not None else getattr(processor, "image_token_id", None)
     if not isinstance(image_token, int):
         raise ValueError("the processor has no integer image_token_id, needed to split vision rows per image token")
     return [int(np.count_nonzero(np.asarray(ids) == image_token)) for ids in input_ids]

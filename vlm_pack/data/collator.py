@@ -162,6 +162,8 @@ class VLMPackingCollator:
                     f"processor.image_processor.merge_size={merge} but model_config.vision_config."
                     f"spatial_merge_size={self.rope_index.spatial_merge_size}: processor and model do not match"
                 )
+        row_token = None if self.family is None else self.family.row_token
+        self.row_token_id = None if row_token is None else _token_id(processor, row_token)
         self.last_stats: CollatorStats | None = None
 
     @classmethod
@@ -233,7 +235,8 @@ class VLMPackingCollator:
         encoded = encode_conversations(self.processor, conversations, self.chat, vision_rows,
                                        self.unlabelled_ids, self.unlabelled_spans,
                                        self.family is not None and self.family.mask_before_expansion,
-                                       [example_tools(example, index) for index, example in enumerate(examples)])
+                                       [example_tools(example, index) for index, example in enumerate(examples)],
+                                       self.row_token_id)
         if self.family is not None and self.rope_index is not None:
             for index, features in enumerate(encoded):
                 _check_video_runs(features, self.processor, self.family, self.rope_index.spatial_merge_size, index)
@@ -444,6 +447,16 @@ def _media_span_ids(processor: Any, family: FamilySpec | None) -> tuple[tuple[in
     vocab = getattr(processor, "tokenizer", processor).get_vocab()
     pairs = ((vocab.get(open_), vocab.get(close)) for open_, close in family.media_spans)
     return tuple((o, c) for o, c in pairs if o is not None and c is not None)
+
+
+def _token_id(processor: Any, token: str) -> int:
+    """The id of ``token`` in the processor's vocabulary (the family's ``row_token``), or a clear error."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
+        raise ValueError(f"the family's row token {token!r} is not in the processor's vocabulary: processor and model "
+                         "family do not match")
+    return token_id
 
 
 def _pad_id(tokenizer: Any) -> int:

@@ -33,7 +33,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..attention.cross import CROSS_ATTENTION_FLAG, CROSS_KEYS_KWARG, segment_cross_attention
 from ..attention.varlen import dense_attention, varlen_attention
+from ..core.packing import chunk_boundaries
 from ..models import ImageBlockRule, get_family
 from ..attention.shared_prefix import SHARED_PREFIX_KWARG, gather_shared_keys
 from .router_loss import install_router_loss_mask
@@ -63,6 +65,8 @@ logger = logging.getLogger(__name__)
 _warned_position_ids = False
 # Boundaries inferred from the last position_ids tensor seen: every layer of one forward shares that tensor.
 _position_cache: tuple[weakref.ref, int, tuple[torch.Tensor, int] | None] | None = None
+# Chunk boundaries of the last (cu_seqlens tensor, chunk size) seen: every chunked layer of one forward shares them.
+_chunk_cache: tuple[weakref.ref, int, int, tuple[torch.Tensor, int]] | None = None
 
 
 @dataclass(eq=False)
@@ -211,6 +215,28 @@ def _boundaries_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Ten
     return result
 
 
+def _attention_chunk(module: torch.nn.Module) -> int | None:
+    """The chunk size of a chunked local-attention layer (transformers' ``"chunked_attention"`` layer kind, Llama 4:
+    causal inside pieces of ``config.attention_chunk_size`` tokens counted from the sequence start), else None."""
+    config = getattr(module, "config", None)
+    layer_types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if layer_types is None or index is None or layer_types[index] != "chunked_attention":
+        return None
+    return int(config.attention_chunk_size)
+
+
+def _chunked(cu: torch.Tensor, chunk: int) -> tuple[torch.Tensor, int]:
+    """``chunk_boundaries(cu, chunk)``, computed once per forward (one host read) and shared by its chunked layers."""
+    global _chunk_cache
+    if _chunk_cache is not None:
+        ref, version, size, result = _chunk_cache
+        if ref() is cu and version == cu._version and size == chunk:
+            return result
+    result = chunk_boundaries(cu, chunk)
+    _chunk_cache = (weakref.ref(cu), cu._version, chunk, result)
+    return result
+
+
 def packing_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -231,6 +257,12 @@ def packing_attention_forward(
         )
     if softcap is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError(f"{ATTN_IMPLEMENTATION} supports neither logit softcapping nor attention sinks")
+    if getattr(module, CROSS_ATTENTION_FLAG, False) and kwargs.get("cu_seq_lens_q") is not None:
+        keys = kwargs.get(CROSS_KEYS_KWARG)
+        if keys is None:
+            raise ValueError(f"{type(module).__name__} got a packed row without its samples' media segments "
+                             f"({CROSS_KEYS_KWARG}): call enable_packing on the full model")
+        return segment_cross_attention(query, key, value, attention_mask, kwargs["cu_seq_lens_q"], keys, scaling), None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window = None if sliding_window is None else (sliding_window - 1, sliding_window - 1)
     batch, heads, q_len, _ = query.shape
@@ -245,6 +277,23 @@ def packing_attention_forward(
         inferred = _boundaries_from_position_ids(kwargs["position_ids"])
         if inferred is not None:
             cu_q, max_q = inferred
+    chunk = _attention_chunk(module)
+    if chunk is not None and attention_mask is None:
+        # Chunked local attention is causal attention over the pieces of each sequence cut every `chunk` tokens
+        # from its start; an unpacked batch (no padding mask) is B sequences of q_len. With a padding mask,
+        # transformers' own chunked mask (built by packing_mask) is used below.
+        if key.shape[2] != q_len or not causal:
+            raise NotImplementedError(
+                f"{ATTN_IMPLEMENTATION}: chunked attention needs causal self-attention with as many keys as queries "
+                f"(got {q_len} queries, {key.shape[2]} keys; a KV cache is not supported): generate with "
+                "attn_implementation='sdpa'"
+            )
+        if blocks is not None or kwargs.get(SHARED_PREFIX_KWARG) is not None:
+            raise ValueError("chunked attention cannot be combined with image blocks or shared prompts")
+        if cu_q is None:
+            cu_q = torch.arange(batch + 1, device=query.device, dtype=torch.int32) * q_len
+        cu_q, max_q = _chunked(cu_q, chunk)
+        cu_k, max_k = cu_q, max_q
     if cu_q is not None:
         if attention_mask is not None:
             raise ValueError(

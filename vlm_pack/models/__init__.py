@@ -132,6 +132,9 @@ class FamilySpec:
     ``"video"`` one run per video (Qwen2-VL), ``"frame"`` one run per temporal patch, each after its timestamp text
     (Qwen3-VL, whose ``get_rope_index`` splits ``video_grid_thw`` per frame). The collator checks every video
     sample against it (a processor of another family would misplace the frames' positions).
+    ``row_token``: for ``"image_token"`` rows, the token the rows are proportional to where it is not the processor's
+    image placeholder (Llama 4: one ``pixel_values`` row per tile of ``<|patch|>`` tokens, while its placeholder
+    ``<|image|>`` is written once per image).
     """
 
     name: str
@@ -157,6 +160,7 @@ class FamilySpec:
     expand_text: Callable[[Any, list[str]], list[list[int]]] | None = None
     router_loss_mask: bool = False
     video_runs: Literal["video", "frame"] = "video"
+    row_token: str | None = None
 
     def __post_init__(self) -> None:
         if (self.positions == "mrope") != (self.rope_index_model is not None):
@@ -293,6 +297,7 @@ def _load_builtin() -> None:
         return
     _loaded = True
     from . import (  # noqa: F401
-        aya_vision, deepseek_vl, gemma3, gemma4, glm4v, glm4v_moe, glm46v, glm_ocr, idefics2, idefics3, internvl,
-        lighton_ocr, llama, llava, llava_onevision, mistral, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
+        aya_vision, deepseek_vl, gemma3, gemma3n, gemma4, glm4v, glm4v_moe, glm46v, glm_ocr, granite4_vision,
+        granite_docling, idefics2, idefics3, internvl, lighton_ocr, llama, llama4, llava, llava_onevision, mistral,
+        mllama, phi4_multimodal, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
     )

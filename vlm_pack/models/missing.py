@@ -56,19 +56,20 @@ MISSING_RULES: dict[str, MissingRule] = {
         "GotOcr2Processor, with and without multi_page)",
     ),
     "paligemma": _PALIGEMMA,
-    "llama4": MissingRule(
-        "chunked attention over packed rows is not implemented (chunked layers split each sample at every "
-        "attention_chunk_size tokens counted from the sample's start); its NoPE layers and MoE router are not proven",
-        "chunked layers would attend across chunk borders (max |dlogit| 7.48 measured on a tiny Llama 4)",
-    ),
-    "mllama": MissingRule(
-        "cross-attention isolation over packed rows is not implemented (each sample's text must attend only to its "
-        "own images' tiles through cross_attention_mask, with per-sample image rows)",
-        "the cross-attention layers would get one mask for the whole row: text may attend to another sample's image",
+    "shieldgemma2": MissingRule(
+        "ShieldGemma2ForImageClassification is a classifier, not a causal LM to fine-tune on chats: it returns the "
+        "Yes / No logits of each row's LAST token, so a packed row holds one classification, its last sample's. Its "
+        "language model is Gemma 3 (model.model, a Gemma3ForConditionalGeneration), which is registered and proven: "
+        "pack and fine-tune that",
+        "every sample of a packed row but the last would get no Yes / No output (the classifier reads logits[:, -1])",
     ),
     "gemma3n": MissingRule(
-        "Gemma 3n's audio tower and per-layer inputs (AltUp, KV sharing across layers) are not proven under packing",
-        "untested: KV-shared layers and audio features could mix samples; nothing here measures it",
+        "the composite Gemma 3n is not proven: its vision tower is timm's MobileNetV5 (the PyPI package timm, absent "
+        "from the proof environment, so the model cannot even be built there) and its audio tower (a conformer over "
+        "per-sample mel features) has no packed proof. Its text model (gemma3n_text: Gemma3nForCausalLM) is "
+        "registered and proven",
+        "untested: audio features and the timm tower's images could be placed or normalised across samples; nothing "
+        "here measures it",
     ),
     "qwen2_5_omni": _OMNI,
     "qwen2_5_omni_thinker": _OMNI,
@@ -88,10 +89,5 @@ MISSING_RULES: dict[str, MissingRule] = {
         "collation fails (measured: the processor's 'stack expects each tensor to be equal size') as soon as two "
         "images of a micro-batch have different tile counts; the timm Perception Encoder tower was not built here "
         "(the PyPI package timm is missing)",
-    ),
-    "phi4_multimodal": MissingRule(
-        "audio inputs are not packed and Phi-4-multimodal's image embedding (per-sample crops with its own "
-        "attention mask) is not proven",
-        "untested: audio and image features are placed per row, not per sample",
     ),
 }
