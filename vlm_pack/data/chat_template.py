@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import itertools
+import json
 import os
 import pathlib
 import re
@@ -119,8 +120,6 @@ def example_tools(example: Any, index: int) -> list | None:
     if tools is None:
         return None
     if isinstance(tools, str):  # datasets often store the schemas as a JSON string
-        import json
-
         try:
             tools = json.loads(tools)
         except ValueError as exc:
@@ -235,8 +234,6 @@ def render_texts(
 def _tools_key(tools: Any) -> str:
     if tools is None:
         return ""
-    import json
-
     return json.dumps(tools, sort_keys=True, default=repr)
 
 
@@ -412,8 +409,14 @@ class _NoPrompt(ValueError):
     """The template writes no generation prompt: nothing tells where an assistant turn begins."""
 
 
-def _probe_content(processor: Any, text: str) -> Any:
-    return [{"type": "text", "text": text}] if hasattr(processor, "image_processor") else text
+def _probe_content(processor: Any, text: str | None) -> Any:
+    return [{"type": "text", "text": text}] if text is not None and hasattr(processor, "image_processor") else text
+
+
+def _probe_call(word: str, json_arguments: bool) -> dict:
+    arguments = {"word": word}
+    return {"type": "function", "id": "c1", "function": {
+        "name": "lookup", "arguments": json.dumps(arguments) if json_arguments else arguments}}
 
 
 # Probe chats of the construction-time dry run: (template feature, messages, tools). Each is tried only when the
@@ -430,12 +433,32 @@ _PROBES = (
     ("reasoning (reasoning_content)", [("user", "Hi"), ("assistant", "Hello.", {"reasoning_content": "Greet.\n"}),
                                        ("user", "More"), ("assistant", "\nYes.", {"reasoning_content": "Agree."})],
      None),
+    ("reasoning (thinking)", [("user", "Hi"), ("assistant", "Hello.", {"thinking": "Greet."}), ("user", "More"),
+                              ("assistant", "Yes.", {"thinking": "Agree."})], None),
+    ("reasoning (reasoning)", [("user", "Hi"), ("assistant", "Hello.", {"reasoning": "Greet."}), ("user", "More"),
+                               ("assistant", "Yes.", {"reasoning": "Agree."})], None),
+    ("an answer that is reasoning only", [("user", "Hi"), ("assistant", "", {"reasoning_content": "Nothing to say."}),
+                                          ("user", "More"), ("assistant", "Yes.")], None),
+    ("reasoning inside the content (<think>...</think>)", [
+        ("user", "Hi"), ("assistant", "<think>\nGreet.\n</think>\n\nHello."), ("user", "More"),
+        ("assistant", "<think>\nAgree.\n</think>\n\nYes.")], None),
     ("tool calls and tool responses", [
         ("user", "Define cat."),
-        ("assistant", "", {"tool_calls": [{"type": "function", "id": "c1",
-                                           "function": {"name": "lookup", "arguments": {"word": "cat"}}}]}),
+        ("assistant", "", {"tool_calls": [_probe_call("cat", json_arguments=False)]}),
         ("tool", "A small feline.", {"tool_call_id": "c1", "name": "lookup"}),
         ("assistant", "A cat is a small feline.")], _PROBE_TOOLS),
+    ("tool calls without content (None)", [
+        ("user", "Define cat."), ("assistant", None, {"tool_calls": [_probe_call("cat", json_arguments=False)]}),
+        ("tool", "A small feline.", {"tool_call_id": "c1", "name": "lookup"}), ("assistant", "A small feline.")],
+     _PROBE_TOOLS),
+    # DeepSeek's templates concatenate the arguments as a string (a dict makes them fail): two rounds, as the
+    # second round's call is written without a header
+    ("tool calls with JSON-string arguments, in two rounds", [
+        ("user", "Define cat."), ("assistant", "", {"tool_calls": [_probe_call("cat", json_arguments=True)]}),
+        ("tool", "A small feline.", {"tool_call_id": "c1", "name": "lookup"}), ("assistant", "A small feline."),
+        ("user", "And dog?"), ("assistant", "", {"tool_calls": [_probe_call("dog", json_arguments=True)]}),
+        ("tool", "A canine.", {"tool_call_id": "c1", "name": "lookup"}), ("assistant", "A canine.")], _PROBE_TOOLS),
+    ("tools offered but not called", [("user", "Hi"), ("assistant", "Hello.")], _PROBE_TOOLS),
 )
 
 
@@ -590,9 +613,9 @@ def _prefix_spans(processor: Any, conversation: list[dict], chat: ChatTemplate, 
         shared = len(os.path.commonprefix([head, plain]))
         start = _prompt_end(plain, chat.prompt, floor, shared) if chat.prompt else -1
         if start < 0:
-            if shared != len(head):
+            start = shared if shared == len(head) else _shared_header_end(head, chat.prompt, floor, shared)
+            if start < 0:
                 raise ValueError(f"the generation prompt before assistant turn {turn} is not where the turn begins")
-            start = shared
         if plain.startswith(upto):
             end = len(upto)
         elif _ends_with_special(processor, chat.terminator):
@@ -610,6 +633,20 @@ def _prefix_spans(processor: Any, conversation: list[dict], chat: ChatTemplate, 
         spans.append((start, end))
         floor = end
     return spans
+
+
+def _shared_header_end(head: str, prompt: str, floor: int, shared: int) -> int:
+    """End of the turn header where the turn writes only the start of the generation prompt; -1 if it does not.
+
+    DeepSeek's prompt is ``<｜Assistant｜><think>\n``, but an answer whose reasoning the template drops (content
+    ``<think>...</think>answer``) or a tool call is written after ``<｜Assistant｜>`` alone. ``head`` (the chat so
+    far plus the prompt) and the whole rendering part ``shared`` characters in: the header is then the prompt's
+    longest part that the turn repeats and that ends a tag (``>``) or a line, so no tag is cut in two; none of it
+    where the turn repeats no such part (DeepSeek-V3 writes a second round of tool calls without a header)."""
+    begin = len(head) - len(prompt)
+    if not prompt or not head.endswith(prompt) or not floor <= begin <= shared:
+        return -1
+    return max(end for end in range(begin, shared + 1) if end == begin or head[end - 1] in ">\n")
 
 
 def _ends_with_special(processor: Any, terminator: str) -> bool:
