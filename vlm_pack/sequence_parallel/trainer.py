@@ -12,8 +12,10 @@ number of ranks the ZeRO-3 engine averages gradients over. After the engine's re
 Refused at construction, with the reason: no Ulysses ``parallelism_config``; torch / accelerate context
 parallelism (``cp_size > 1``: ring SDPA takes no mask and accelerate forces ``is_causal``, so packed samples would
 attend to each other); an attention that ignores packed boundaries (``sdpa``); ZeRO stages other than 3
-(deepspeedai/DeepSpeed#5248: under sequence parallelism ZeRO-1/2 scale gradients differently from ZeRO-3);
-evaluation during training; a micro-batch other than one packed row; a model that :func:`.model.prepare_model`
+(deepspeedai/DeepSpeed#5248: under sequence parallelism ZeRO-1/2 scale gradients differently from ZeRO-3; a
+DeepSpeed config without ``zero_optimization`` is stage 0); on a machine without CUDA, ``use_cpu=False`` (the
+fix: ``TrainingArguments(use_cpu=True)``; otherwise accelerate counts one process and the gloo all-gather of the
+step's token count fails); evaluation during training; a micro-batch other than one packed row; a model that :func:`.model.prepare_model`
 did not prepare.
 """
 
@@ -89,6 +91,12 @@ def check_ulysses_arguments(args: Any, model: Any) -> None:
         raise ValueError(
             "evaluation under sequence parallelism is not supported (eval batches do not pass through DeepSpeed's "
             "Ulysses adapter): set eval_strategy='no' and evaluate the saved model without SP"
+        )
+    if not torch.cuda.is_available() and not getattr(args, "use_cpu", False):
+        raise ValueError(
+            "Ulysses sequence parallelism on CPU needs TrainingArguments(use_cpu=True): without it accelerate "
+            "counts 1 process while torch.distributed runs them all, and the step's token count cannot be gathered "
+            "across ranks (gloo fails inside get_batch_samples)"
         )
     if args.per_device_train_batch_size != 1:
         raise ValueError(
