@@ -116,7 +116,7 @@ def arguments(**overrides) -> SimpleNamespace:
     handler = SimpleNamespace(sp_attn_implementation=SP_ATTN_IMPLEMENTATION)
     pc = SimpleNamespace(sp_size=2, cp_size=1, sp_backend="deepspeed", sp_handler=handler)
     base = {"parallelism_config": pc, "deepspeed": {"zero_optimization": {"stage": 3}},
-            "per_device_train_batch_size": 1, "use_cpu": True}
+            "per_device_train_batch_size": 1}
     return SimpleNamespace(**{**base, **overrides})
 
 
@@ -125,13 +125,11 @@ def prepared():
     return prepare_model(tiny_model("llama", layers=1), 2)
 
 
-def test_setup_refusals(prepared, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine, wherever the suite runs
+def test_setup_refusals(prepared):
     check_ulysses_arguments(arguments(), prepared)  # the recipe passes
     cases = {
         # a DeepSpeed config without a zero_optimization section is stage 0 (DeepSpeed's default)
         "ZeRO stage 0 under sequence parallelism is refused": arguments(deepspeed={"gradient_clipping": 1.0}),
-        r"on CPU needs TrainingArguments\(use_cpu=True\)": arguments(use_cpu=False),
         "ring attention": arguments(parallelism_config=SimpleNamespace(cp_size=2, sp_size=1)),
         "parallelism_config=ParallelismConfig": arguments(parallelism_config=None),
         "ignores packed boundaries": arguments(parallelism_config=SimpleNamespace(
