@@ -111,9 +111,9 @@ def test_balanced_sampler_in_trainer_covers_every_sample_once_and_resumes(result
 def test_ulysses_sequence_parallel_equals_each_sample_alone(results, case):
     """SP = 2 (DeepSpeed Ulysses through UlyssesTrainer + ParallelismConfig, ZeRO-3): Llama on offline packs
     (prompts masked); Qwen2-VL with images on four token-budget packs (accumulation 4); rows of several examples
-    (grouped_rows, accumulation 2, two rows of different label counts): Qwen2.5-VL with videos, Qwen3-VL (2 text layers) with
-    images (deepstack sliced with the row: a rank taking the first deepstack rows instead of its own gives 3.9e-2),
-    GLM-4V with images. The weight update is that of the global token mean
+    (grouped_rows, accumulation 2, two rows of different label counts): Qwen2.5-VL with videos, Qwen3-VL (2 text
+    layers) with images (deepstack sliced with the row: a rank taking the first deepstack rows instead of its own
+    gives 3.9e-2), GLM-4V with images. The weight update is that of the global token mean
     of all samples, each run alone through the stock sdpa model."""
     got = results[case]
     assert (got["engine"], got["stage"], got["sp"]) == ("DeepSpeedEngine", 3, 2), got

@@ -198,7 +198,8 @@ def vlm_pack_outcomes(tokenizer, name: str) -> dict[tuple[str, str], str]:
     expected = {chat_name: reference(tokenizer, name, chat, tools) for chat_name, chat, tools in EDGE_CHATS}
     outcomes = {(chat_name, path): want for chat_name, want in expected.items() if isinstance(want, str)
                 for path in ("prepare", "collator")}
-    cases = [(chat_name, chat, tools) for chat_name, chat, tools in EDGE_CHATS if not isinstance(expected[chat_name], str)]
+    cases = [(chat_name, chat, tools) for chat_name, chat, tools in EDGE_CHATS
+             if not isinstance(expected[chat_name], str)]
 
     def prepare(chats):
         ids, masks = encoder.encode([_example(chat, tools) for _, chat, tools in chats], [n for n, _, _ in chats])
@@ -493,3 +494,42 @@ def test_template_kwargs_reach_every_rendering_and_unknown_ones_are_refused(real
                            template_kwargs={"enable_reasoning": False})
     with pytest.raises(ValueError, match="'tools' is set by the renderer itself; give tools per example"):
         VLMPackingCollator(real_tokenizer, max_length=64, chat_template=official, template_kwargs={"tools": []})
+
+
+TEXT_BESIDE_CALL = [{"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": "Let me check.", "tool_calls": _call({"city": "Paris"})},
+                    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "21 C"},
+                    {"role": "assistant", "content": "21 degrees."}]
+
+
+def _labelled_runs(tokenizer, batch) -> list[str]:
+    labels = batch["labels"][0]
+    keep = (labels != IGNORE).nonzero().flatten().tolist()
+    runs, run = [], [keep[0]]
+    for a, b in zip(keep, keep[1:]):
+        if b != a + 1:
+            runs.append(run)
+            run = []
+        run.append(b)
+    return [tokenizer.decode(batch["input_ids"][0, r].tolist()) for r in runs + [run]]
+
+
+def test_text_beside_tool_calls_in_gemma4_is_labelled_where_the_template_moves_it(real_tokenizer, monkeypatch):
+    """Gemma 4 writes an assistant message's text that sits beside its tool calls AFTER the tool responses, inside
+    the same turn (refused at batch time before). Tokens == apply_chat_template; labelled: the call with the
+    response opener (as for a call without text), then the moved text and the final answer with their end of turn,
+    the tool response not (written by hand from the rendering). Planted: the moved text left unlabelled."""
+    import vlm_pack.data.chat_template as ct
+    from vlm_pack.data.collator import VLMPackingCollator
+
+    collator = VLMPackingCollator(real_tokenizer, max_length=4096, chat_template=template("gemma4"))
+    example = _example(TEXT_BESIDE_CALL, TOOLS)
+    batch = collator([example])
+    assert batch["input_ids"][0].tolist() == real_tokenizer.apply_chat_template(
+        TEXT_BESIDE_CALL, tools=TOOLS, chat_template=template("gemma4"), tokenize=True, return_dict=True)["input_ids"]
+    assert _labelled_runs(real_tokenizer, batch) == [
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_response>',
+        "Let me check.<turn|>\n21 degrees.<turn|>\n"]
+    original = ct._beside_call_spans
+    monkeypatch.setattr(ct, "_beside_call_spans", lambda *a: original(*a)[:1] + original(*a)[2:])
+    assert _labelled_runs(real_tokenizer, collator([example])) != _labelled_runs(real_tokenizer, batch)

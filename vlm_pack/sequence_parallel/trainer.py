@@ -15,8 +15,8 @@ attend to each other); an attention that ignores packed boundaries (``sdpa``); Z
 (deepspeedai/DeepSpeed#5248: under sequence parallelism ZeRO-1/2 scale gradients differently from ZeRO-3; a
 DeepSpeed config without ``zero_optimization`` is stage 0); accelerate counting fewer processes than
 torch.distributed runs (on CPU without ``TrainingArguments(use_cpu=True)``: it counts one, and the gloo
-all-gather of the step's token count failed inside ``get_batch_samples``); evaluation during training; a micro-batch other than one packed row; a model that :func:`.model.prepare_model`
-did not prepare.
+all-gather of the step's token count failed inside ``get_batch_samples``); evaluation during training; a
+micro-batch other than one packed row; a model that :func:`.model.prepare_model` did not prepare.
 """
 
 from __future__ import annotations
