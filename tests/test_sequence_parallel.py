@@ -136,7 +136,7 @@ def test_setup_refusals(prepared):
             sp_size=2, cp_size=1, sp_backend="deepspeed", sp_handler=SimpleNamespace(sp_attn_implementation="sdpa"))),
         "deepspeedai/DeepSpeed#5248": arguments(deepspeed={"zero_optimization": {"stage": 2}}),
         "runs inside DeepSpeed": arguments(deepspeed=None),
-        "ONE packed row": arguments(per_device_train_batch_size=4),
+        "ONE packed row": arguments(per_device_train_batch_size=2),
         "evaluation": arguments(eval_strategy="steps"),
     }
     for message, args in cases.items():
