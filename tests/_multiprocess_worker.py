@@ -249,7 +249,8 @@ def per_rank_mean_trainer():
     return PerRankMeanTrainer
 
 
-def sp_train(out: str, model, dataset, collate, width: int, corrupt: str | None = None, accumulation: int = 2) -> dict:
+def sp_train(out: str, model, dataset, collate, width: int, corrupt: str | None = None, accumulation: int = 2,
+             **arguments) -> dict:
     """One SGD step (lr 1) of UlyssesTrainer under SP = 2 + ZeRO-3 (DP = 1): 2 rows, accumulation 2 (each rank
     loads one row; the adapter runs both rows on both ranks). Returns the weight update (ZeRO hides .grad)."""
     from deepspeed.utils import safe_get_full_fp32_param
@@ -265,8 +266,14 @@ def sp_train(out: str, model, dataset, collate, width: int, corrupt: str | None 
         collator = Unrestarted(collator)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = ref.training_args(out, per_device_train_batch_size=1, deepspeed=zero3_config(), learning_rate=1.0,
-                             parallelism_config=setup.parallelism_config, gradient_accumulation_steps=accumulation)
-    trainer = trainer_cls(model=model, args=args, train_dataset=dataset, data_collator=collator)
+                             parallelism_config=setup.parallelism_config, gradient_accumulation_steps=accumulation,
+                             **arguments)
+    try:
+        trainer = trainer_cls(model=model, args=args, train_dataset=dataset, data_collator=collator)
+    except ValueError as error:
+        if arguments.get("use_cpu", True):
+            raise
+        return {"refused": str(error)}  # Trainer's default device choice on CPU: refused when built
     try:
         trainer.train()
     except Exception as error:  # noqa: BLE001  (the corruption that must fail loudly)
@@ -297,12 +304,12 @@ class Unrestarted:
         return batch
 
 
-def sp_text_case(out: str, corrupt: str | None = None) -> dict:
+def sp_text_case(out: str, corrupt: str | None = None, **arguments) -> dict:
     """Llama on two offline packs of six samples (prompt tokens masked): reference key 'text_masked'."""
     fresh_sequence_parallel()
     packs, samples, masks = sft_packs(out, per_pack=(6, 6) if WORLD == 2 else (12 // WORLD,) * WORLD)
     model = tiny_model("llama", layers=1, vocab_size=ref.VOCAB)
-    result = sp_train(out, model, packs, packs.collate_fn, width=ref.PACK, corrupt=corrupt)
+    result = sp_train(out, model, packs, packs.collate_fn, width=ref.PACK, corrupt=corrupt, **arguments)
     update = result.pop("update", None)
     if update is None:
         return result
@@ -316,7 +323,8 @@ def sp_vlm_case(out: str, family: str = "qwen2_vl", video: bool = False, corrupt
     from vlm_pack.sequence_parallel import grouped_rows
 
     fresh_sequence_parallel()
-    build = lambda: tiny_model(family, layers=1)  # noqa: E731
+    # Qwen3-VL with 2 text layers: deepstack features are added after layer 0, so the wrong rows would reach the loss
+    build = lambda: tiny_model(family, layers=2 if family == "qwen3_vl" else 1)  # noqa: E731
     if video:
         import test_video
 
@@ -511,6 +519,7 @@ CASES = {
     "sp_glm4v": lambda out: sp_vlm_case(out, "glm4v"),
     "sp_positions_not_restarted": lambda out: sp_text_case(out, corrupt="positions"),
     "sp_loss_per_rank_mean": lambda out: sp_text_case(out, corrupt="rank_mean"),
+    "sp_cpu_without_use_cpu": lambda out: sp_text_case(out, use_cpu=False),  # Trainer's default device choice
     "sp_vision_tower_sliced": lambda out: sp_vlm_case(out, corrupt="vision_sliced"),
 }
 

@@ -27,14 +27,25 @@ def _python(code: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_help_of_every_subcommand_imports_neither_torch_nor_transformers():
-    code = ("import sys; from vlm_pack.cli.main import SUBCOMMANDS, main\n"
+    """Through ``python -m vlm_pack`` (``vlm_pack/__main__.py`` run as ``-m`` runs it), every subcommand's help."""
+    code = ("import runpy, sys; from vlm_pack.cli.main import SUBCOMMANDS\n"
             "for argv in [['--help']] + [[name, '--help'] for name in SUBCOMMANDS]:\n"
-            "    try: main(argv)\n"
+            "    sys.argv = ['vlm_pack', *argv]\n"
+            "    try: runpy.run_module('vlm_pack', run_name='__main__', alter_sys=True)\n"
             "    except SystemExit as e: assert e.code == 0, argv\n"
+            "    else: raise AssertionError(f'{argv}: no exit')\n"
             "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'numba') if m in sys.modules))")
     run = _python(code)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip().endswith("[]"), run.stdout[-300:]
+    assert "usage: vlm-pack prepare" in run.stdout and run.stdout.strip().endswith("[]"), run.stdout[-300:]
+
+
+def test_python_dash_m_vlm_pack_runs_the_cli_and_its_exit_code():
+    """``python -m vlm_pack`` is the ``vlm-pack`` command: a bad input is its one-line error and exit 2."""
+    run = subprocess.run([sys.executable, "-m", "vlm_pack", "verify", "/nonexistent/packs"], env=ENV,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, (run.returncode, run.stderr)
+    assert run.stderr.startswith("vlm-pack verify: error: ") and run.stderr.count("\n") == 1, run.stderr
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

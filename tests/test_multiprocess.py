@@ -26,7 +26,8 @@ from tolerance import GRAD_REL_L2
 DDP_CASES = ("ddp_vlm", "ddp_packed_dataset", "ddp_packed_sft", "ddp_token_budget")
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 SP_CASES = ("sp_text", "sp_token_budget", "sp_video", "sp_qwen3_vl", "sp_glm4v")
-SP_CORRUPTIONS = ("sp_positions_not_restarted", "sp_loss_per_rank_mean", "sp_vision_tower_sliced")
+SP_CORRUPTIONS = ("sp_positions_not_restarted", "sp_loss_per_rank_mean", "sp_vision_tower_sliced",
+                  "sp_cpu_without_use_cpu")
 # ZeRO cases last: once ZeRO-3 is configured, transformers builds every later model partitioned; sequence
 # parallelism (ZeRO-3, DeepSpeed's SP groups) after them.
 STREAM_CASES = ("stream_2_files", "stream_error")
@@ -111,8 +112,9 @@ def test_balanced_sampler_in_trainer_covers_every_sample_once_and_resumes(result
 def test_ulysses_sequence_parallel_equals_each_sample_alone(results, case):
     """SP = 2 (DeepSpeed Ulysses through UlyssesTrainer + ParallelismConfig, ZeRO-3): Llama on offline packs
     (prompts masked); Qwen2-VL with images on four token-budget packs (accumulation 4); rows of several examples
-    (grouped_rows, accumulation 2, two rows of different label counts): Qwen2.5-VL with videos, Qwen3-VL with
-    images (deepstack sliced with the row), GLM-4V with images. The weight update is that of the global token mean
+    (grouped_rows, accumulation 2, two rows of different label counts): Qwen2.5-VL with videos, Qwen3-VL (2 text
+    layers) with images (deepstack sliced with the row: a rank taking the first deepstack rows instead of its own
+    gives 3.9e-2), GLM-4V with images. The weight update is that of the global token mean
     of all samples, each run alone through the stock sdpa model."""
     got = results[case]
     assert (got["engine"], got["stage"], got["sp"]) == ("DeepSpeedEngine", 3, 2), got
@@ -127,6 +129,16 @@ def test_ulysses_corruptions_are_caught(results):
     assert results["sp_positions_not_restarted"]["error"] > 1e-2, results["sp_positions_not_restarted"]
     assert results["sp_loss_per_rank_mean"]["error"] > 1e-2, results["sp_loss_per_rank_mean"]
     assert "position_ids" in results["sp_vision_tower_sliced"]["failed"], results["sp_vision_tower_sliced"]
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (the test extra installs it)")
+def test_ulysses_on_cpu_with_trainer_defaults_is_refused_when_built(results):
+    """``use_cpu`` left at Trainer's default on CPU: accelerate counts 1 of the 2 processes (the gloo all-gather of
+    the token count crashed; all-reduced directly, the update was off by 0.80). Refused when UlyssesTrainer is
+    built, naming the fix."""
+    refused = results["sp_cpu_without_use_cpu"]["refused"]
+    assert "accelerate counts 1 process(es) but torch.distributed runs 2" in refused, refused
+    assert refused.endswith("on CPU pass TrainingArguments(use_cpu=True)"), refused
 
 
 def test_streaming_packs_in_trainer_once_per_epoch_equal_steps_and_resume(results):

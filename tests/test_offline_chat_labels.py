@@ -152,3 +152,19 @@ def test_record_check_allows_tool_call_turns_and_refuses_chats_without_any_answe
     with pytest.raises(ValueError, match=r"x.jsonl:4: field 'messages' must be a list of \{role, content\} strings"):
         fmt.check({"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "c"}]},
                   "x.jsonl:4")
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "thinking", "reasoning"])
+def test_an_answer_that_is_reasoning_only_is_something_to_train_on(tokenizer, field):
+    """An assistant turn whose only answer is its reasoning (empty content) passes prepare's record check and the
+    collator's, and is labelled (the Qwen3 template writes reasoning_content into a think block; the other two
+    fields it does not read, and the empty turn's end-of-turn token is still the answer)."""
+    from vlm_pack.data.collator import VLMPackingCollator
+    from vlm_pack.offline.encoding import SampleFormat
+
+    chat = {"messages": [{"role": "user", "content": "Think about it."},
+                         {"role": "assistant", field: "Nothing to add.", "content": ""}]}
+    SampleFormat(template="chat").check(chat, "x.jsonl:1")
+    batch = VLMPackingCollator(tokenizer, max_length=256)([chat])
+    labels = batch["labels"][0]
+    assert tokenizer.decode(labels[labels != -100]).endswith("<|im_end|>\n")

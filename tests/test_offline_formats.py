@@ -193,3 +193,19 @@ def test_help_says_what_the_code_does(capsys):
     assert "ChatML" not in text and "the tokenizer's own template" in text
     for word in ("parquet", "--completion-field", "--text-field", "prompt_completion"):
         assert word in text
+
+
+def test_a_multi_turn_completion_has_every_assistant_turn_labelled(tmp_path, tokenizer):
+    """Conversational prompt-completion whose completion holds two assistant turns (and a user turn between):
+    both completion answers are labelled, the prompt's assistant turn and every user turn are not."""
+    row = {"prompt": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                      {"role": "user", "content": "Again?"}],
+           "completion": [{"role": "assistant", "content": "Hello again."}, {"role": "user", "content": "Bye?"},
+                          {"role": "assistant", "content": "Bye."}]}
+    _, ours = _samples(tokenizer, _jsonl(tmp_path / "d.jsonl", [row]), tmp_path)
+    tokens, mask = map(np.asarray, ours[0])
+    assert tokens.tolist() == tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=True,
+                                                            return_dict=True)["input_ids"]
+    runs = np.split(tokens[mask.astype(bool)], np.flatnonzero(np.diff(np.flatnonzero(mask)) > 1) + 1)
+    assert [tokenizer.decode(run) for run in runs] == ["Hello again.<|im_end|>\n",
+                                                      "<think>\n\n</think>\n\nBye.<|im_end|>\n"]

@@ -163,3 +163,44 @@ def test_vision_pairs_are_truncated_like_trls_vision_collator():
         scored[torch.nonzero(which[start:end] == s).flatten() + 1] = 1  # a slot scores the token after it
         assert scored.tolist() == theirs["completion_mask"][row][real].tolist()
     assert max(b - a for a, b in zip(cu[:-1], cu[1:])) == limit
+
+
+def test_keep_end_keeps_a_pair_that_fits_whole_and_cuts_only_the_overlong_sequence():
+    """keep_end (max_length=10) on a batch with a pair that fits (prompt 4 + 3 / 2) and one that does not (prompt 6
+    + 5 / 2): the first pair's sequences are kept whole; of the second, only the chosen sequence (11 tokens) loses
+    its first prompt token, the rejected one (8) is whole."""
+    collator = PreferenceCollator(word_tokenizer(), max_length=10, truncation_mode="keep_end")
+    fits = {"prompt_ids": [1, 2, 3, 4], "chosen_ids": [5, 6, 7], "rejected_ids": [8, 9]}
+    over = {"prompt_ids": [11, 12, 13, 14, 15, 16], "chosen_ids": [5, 6, 7, 8, 9], "rejected_ids": [7, 8]}
+    batch = collator([fits, over])
+    cu = batch["vlm_pack"]["cu_seqlens"].tolist()
+    rows = [batch["input_ids"][0, a:b].tolist() for a, b in zip(cu, cu[1:])]
+    assert rows == [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 8, 9], [12, 13, 14, 15, 16, 5, 6, 7, 8, 9],
+                    [11, 12, 13, 14, 15, 16, 7, 8]]
+
+
+def test_keep_start_refuses_a_prompt_of_exactly_max_length_and_the_longer_completion_decides():
+    """keep_start: a prompt of exactly max_length tokens leaves no completion token (TRL drops it): refused, naming
+    the example. A pair is over-long by prompt + its LONGER completion, the rejected one too: with overlong='drop'
+    the collator refuses a pair whose rejected completion (not its chosen) passes max_length; with keep_end a
+    rejected completion alone filling max_length is refused."""
+    tokenizer = word_tokenizer()
+    collator = PreferenceCollator(tokenizer, max_length=8)
+    with pytest.raises(ValueError, match=r"example 0 of the micro-batch: its prompt alone has 8 tokens >= max_length"):
+        collator([{"prompt_ids": list(range(1, 9)), "chosen_ids": [1], "rejected_ids": [2]}])
+    assert collator.overlong_problem(8, 1, 1) is not None and collator.overlong_problem(7, 1, 1) is None
+    drop = PreferenceCollator(tokenizer, max_length=8, overlong="drop")
+    assert drop.overlong_problem(4, 1, 5) is not None and drop.overlong_problem(4, 5, 1) is not None
+    assert drop.overlong_problem(4, 1, 4) is None
+    with pytest.raises(ValueError, match=r"prompt \+ completion has 9 tokens > max_length=8"):
+        drop([{"prompt_ids": [1, 2, 3, 4], "chosen_ids": [5], "rejected_ids": [5, 6, 7, 8, 9]}])
+    keep_end = PreferenceCollator(tokenizer, max_length=8, truncation_mode="keep_end")
+    assert keep_end.overlong_problem(2, 1, 8) is not None and keep_end.overlong_problem(2, 1, 7) is None
+
+
+def test_dropped_count_adds_trls_own_keep_start_filter_to_ours(tmp_path):
+    """overlong='drop' with max_length=19, keep_start: TRL's own filter drops the 19-token prompt, vlm_pack the
+    three pairs of 20-24 tokens; overlong_dropped counts all four."""
+    trainer, _ = _trainer(str(tmp_path), True, examples=EXAMPLES + [EXAMPLES[0]], overlong="drop", max_length=19)
+    assert trainer.overlong_dropped == {"train": 4}
+    assert sorted(trainer.train_dataset["vlm_pack_row"]) == [0, 5]  # rows 0 and 5 (the same pair) fit

@@ -322,6 +322,27 @@ def test_group_with_different_prompts_is_refused(tmp, one_thread):
         packed.trainer._get_per_token_logps_and_entropies(packed.trainer.model, ids, *args[1:], **kwargs)
 
 
+def test_group_with_the_same_prompt_ids_but_different_images_is_refused(tmp, one_thread):
+    """Rollouts 0 and 1 of one group keep the same prompt ids, but rollout 1's image pixels differ (or its grid):
+    one shared prompt would give rollout 1 rollout 0's image, so it is refused (share_prompts=False is the fix)."""
+    packed = run("qwen2_vl", "shared", tmp)
+    args, kwargs = _hook_inputs(packed.generation)
+    rows = kwargs["image_grid_thw"].prod(-1).tolist()
+    split = args[0].shape[1] - args[2]
+    assert kwargs["num_images"][:2] == [1, 1] and torch.equal(args[0][0, :split], args[0][1, :split])
+    pixels = kwargs["pixel_values"].clone()
+    pixels[rows[0]:rows[0] + rows[1]] += 1.0  # rollout 1's image only
+    with pytest.raises(ValueError, match=r"rollouts 0 and 1 belong to one group .* share_prompts=False"):
+        packed.trainer._get_per_token_logps_and_entropies(packed.trainer.model, *args,
+                                                          **{**kwargs, "pixel_values": pixels})
+    grids = kwargs["image_grid_thw"].clone()  # the same pixels laid out on another grid (other mRoPE positions)
+    t, h, w = grids[1].tolist()
+    grids[1] = torch.tensor([t, w, h] if h != w else [t, 2 * h, w // 2])
+    with pytest.raises(ValueError, match=r"rollouts 0 and 1 belong to one group .* share_prompts=False"):
+        packed.trainer._get_per_token_logps_and_entropies(packed.trainer.model, *args,
+                                                          **{**kwargs, "image_grid_thw": grids})
+
+
 def test_completion_longer_than_max_is_refused(tmp, one_thread):
     packed = run("llama", "packed", tmp)
     (ids, mask, width), kwargs = _hook_inputs(packed.generation)

@@ -128,13 +128,15 @@ def prepared():
 def test_setup_refusals(prepared):
     check_ulysses_arguments(arguments(), prepared)  # the recipe passes
     cases = {
+        # a DeepSpeed config without a zero_optimization section is stage 0 (DeepSpeed's default)
+        "ZeRO stage 0 under sequence parallelism is refused": arguments(deepspeed={"gradient_clipping": 1.0}),
         "ring attention": arguments(parallelism_config=SimpleNamespace(cp_size=2, sp_size=1)),
         "parallelism_config=ParallelismConfig": arguments(parallelism_config=None),
         "ignores packed boundaries": arguments(parallelism_config=SimpleNamespace(
             sp_size=2, cp_size=1, sp_backend="deepspeed", sp_handler=SimpleNamespace(sp_attn_implementation="sdpa"))),
         "deepspeedai/DeepSpeed#5248": arguments(deepspeed={"zero_optimization": {"stage": 2}}),
         "runs inside DeepSpeed": arguments(deepspeed=None),
-        "ONE packed row": arguments(per_device_train_batch_size=4),
+        "ONE packed row": arguments(per_device_train_batch_size=2),
         "evaluation": arguments(eval_strategy="steps"),
     }
     for message, args in cases.items():

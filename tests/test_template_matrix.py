@@ -5,7 +5,9 @@ References (independent of vlm_pack's rendering): tokens = ``tokenizer.apply_cha
 tokenize=True)`` with the official template (TRL's copy in ``trl/chat_templates/``); labels = the assistant mask
 of TRL's training variant of that template where it renders the same text (``return_assistant_tokens_mask``),
 else each assistant turn read off prefix renderings: the text between ``render(chat[:i], add_generation_prompt=
-True)`` and ``render(chat[:i + 1])`` when both are prefixes of the whole rendering. Without an end-of-turn token
+True)`` and ``render(chat[:i + 1])`` when both are prefixes of the whole rendering; where the turn repeats only
+the start of the generation prompt (DeepSeek), what ``render(chat[:i + 1])`` adds to ``render(chat[:i])`` less
+that start, cut after a whole tag or line. Without an end-of-turn token
 (GLM-4-MoE) TRL's training variant appends the next turn's opening tag to the final turn; the reference is then
 that variant's own tokens and mask.
 """
@@ -29,7 +31,7 @@ TOOLS = [{"type": "function", "function": {
 _LONG = " ".join(f"Step {i}: the answer grows by one more clause, with numbers {i * 7} and words." for i in range(240))
 
 
-def _call(arguments: dict) -> list[dict]:
+def _call(arguments: dict | str) -> list[dict]:
     return [{"type": "function", "id": "call_1", "function": {"name": "get_weather", "arguments": arguments}}]
 
 
@@ -64,6 +66,22 @@ EDGE_CHATS = [
                          {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "21 C"},
                          {"role": "assistant", "content": "21 degrees."}], TOOLS),
     ("long", [{"role": "user", "content": "Explain at length."}, {"role": "assistant", "content": _LONG}], None),
+    # reasoning written into the content (DeepSeek-R1's format; its template keeps only what follows </think>)
+    ("think_in_content", [{"role": "user", "content": "2+2?"},
+                          {"role": "assistant", "content": "<think>\nTwo and two.\n</think>\n\n4"},
+                          {"role": "user", "content": "3+3?"},
+                          {"role": "assistant", "content": "<think>\nThree and three.\n</think>\n\n6"}], None),
+    ("reasoning_only", [{"role": "user", "content": "Think first."},  # an answer that is reasoning alone
+                        {"role": "assistant", "reasoning_content": "Nothing to add yet.", "content": ""},
+                        {"role": "user", "content": "Now answer."}, {"role": "assistant", "content": "Done."}], None),
+    # arguments as a JSON string (DeepSeek's templates concatenate them), two rounds
+    ("tool_calls_json", [{"role": "user", "content": "Weather in Paris?"},
+                         {"role": "assistant", "content": "", "tool_calls": _call('{"city": "Paris"}')},
+                         {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "21 C"},
+                         {"role": "assistant", "content": "21 degrees."}, {"role": "user", "content": "Rome?"},
+                         {"role": "assistant", "content": "", "tool_calls": _call('{"city": "Rome"}')},
+                         {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "25 C"},
+                         {"role": "assistant", "content": "25 degrees."}], TOOLS),
 ]
 
 
@@ -97,6 +115,8 @@ def reference(tokenizer, name: str, chat: list[dict], tools) -> tuple[list[int],
     if spans is None:
         spans = _markup_reference(text, sum(m["role"] == "assistant" for m in chat))
     if spans is None:
+        spans = _segment_reference(tokenizer, official, chat, tools, text)
+    if spans is None:
         return "no reference"
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     assert encoded["input_ids"] == ids
@@ -117,6 +137,27 @@ def _prefix_reference(tokenizer, official, chat, tools, text) -> list[tuple[int,
         if not (text.startswith(upto) and upto.startswith(head)):
             return None
         spans.append((len(head), len(upto)))
+    return spans
+
+
+def _segment_reference(tokenizer, official, chat, tools, text) -> list[tuple[int, int]] | None:
+    """Each assistant turn = what ``render(chat[:i + 1])`` adds to ``render(chat[:i])`` (both prefixes of the whole
+    rendering), less the longest part of the generation prompt it starts with that ends a tag or a line (DeepSeek's
+    prompt is ``<｜Assistant｜><think>\n``; a turn whose reasoning the template drops, or a tool call, starts with
+    ``<｜Assistant｜>`` alone)."""
+    spans = []
+    for i, message in enumerate(chat):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, chat[:i], official, tools)
+        prompt = _render(tokenizer, chat[:i], official, tools, add_generation_prompt=True)[len(before):]
+        upto = _render(tokenizer, chat[:i + 1], official, tools)
+        if not (text.startswith(upto) and upto.startswith(before)):
+            return None
+        turn = upto[len(before):]
+        header = max(c for c in range(len(prompt) + 1) if (c == 0 or prompt[c - 1] in ">\n")
+                     and turn.startswith(prompt[:c]))
+        spans.append((len(before) + header, len(upto)))
     return spans
 
 
@@ -157,7 +198,8 @@ def vlm_pack_outcomes(tokenizer, name: str) -> dict[tuple[str, str], str]:
     expected = {chat_name: reference(tokenizer, name, chat, tools) for chat_name, chat, tools in EDGE_CHATS}
     outcomes = {(chat_name, path): want for chat_name, want in expected.items() if isinstance(want, str)
                 for path in ("prepare", "collator")}
-    cases = [(chat_name, chat, tools) for chat_name, chat, tools in EDGE_CHATS if not isinstance(expected[chat_name], str)]
+    cases = [(chat_name, chat, tools) for chat_name, chat, tools in EDGE_CHATS
+             if not isinstance(expected[chat_name], str)]
 
     def prepare(chats):
         ids, masks = encoder.encode([_example(chat, tools) for _, chat, tools in chats], [n for n, _, _ in chats])
@@ -211,15 +253,18 @@ def _counts(summary) -> dict[str, int]:
 
 
 def test_every_official_template_on_every_edge_chat_is_exact(real_tokenizer):
-    """41 official templates x 11 edge chats x (prepare's encoder, the collator): every chat the template renders
-    is exact (tokens and labels), none refused, none wrong. Measured before this rule (75003fa, this harness):
-    561 exact, 122 wrong, 137 refused at batch time (82 chats the templates themselves reject either way)."""
-    assert len(OFFICIAL) == 41
+    """41 official templates x 14 edge chats x (prepare's encoder, the collator): every chat the template renders
+    is exact (tokens and labels), none refused, none wrong. Measured before this rule (75003fa, this harness, 11
+    chats): 561 exact, 122 wrong, 137 refused at batch time (82 chats the templates themselves reject either way);
+    at 3ec0e60 the 3 chats added since (reasoning in the content, a reasoning-only answer, JSON-string tool
+    arguments) gave 4 refusals at batch time (DeepSeek-R1-Distill's reasoning in the content, DeepSeek-V3's tool
+    calls), which the construction-time probes now catch and the shared-header rule labels."""
+    assert len(OFFICIAL) == 41 and len(EDGE_CHATS) == 14
     summary = _summary(real_tokenizer)
     bad = {(name, chat, path): outcome for name, outcomes in summary.items()
            for (chat, path), outcome in outcomes.items() if outcome not in ("exact", "template refuses")}
     assert not bad, bad
-    assert _counts(summary) == {"exact": 820, "template refuses": 82}
+    assert _counts(summary) == {"exact": 1006, "template refuses": 142}
 
 
 def test_a_chat_the_template_refuses_is_named(real_tokenizer):
@@ -242,7 +287,8 @@ _original_template_messages = None
 
 
 @pytest.mark.parametrize("bug", ["fields dropped", "header taken as the whole prompt", "terminator left out",
-                                 "markup spans", "stop tag ignored"])
+                                 "markup spans", "stop tag ignored", "partial header not accepted",
+                                 "partial header cut mid-tag"])
 def test_planted_bugs_are_caught(real_tokenizer, monkeypatch, bug):
     """Each planted bug makes some case of the matrix wrong or refused (on the templates it concerns)."""
     global _original_template_messages
@@ -250,7 +296,9 @@ def test_planted_bugs_are_caught(real_tokenizer, monkeypatch, bug):
     import vlm_pack.data.chat_template as ct
 
     names = {"fields dropped": ["qwen3", "gptoss"], "header taken as the whole prompt": ["qwen3_5_think"],
-             "terminator left out": ["gemma4", "qwen3"], "markup spans": ["qwen3"], "stop tag ignored": ["glm4moe"]}[bug]
+             "terminator left out": ["gemma4", "qwen3"], "markup spans": ["qwen3"], "stop tag ignored": ["glm4moe"],
+             "partial header not accepted": ["deepseekv3", "deepseek_r1_distill"],
+             "partial header cut mid-tag": ["deepseekv3", "deepseek_r1_distill"]}[bug]
     if bug == "fields dropped":  # messages stripped to role/content, as before this rule
         _original_template_messages = chat_module.template_messages
         monkeypatch.setattr(chat_module, "template_messages", _drop_fields)
@@ -266,6 +314,10 @@ def test_planted_bugs_are_caught(real_tokenizer, monkeypatch, bug):
         monkeypatch.setattr(ct, "_sentinel_spans", lambda *a: [(s, e - 1) for s, e in original_sentinels(*a)])
         original_markup = ct._markup_spans
         monkeypatch.setattr(ct, "_markup_spans", lambda *a: [(s, e - 1) for s, e in original_markup(*a) or []] or None)
+    elif bug == "partial header not accepted":  # DeepSeek's tool calls / dropped reasoning: refused when built
+        monkeypatch.setattr(ct, "_shared_header_end", lambda *a: -1)
+    elif bug == "partial header cut mid-tag":  # the longest shared part of the prompt, not the longest whole tag
+        monkeypatch.setattr(ct, "_shared_header_end", lambda head, prompt, floor, shared: shared)
     elif bug == "markup spans":  # turns read off the markup one character late
         original_markup = ct._markup_spans
         monkeypatch.setattr(ct, "_markup_spans", lambda *a: [(s + 1, e) for s, e in original_markup(*a) or []] or None)
@@ -390,7 +442,7 @@ def vlm_reference(processor, official: str, name: str, chat: list[dict], tools):
 def test_vlm_templates_through_the_processor_are_exact():
     """The VLM templates whose tiny processors vlm_pack.testing builds, x the edge chats (4 with an image):
     collator tokens == the processor's apply_chat_template, labels == the reference; none refused or wrong
-    (93 exact; before, at 75003fa: 72 exact, 5 wrong, 16 refused at batch time)."""
+    (116 exact; with the 11 chats of 75003fa, then: 72 exact, 5 wrong, 16 refused at batch time)."""
     from vlm_pack.data.collator import VLMPackingCollator
 
     counts: dict[str, int] = {}
@@ -416,7 +468,7 @@ def test_vlm_templates_through_the_processor_are_exact():
             if not ok:
                 bad.append((name, chat_name))
     assert not bad, bad
-    assert counts == {"exact": 93, "template refuses": 6}, counts
+    assert counts == {"exact": 116, "template refuses": 10}, counts
 
 
 def test_template_kwargs_reach_every_rendering_and_unknown_ones_are_refused(real_tokenizer):
@@ -442,3 +494,42 @@ def test_template_kwargs_reach_every_rendering_and_unknown_ones_are_refused(real
                            template_kwargs={"enable_reasoning": False})
     with pytest.raises(ValueError, match="'tools' is set by the renderer itself; give tools per example"):
         VLMPackingCollator(real_tokenizer, max_length=64, chat_template=official, template_kwargs={"tools": []})
+
+
+TEXT_BESIDE_CALL = [{"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": "Let me check.", "tool_calls": _call({"city": "Paris"})},
+                    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "21 C"},
+                    {"role": "assistant", "content": "21 degrees."}]
+
+
+def _labelled_runs(tokenizer, batch) -> list[str]:
+    labels = batch["labels"][0]
+    keep = (labels != IGNORE).nonzero().flatten().tolist()
+    runs, run = [], [keep[0]]
+    for a, b in zip(keep, keep[1:]):
+        if b != a + 1:
+            runs.append(run)
+            run = []
+        run.append(b)
+    return [tokenizer.decode(batch["input_ids"][0, r].tolist()) for r in runs + [run]]
+
+
+def test_text_beside_tool_calls_in_gemma4_is_labelled_where_the_template_moves_it(real_tokenizer, monkeypatch):
+    """Gemma 4 writes an assistant message's text that sits beside its tool calls AFTER the tool responses, inside
+    the same turn (refused at batch time before). Tokens == apply_chat_template; labelled: the call with the
+    response opener (as for a call without text), then the moved text and the final answer with their end of turn,
+    the tool response not (written by hand from the rendering). Planted: the moved text left unlabelled."""
+    import vlm_pack.data.chat_template as ct
+    from vlm_pack.data.collator import VLMPackingCollator
+
+    collator = VLMPackingCollator(real_tokenizer, max_length=4096, chat_template=template("gemma4"))
+    example = _example(TEXT_BESIDE_CALL, TOOLS)
+    batch = collator([example])
+    assert batch["input_ids"][0].tolist() == real_tokenizer.apply_chat_template(
+        TEXT_BESIDE_CALL, tools=TOOLS, chat_template=template("gemma4"), tokenize=True, return_dict=True)["input_ids"]
+    assert _labelled_runs(real_tokenizer, batch) == [
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_response>',
+        "Let me check.<turn|>\n21 degrees.<turn|>\n"]
+    original = ct._beside_call_spans
+    monkeypatch.setattr(ct, "_beside_call_spans", lambda *a: original(*a)[:1] + original(*a)[2:])
+    assert _labelled_runs(real_tokenizer, collator([example])) != _labelled_runs(real_tokenizer, batch)

@@ -6,16 +6,19 @@ inference. Every message field the template reads is passed through (reasoning, 
 names), an example's ``tools`` as ``tools=``, and chat-level ``template_kwargs`` (e.g. ``enable_thinking``).
 Labels need the assistant spans; they come from the template's own ``{% generation %}`` blocks, else, per
 sample, from TRL's training variant of that exact template, the rendered text's markup, edge-whitespace
-sentinels or prefix renderings (:func:`locate_turns`), each proven against the template's own rendering of that sample. The template is tried
+sentinels, prefix renderings or, for text beside tool calls that the template moves, insertions
+(:func:`locate_turns`), each proven against the template's own rendering of that sample. The template is tried
 on probe chats when a collator / ``prepare`` is built: a feature no method can label is refused there, naming
 it. See ``docs/chat_templates.md``.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib.util
 import itertools
+import json
 import os
 import pathlib
 import re
@@ -40,7 +43,8 @@ __all__ = [
 # Names how tokens and spans are chosen (module doc); part of the offline token-cache key, so caches written under
 # another rule (e.g. the former ChatML fallback) are never reused. Change it whenever the rule changes.
 RENDERING_RULE = ("own template, every message field and tools; spans from generation blocks, TRL's training "
-                  "variant (+ its stop tag), markup, edge-whitespace sentinels or prefix renderings (v2)")
+                  "variant (+ its stop tag), markup, edge-whitespace sentinels, prefix renderings (a partial "
+                  "header), text beside tool calls as insertions (v3)")
 # Roles a conversation may use; anything else (e.g. "Assistant") is a typo that would silently drop labels.
 ACCEPTED_ROLES = ("system", "user", "assistant", "tool")
 # Message fields that make an assistant turn something to train on besides its content.
@@ -119,8 +123,6 @@ def example_tools(example: Any, index: int) -> list | None:
     if tools is None:
         return None
     if isinstance(tools, str):  # datasets often store the schemas as a JSON string
-        import json
-
         try:
             tools = json.loads(tools)
         except ValueError as exc:
@@ -235,8 +237,6 @@ def render_texts(
 def _tools_key(tools: Any) -> str:
     if tools is None:
         return ""
-    import json
-
     return json.dumps(tools, sort_keys=True, default=repr)
 
 
@@ -289,7 +289,12 @@ def locate_turns(
        add_generation_prompt=True)`` and ends where ``render(messages[:i + 1])`` ends, when that is a prefix of
        the whole rendering (as TRL's prefix-preservation check demands); where it is not (Qwen3 writes a think
        block on the final turn only), at the first end-of-turn terminator after the header, provided that
-       terminator holds a special token (no text writes one).
+       terminator holds a special token (no text writes one). Where the turn repeats only the start of the
+       generation prompt (DeepSeek), the header is the longest part of it ending a whole tag
+       (:func:`_shared_header_end`);
+    5. for assistant messages with text beside their tool calls that no method above locates (Gemma 4 writes the
+       text after the tool responses, inside the turn): the chat with that text emptied, located as above, plus
+       the text's own insertions (:func:`_beside_call_spans`).
     """
     tools = list(tools) if tools is not None else [None] * len(conversations)
     plain, own = _checked_render(processor, conversations, chat.template, tools, chat.kwargs,
@@ -339,7 +344,13 @@ def locate_turns(
                                                           plain[index]))
         except ValueError as exc:
             reasons[index].append(str(exc))
-            raise _unlocatable(chat, "; ".join(reasons[index]), f"sample {index}") from None
+            try:
+                located[index] = (plain[index], _beside_call_spans(processor, conversations[index], chat,
+                                                                   tools[index], plain[index]))
+            except ValueError as why:
+                if str(why):
+                    reasons[index].append(str(why))
+                raise _unlocatable(chat, "; ".join(reasons[index]), f"sample {index}") from None
     return located  # type: ignore[return-value]
 
 
@@ -412,8 +423,14 @@ class _NoPrompt(ValueError):
     """The template writes no generation prompt: nothing tells where an assistant turn begins."""
 
 
-def _probe_content(processor: Any, text: str) -> Any:
-    return [{"type": "text", "text": text}] if hasattr(processor, "image_processor") else text
+def _probe_content(processor: Any, text: str | None) -> Any:
+    return [{"type": "text", "text": text}] if text is not None and hasattr(processor, "image_processor") else text
+
+
+def _probe_call(word: str, json_arguments: bool) -> dict:
+    arguments = {"word": word}
+    return {"type": "function", "id": "c1", "function": {
+        "name": "lookup", "arguments": json.dumps(arguments) if json_arguments else arguments}}
 
 
 # Probe chats of the construction-time dry run: (template feature, messages, tools). Each is tried only when the
@@ -430,12 +447,37 @@ _PROBES = (
     ("reasoning (reasoning_content)", [("user", "Hi"), ("assistant", "Hello.", {"reasoning_content": "Greet.\n"}),
                                        ("user", "More"), ("assistant", "\nYes.", {"reasoning_content": "Agree."})],
      None),
+    ("reasoning (thinking)", [("user", "Hi"), ("assistant", "Hello.", {"thinking": "Greet."}), ("user", "More"),
+                              ("assistant", "Yes.", {"thinking": "Agree."})], None),
+    ("reasoning (reasoning)", [("user", "Hi"), ("assistant", "Hello.", {"reasoning": "Greet."}), ("user", "More"),
+                               ("assistant", "Yes.", {"reasoning": "Agree."})], None),
+    ("an answer that is reasoning only", [("user", "Hi"), ("assistant", "", {"reasoning_content": "Nothing to say."}),
+                                          ("user", "More"), ("assistant", "Yes.")], None),
+    ("reasoning inside the content (<think>...</think>)", [
+        ("user", "Hi"), ("assistant", "<think>\nGreet.\n</think>\n\nHello."), ("user", "More"),
+        ("assistant", "<think>\nAgree.\n</think>\n\nYes.")], None),
     ("tool calls and tool responses", [
         ("user", "Define cat."),
-        ("assistant", "", {"tool_calls": [{"type": "function", "id": "c1",
-                                           "function": {"name": "lookup", "arguments": {"word": "cat"}}}]}),
+        ("assistant", "", {"tool_calls": [_probe_call("cat", json_arguments=False)]}),
         ("tool", "A small feline.", {"tool_call_id": "c1", "name": "lookup"}),
         ("assistant", "A cat is a small feline.")], _PROBE_TOOLS),
+    ("tool calls without content (None)", [
+        ("user", "Define cat."), ("assistant", None, {"tool_calls": [_probe_call("cat", json_arguments=False)]}),
+        ("tool", "A small feline.", {"tool_call_id": "c1", "name": "lookup"}), ("assistant", "A small feline.")],
+     _PROBE_TOOLS),
+    # DeepSeek's templates concatenate the arguments as a string (a dict makes them fail): two rounds, as the
+    # second round's call is written without a header
+    ("tool calls with JSON-string arguments, in two rounds", [
+        ("user", "Define cat."), ("assistant", "", {"tool_calls": [_probe_call("cat", json_arguments=True)]}),
+        ("tool", "A small feline.", {"tool_call_id": "c1", "name": "lookup"}), ("assistant", "A small feline."),
+        ("user", "And dog?"), ("assistant", "", {"tool_calls": [_probe_call("dog", json_arguments=True)]}),
+        ("tool", "A canine.", {"tool_call_id": "c1", "name": "lookup"}), ("assistant", "A canine.")], _PROBE_TOOLS),
+    ("tools offered but not called", [("user", "Hi"), ("assistant", "Hello.")], _PROBE_TOOLS),
+    ("text beside tool calls", [
+        ("user", "Define cat."),
+        ("assistant", "Let me look.", {"tool_calls": [_probe_call("cat", json_arguments=False)]}),
+        ("tool", "A small feline.", {"tool_call_id": "c1", "name": "lookup"}), ("assistant", "A small feline.")],
+     _PROBE_TOOLS),
 )
 
 
@@ -590,9 +632,9 @@ def _prefix_spans(processor: Any, conversation: list[dict], chat: ChatTemplate, 
         shared = len(os.path.commonprefix([head, plain]))
         start = _prompt_end(plain, chat.prompt, floor, shared) if chat.prompt else -1
         if start < 0:
-            if shared != len(head):
+            start = shared if shared == len(head) else _shared_header_end(head, chat.prompt, floor, shared)
+            if start < 0:
                 raise ValueError(f"the generation prompt before assistant turn {turn} is not where the turn begins")
-            start = shared
         if plain.startswith(upto):
             end = len(upto)
         elif _ends_with_special(processor, chat.terminator):
@@ -610,6 +652,61 @@ def _prefix_spans(processor: Any, conversation: list[dict], chat: ChatTemplate, 
         spans.append((start, end))
         floor = end
     return spans
+
+
+def _shared_header_end(head: str, prompt: str, floor: int, shared: int) -> int:
+    """End of the turn header where the turn writes only the start of the generation prompt; -1 if it does not.
+
+    DeepSeek's prompt is ``<｜Assistant｜><think>\n``, but an answer whose reasoning the template drops (content
+    ``<think>...</think>answer``) or a tool call is written after ``<｜Assistant｜>`` alone. ``head`` (the chat so
+    far plus the prompt) and the whole rendering part ``shared`` characters in: the header is then the prompt's
+    longest part that the turn repeats and that ends a tag (``>``), so no tag is cut in two (a whole line of the
+    prompt is found by :func:`_prompt_end` before this is tried); none of it
+    where the turn repeats no such part (DeepSeek-V3 writes a second round of tool calls without a header)."""
+    begin = len(head) - len(prompt)
+    if not prompt or not head.endswith(prompt) or not floor <= begin <= shared:
+        return -1
+    return max(end for end in range(begin, shared + 1) if end == begin or head[end - 1] == ">")
+
+
+def _beside_call_spans(processor: Any, conversation: list[dict], chat: ChatTemplate, tools: Any,
+                       plain: str) -> list[tuple[int, int]]:
+    """Spans of a chat whose assistant messages carry text beside their tool calls (module doc, method 5).
+
+    Gemma 4 writes such a message's text after the tool responses that follow it, inside the same turn, so the turn
+    is neither prefix-preserving nor framed by its header and terminator. The chat with that text emptied is
+    located by the other methods; the full rendering must then be that text plus one insertion per emptied
+    message, each holding the message's text and placed unambiguously (it cannot slide along equal characters).
+    The insertions are the assistant's own tokens (its text and what the template writes with it), the other
+    spans move with them. Raises a ValueError (empty where the chat has no such message)."""
+    beside = [turn for turn, message in enumerate(conversation) if message["role"] == "assistant"
+              and message.get("tool_calls") and _text_core(message)]
+    if not beside:
+        raise ValueError("")
+    reduced = [{**message, "content": ""} if turn in beside else message for turn, message in enumerate(conversation)]
+    [(text, spans)] = locate_turns(processor, [reduced], chat, [tools])
+    opcodes = difflib.SequenceMatcher(None, text, plain, autojunk=False).get_opcodes()
+    inserts = [(i1, plain[j1:j2]) for tag, i1, _, j1, j2 in opcodes if tag == "insert"]
+    if (any(tag not in ("equal", "insert") for tag, *_ in opcodes) or len(inserts) != len(beside)
+            or any(_text_core(conversation[turn]) not in piece for turn, (_, piece) in zip(beside, inserts))
+            or any(at < len(text) and text[at] == piece[0] or at > 0 and text[at - 1] == piece[-1]
+                   for at, piece in inserts)):
+        raise ValueError("the text beside its tool calls is not written as one insertion of its own per message")
+
+    def moved(at: int, inclusive: bool) -> int:
+        return at + sum(len(piece) for where, piece in inserts if where < at or inclusive and where == at)
+
+    placed = [(moved(a, True), moved(b, False)) for a, b in spans]
+    placed += [(moved(at, False), moved(at, False) + len(piece)) for at, piece in inserts]
+    return sorted(placed)
+
+
+def _text_core(message: dict) -> str:
+    """A message's text without its edge whitespace (its text parts joined)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "".join(part.get("text") or "" for part in content if part.get("type") == "text")
+    return content.strip() if isinstance(content, str) else ""
 
 
 def _ends_with_special(processor: Any, terminator: str) -> bool:
