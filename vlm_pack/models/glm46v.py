@@ -11,4 +11,8 @@ GLM46V = register_family(FamilySpec(
     name="glm46v", model_types=("glm46v",), proof="tests/test_vlm_families.py",
     positions="mrope", rope_index_model="Glm46VModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
     media_tokens=("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"),
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[glm46v]",
+        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[glm46v]",
+    },
 ))

@@ -13,4 +13,7 @@ INTERNVL = register_family(FamilySpec(
     name="internvl", model_types=("internvl",), proof="tests/test_vlm_families.py",
     vision_rows={"pixel_values": "image_token"}, media_tokens=("<img>", "</img>"),
     extra_checks=(text_backbone("qwen2", "llama", "qwen3"),),
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[internvl]",
+    },
 ))

@@ -29,4 +29,7 @@ LLAVA_ONEVISION = register_family(FamilySpec(
     vision_rows={"pixel_values": "image", "image_sizes": "image", "batch_num_images": "sample_with_images"},
     extra_checks=(text_backbone("qwen2", "llama", "qwen3"),),
     image_text=_image_text,
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[llava_onevision]",
+    },
 ))

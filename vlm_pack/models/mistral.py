@@ -17,4 +17,7 @@ MISTRAL3 = register_family(FamilySpec(
     name="mistral3", model_types=("mistral3",), proof=_PROOF,
     vision_rows={"pixel_values": "image", "image_sizes": "image"}, media_tokens=("[IMG_BREAK]", "[IMG_END]"),
     extra_checks=(text_backbone("mistral"),),
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[mistral3]",
+    },
 ))
