@@ -23,6 +23,14 @@ QWEN2 = register_family(FamilySpec(
     name="qwen2", model_types=("qwen2",), proof=_PROOF,
     proven={
         "reward": "tests/test_preference_reward.py::test_reward_step_equals_trl[qwen2]",
+        "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen2-packed]",
+        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen2-shared]",
     },
 ))
-QWEN3 = register_family(FamilySpec(name="qwen3", model_types=("qwen3",), proof=_PROOF))
+QWEN3 = register_family(FamilySpec(
+    name="qwen3", model_types=("qwen3",), proof=_PROOF,
+    proven={
+        "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen3-packed]",
+        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen3-shared]",
+    },
+))

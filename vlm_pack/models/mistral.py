@@ -12,7 +12,13 @@ from . import FamilySpec, register_family, text_backbone
 
 _PROOF = "tests/test_vlm_families.py"
 
-MISTRAL = register_family(FamilySpec(name="mistral", model_types=("mistral",), proof=_PROOF))
+MISTRAL = register_family(FamilySpec(
+    name="mistral", model_types=("mistral",), proof=_PROOF,
+    proven={
+        "rl": "tests/test_rl_families.py::test_step_equals_trl[mistral-packed]",
+        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[mistral-shared]",
+    },
+))
 MISTRAL3 = register_family(FamilySpec(
     name="mistral3", model_types=("mistral3",), proof=_PROOF,
     vision_rows={"pixel_values": "image", "image_sizes": "image"}, media_tokens=("[IMG_BREAK]", "[IMG_END]"),

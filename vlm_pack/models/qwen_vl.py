@@ -35,7 +35,10 @@ QWEN2_5_VL = register_family(FamilySpec(
     positions="mrope", rope_index_model="Qwen2_5_VLModel", token_keys=_TOKEN_KEYS, media_tokens=VISION_MARKERS,
     proven={
         "video": "tests/test_video.py::test_video_packed_equals_each_sample_alone[qwen2_5_vl]",
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen2_5_vl]",
         "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen2_5_vl-shared]",
+        "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen2_5_vl-packed]",
+        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen2_5_vl-shared]",
         "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_video]",
         "context_parallel": "tests/test_vlm_equivalence.py::test_packed_vlm_with_context_parallel_alignment[qwen2_5_vl]",
     },
@@ -46,6 +49,9 @@ QWEN3_VL = register_family(FamilySpec(
     video_runs="frame",
     proven={
         "video": "tests/test_video.py::test_video_packed_equals_each_sample_alone[qwen3_vl]",
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen3_vl]",
+        "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen3_vl-packed]",
+        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen3_vl-shared]",
         "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_qwen3_vl]",
         "context_parallel": "tests/test_vlm_equivalence.py::test_packed_vlm_with_context_parallel_alignment[qwen3_vl]",
     },
