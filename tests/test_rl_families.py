@@ -6,9 +6,10 @@ gradient accumulation 2, 2 groups of 4 rollouts per micro-batch, num_iterations 
 
 The full matrix (every loss type, temperature, masking, the corruption tests) runs on Llama and Qwen2-VL in
 tests/test_rl_grpo.py; the families here share its code path (one log-prob hook) and differ in what a family brings:
-positions (1-D, mRoPE, GLM's 3-D RoPE), vision tensors (per image with grids, per image with sizes), the LM head.
-Families whose vision inputs the rollout packer cannot split per rollout are refused by name when the trainer is
-built (``FamilySpec.refused``). Tolerance: tests/test_rl_grpo.py's.
+positions (1-D, mRoPE, GLM's 3-D RoPE), vision tensors (per image with grids, per image, InternVL's tiles counted
+per rollout), mixtures of experts (router auxiliary loss off: refused on packed rollouts). A family TRL itself cannot
+run is refused by name when the trainer is built (``FamilySpec.refused``), as is every family not proven here.
+Tolerance: tests/test_rl_grpo.py's.
 """
 
 from __future__ import annotations
@@ -23,21 +24,22 @@ from rl_helpers import GradientsAtStep
 from test_rl_grpo import TOLERANCE, _loss_rel, _rel, _scale, make
 from vlm_pack.models import UnsupportedModelError
 
-FAMILIES = ("qwen2", "qwen3", "mistral", "qwen2_5_vl", "qwen3_vl", "glm4v")
+FAMILIES = ("qwen2", "qwen3", "mistral", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm46v", "glm4v_moe",
+            "internvl", "llava")
 MODES = ("packed", "shared")
 
 
 @functools.lru_cache(maxsize=None)
 def step(family: str, mode: str, tmp: str):
-    """One optimizer step: (loss, gradients, the generation batches TRL scored)."""
-    trainer = make(family, mode, tmp, max_steps=1)
+    """One optimizer step: (losses, gradients, the generation batches TRL scored, the trainer)."""
+    trainer = make(family, mode, tmp, max_steps=1, router_aux_loss_coef=0.0)
     grads, scored = GradientsAtStep(), []
     generate = trainer._generate_and_score_completions
     trainer._generate_and_score_completions = lambda batch: scored.append(generate(batch)) or scored[-1]
     trainer.add_callback(grads)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return losses, grads.grads, scored
+    return losses, grads.grads, scored, trainer
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def tmp(tmp_path_factory) -> str:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_step_equals_trl(family, mode, tmp, one_thread):
-    (ref_losses, ref_grads, ref_scored), (losses, grads, scored) = step(family, "trl", tmp), step(family, mode, tmp)
+    (ref_losses, ref_grads, ref_scored, _), (losses, grads, scored, _) = step(family, "trl", tmp), step(family, mode, tmp)
     assert len(losses) == len(ref_losses) == 1 and len(scored) == len(ref_scored) >= 1
     for ours, theirs in zip(scored, ref_scored):
         mask = theirs["completion_mask"].bool()
@@ -57,3 +59,33 @@ def test_step_equals_trl(family, mode, tmp, one_thread):
             assert _rel(ours[key], theirs[key], mask) < TOLERANCE, key
     assert _loss_rel(losses[0], ref_losses[0], _scale(ref_scored[0])) < TOLERANCE
     assert ref_grads and relative_l2(grads, ref_grads) < TOLERANCE
+
+
+def _reference_logps(trainer, generation: dict, pixel_values: torch.Tensor) -> torch.Tensor:
+    ids = torch.cat([generation["prompt_ids"], generation["completion_ids"]], 1)
+    mask = torch.cat([generation["prompt_mask"], generation["completion_mask"]], 1)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.ref_model, ids, mask, generation["completion_ids"].shape[1], num_images=generation["num_images"],
+            pixel_values=pixel_values, num_tiles=generation["num_tiles"])
+    return logps
+
+
+def test_corruption_internvl_tiles_of_another_rollout_fail(tmp, one_thread):
+    """InternVL's tiles cut by TRL's per-rollout counts: the reference log-probs equal TRL's; with the tile tensor
+    rotated by the first prompt's tiles (each rollout handed another rollout's tiles, counts kept) they do not."""
+    reference, packed = step("internvl", "trl", tmp)[2][0], step("internvl", "packed", tmp)[2][0]
+    trainer = step("internvl", "packed", tmp)[3]
+    mask, expected = reference["completion_mask"].bool(), reference["ref_per_token_logps"]
+    pixels = packed["pixel_values"]
+    assert _rel(_reference_logps(trainer, packed, pixels), expected, mask) < TOLERANCE
+    shift = packed["num_tiles"][0] * 4  # one group: a prompt's tiles, repeated for its 4 rollouts
+    rotated = torch.cat([pixels[shift:], pixels[:shift]])
+    assert _rel(_reference_logps(trainer, packed, rotated), expected, mask) > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("family", ["llava_onevision", "mistral3", "gemma3", "llava_next"])
+def test_unserved_families_are_refused_by_name_when_built(family, tmp):
+    """Refused (TRL cannot run it; image blocks) or unproven: an UnsupportedModelError naming family and layout."""
+    with pytest.raises(UnsupportedModelError, match=rf"PackedGRPOTrainer\(share_prompts=True\) with a {family} model"):
+        make(family, "shared", tmp, max_steps=1)

@@ -15,5 +15,7 @@ INTERNVL = register_family(FamilySpec(
     extra_checks=(text_backbone("qwen2", "llama", "qwen3"),),
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[internvl]",
+        "rl": "tests/test_rl_families.py::test_step_equals_trl[internvl-packed]",
+        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[internvl-shared]",
     },
 ))

@@ -34,7 +34,7 @@ from ..models import FamilySpec
 
 __all__ = ["PackedRollouts", "RolloutPacker", "VISION_KEYS"]
 
-VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "mm_token_type_ids")
+VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "mm_token_type_ids", "num_tiles")
 """TRL forward kwargs the packer handles; any other non-None one (tiles, pixel masks, token types) is refused."""
 
 
@@ -55,7 +55,7 @@ class _Rollout:
     prompt: torch.Tensor  # [Lp] ids
     completion: torch.Tensor  # [c] ids (empty when TRL masked the whole completion)
     mm: torch.Tensor | None  # [Lp] per-token vision ids of the prompt
-    pixels: list[torch.Tensor]  # per image
+    pixels: list[torch.Tensor]  # per image (per tile for tile-indexed pixel_values, e.g. InternVL)
     grids: list[torch.Tensor]  # per image ([3]) or empty
     sizes: list[torch.Tensor]  # per image ([2]) or empty
 
@@ -92,7 +92,14 @@ class RolloutPacker:
             raise ValueError("pixel_values without num_images: the images cannot be assigned to their rollouts")
         counts = list(num_images) if num_images is not None else [0] * rows
         per_image_pixels: list[torch.Tensor] = []
-        if pixels is not None:
+        tiles = vision.get("num_tiles")  # TRL's tile count per rollout (InternVL's tile-indexed pixel_values)
+        if pixels is not None and tiles is not None:
+            if pixels.shape[0] != sum(tiles) or len(tiles) != rows:
+                raise ValueError(f"pixel_values has {pixels.shape[0]} tiles but num_tiles {list(tiles)} counts "
+                                 f"{sum(tiles)} over {len(tiles)} rollouts (of {rows})")
+            per_image_pixels = list(pixels)
+            counts = list(tiles)  # a rollout's tiles stand in for its images below
+        elif pixels is not None:
             if grids is not None:
                 per_image_pixels = list(torch.split(pixels, grids.prod(-1).tolist()))
             elif pixels.shape[0] == sum(counts):

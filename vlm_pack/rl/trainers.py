@@ -160,6 +160,12 @@ def _vision_slice(vision: dict[str, Any], counts: list[int] | None, image_start:
         out["mm_token_type_ids"] = out["mm_token_type_ids"][start:end]
     if counts is None or "pixel_values" not in out:
         return out
+    tiles = out.get("num_tiles")
+    if tiles is not None:  # tile-indexed pixel_values (InternVL): TRL counts tiles per rollout
+        first = sum(tiles[:start])
+        out["pixel_values"] = out["pixel_values"][first:first + sum(tiles[start:end])]
+        out["num_tiles"] = tiles[start:end]
+        return out
     image_end = image_start + sum(counts)
     grids = out.get("image_grid_thw")
     if grids is not None:
