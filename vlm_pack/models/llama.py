@@ -25,6 +25,7 @@ QWEN2 = register_family(FamilySpec(
         "reward": "tests/test_preference_reward.py::test_reward_step_equals_trl[qwen2]",
         "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen2-packed]",
         "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen2-shared]",
+        "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_qwen2]",
     },
 ))
 QWEN3 = register_family(FamilySpec(
@@ -32,5 +33,6 @@ QWEN3 = register_family(FamilySpec(
     proven={
         "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen3-packed]",
         "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen3-shared]",
+        "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_qwen3]",
     },
 ))

@@ -35,6 +35,7 @@ LLAVA_ONEVISION = register_family(FamilySpec(
     image_text=_image_text,
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[llava_onevision]",
+        "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_llava_onevision]",
     },
     refused=dict.fromkeys(("rl", "rl_shared_prompt"), _NO_TRL_ROLLOUTS),
 ))

@@ -17,6 +17,7 @@ MISTRAL = register_family(FamilySpec(
     proven={
         "rl": "tests/test_rl_families.py::test_step_equals_trl[mistral-packed]",
         "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[mistral-shared]",
+        "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_mistral]",
     },
 ))
 # No reference to prove packed rollouts against (measured with TRL 1.16 on the tiny model).
@@ -30,6 +31,7 @@ MISTRAL3 = register_family(FamilySpec(
     extra_checks=(text_backbone("mistral"),),
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[mistral3]",
+        "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_mistral3]",
     },
     refused=dict.fromkeys(("rl", "rl_shared_prompt"), _NO_TRL_ROLLOUTS),
 ))
