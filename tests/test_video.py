@@ -183,10 +183,6 @@ def test_video_refused_for_a_family_without_video_proof():
     packer = VLMPackingCollator(processor, max_length=1024, model_config=tiny_model("qwen3_5", layers=1).config)
     with pytest.raises(ValueError, match="sample 0: a video with a qwen3_5 model: video inputs .* not proven"):
         packer([video_example("chelsea", 4, 56)])
-    lenient = VLMPackingCollator(processor, max_length=1024, allow_unproven=True,
-                                 model_config=tiny_model("qwen3_5", layers=1).config)
-    with pytest.warns(UserWarning, match="video inputs .* not proven"):  # the escape hatch: a warning, then packed
-        lenient([video_example("chelsea", 4, 56)])
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,6 @@ __all__ = [
     "UnsupportedModelError",
     "check_config",
     "families_proven",
-    "family_table",
     "get_family",
     "path_refusal",
     "register_family",
@@ -404,5 +403,3 @@ def _load_builtin() -> None:
         lighton_ocr, llama, llava, llava_onevision, mistral, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
     )
 
-
-from .table import family_table  # noqa: E402  (reads the registry above)
