@@ -116,7 +116,7 @@ def test_budget_planning_refuses_by_name():
 
     collator = VLMPackingCollator(qwen_tokenizer(), max_length=64, model_config=_config("qwen3"))
     assert "budget" not in get_family(_config("qwen3")).paths
-    with pytest.raises(UnsupportedModelError, match=r"measure_lengths with a qwen3 model: token-budget packs"):
+    with pytest.raises(UnsupportedModelError, match=r"measure_lengths with a qwen3 model: token-budget packing"):
         measure_lengths([], collator, progress=False)
 
 

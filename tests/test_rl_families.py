@@ -7,7 +7,7 @@ gradient accumulation 2, 2 groups of 4 rollouts per micro-batch, num_iterations 
 The full matrix (every loss type, temperature, masking, the corruption tests) runs on Llama and Qwen2-VL in
 tests/test_rl_grpo.py; the families here share its code path (one log-prob hook) and differ in what a family brings:
 positions (1-D, mRoPE, GLM's 3-D RoPE), vision tensors (per image with grids, per image, InternVL's tiles counted
-per rollout), mixtures of experts (router auxiliary loss off: refused on packed rollouts). A family TRL itself cannot
+per rollout, Idefics3's tile stack per rollout), mixtures of experts (router auxiliary loss off: refused on packed rollouts). A family TRL itself cannot
 run is refused by name when the trainer is built (``FamilySpec.refused``), as is every family not proven here.
 Tolerance: tests/test_rl_grpo.py's.
 """
@@ -25,7 +25,7 @@ from test_rl_grpo import TOLERANCE, _loss_rel, _rel, _scale, make
 from vlm_pack.models import UnsupportedModelError
 
 FAMILIES = ("qwen2", "qwen3", "mistral", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm46v", "glm4v_moe",
-            "internvl", "llava")
+            "internvl", "idefics3", "llava")
 MODES = ("packed", "shared")
 
 
@@ -61,27 +61,37 @@ def test_step_equals_trl(family, mode, tmp, one_thread):
     assert ref_grads and relative_l2(grads, ref_grads) < TOLERANCE
 
 
-def _reference_logps(trainer, generation: dict, pixel_values: torch.Tensor) -> torch.Tensor:
+def _reference_logps(trainer, generation: dict, **vision) -> torch.Tensor:
     ids = torch.cat([generation["prompt_ids"], generation["completion_ids"]], 1)
     mask = torch.cat([generation["prompt_mask"], generation["completion_mask"]], 1)
+    keys = ("pixel_values", "num_tiles", "pixel_attention_mask")
+    vision = {**{k: generation[k] for k in keys if k in generation}, **vision}
     with torch.no_grad():
         logps, _, _ = trainer._get_per_token_logps_and_entropies(
             trainer.ref_model, ids, mask, generation["completion_ids"].shape[1], num_images=generation["num_images"],
-            pixel_values=pixel_values, num_tiles=generation["num_tiles"])
+            **vision)
     return logps
 
 
-def test_corruption_internvl_tiles_of_another_rollout_fail(tmp, one_thread):
-    """InternVL's tiles cut by TRL's per-rollout counts: the reference log-probs equal TRL's; with the tile tensor
-    rotated by the first prompt's tiles (each rollout handed another rollout's tiles, counts kept) they do not."""
-    reference, packed = step("internvl", "trl", tmp)[2][0], step("internvl", "packed", tmp)[2][0]
-    trainer = step("internvl", "packed", tmp)[3]
+def _tiles_of_another_group(generation: dict) -> dict:
+    """The vision tensors rotated by one group (4 rollouts of one prompt), counts kept: every rollout is handed
+    another rollout's tiles (InternVL: the tile tensor by the first group's tiles; Idefics3: the per-rollout tile
+    stacks and their masks)."""
+    pixels = generation["pixel_values"]
+    if "num_tiles" in generation:
+        return {"pixel_values": pixels.roll(-generation["num_tiles"][0] * 4, 0)}
+    return {"pixel_values": pixels.roll(4, 0), "pixel_attention_mask": generation["pixel_attention_mask"].roll(4, 0)}
+
+
+@pytest.mark.parametrize("family", ["internvl", "idefics3"])
+def test_corruption_tiles_of_another_rollout_fail(family, tmp, one_thread):
+    """Tiles cut per rollout (InternVL: by TRL's num_tiles; Idefics3: one stack per rollout): the reference
+    log-probs equal TRL's; with each rollout handed another rollout's tiles they do not."""
+    reference, (*_, scored, trainer) = step(family, "trl", tmp)[2][0], step(family, "packed", tmp)
     mask, expected = reference["completion_mask"].bool(), reference["ref_per_token_logps"]
-    pixels = packed["pixel_values"]
-    assert _rel(_reference_logps(trainer, packed, pixels), expected, mask) < TOLERANCE
-    shift = packed["num_tiles"][0] * 4  # one group: a prompt's tiles, repeated for its 4 rollouts
-    rotated = torch.cat([pixels[shift:], pixels[:shift]])
-    assert _rel(_reference_logps(trainer, packed, rotated), expected, mask) > 100 * TOLERANCE
+    assert _rel(_reference_logps(trainer, scored[0]), expected, mask) < TOLERANCE
+    corrupted = _reference_logps(trainer, scored[0], **_tiles_of_another_group(scored[0]))
+    assert _rel(corrupted, expected, mask) > 100 * TOLERANCE
 
 
 @pytest.mark.parametrize("family", ["llava_onevision", "mistral3", "gemma3", "llava_next"])

@@ -52,17 +52,17 @@ TrainingPath = Literal["sft", "video", "audio", "budget", "dpo", "dpo_shared_pro
                        "rl_shared_prompt", "sequence_parallel", "context_parallel"]
 PATHS: tuple[TrainingPath, ...] = get_args(TrainingPath)
 PATH_TITLES: dict[TrainingPath, str] = {
-    "sft": "in-batch SFT: VLMPackingCollator + enable_packing (images, text)",
-    "video": "video inputs in the SFT collator",
+    "sft": "in-batch SFT (VLMPackingCollator + enable_packing)",
+    "video": "video inputs (VLMPackingCollator)",
     "audio": "audio inputs",
-    "budget": "token-budget packs (vlm_pack.budget: measure_lengths, TokenBudgetPackDataset)",
-    "dpo": "PackedDPOTrainer / PreferenceCollator, each sequence its own segment",
-    "dpo_shared_prompt": "PackedDPOTrainer / PreferenceCollator(shared_prompts=True)",
-    "reward": "PackedRewardTrainer (sequence-classification head)",
-    "rl": "PackedGRPOTrainer / PackedRLOOTrainer(share_prompts=False)",
-    "rl_shared_prompt": "PackedGRPOTrainer / PackedRLOOTrainer(share_prompts=True)",
-    "sequence_parallel": "vlm_pack.sequence_parallel (DeepSpeed Ulysses)",
-    "context_parallel": "context_parallel_size > 1 in the collator",
+    "budget": "token-budget packing (vlm_pack.budget)",
+    "dpo": "DPO (PackedDPOTrainer / PreferenceCollator, each sequence its own segment)",
+    "dpo_shared_prompt": "DPO with shared prompts (PreferenceCollator(shared_prompts=True))",
+    "reward": "reward modelling (PackedRewardTrainer)",
+    "rl": "GRPO / RLOO on packed rollouts (share_prompts=False)",
+    "rl_shared_prompt": "GRPO / RLOO with shared prompts (share_prompts=True)",
+    "sequence_parallel": "sequence parallelism (DeepSpeed Ulysses, vlm_pack.sequence_parallel)",
+    "context_parallel": "context parallelism (context_parallel_size > 1)",
 }
 """Every training path a family can be proven on, and what it covers."""
 

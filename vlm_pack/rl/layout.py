@@ -34,7 +34,8 @@ from ..models import FamilySpec
 
 __all__ = ["PackedRollouts", "RolloutPacker", "VISION_KEYS"]
 
-VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "mm_token_type_ids", "num_tiles")
+VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "mm_token_type_ids", "num_tiles",
+               "pixel_attention_mask")
 """TRL forward kwargs the packer handles; any other non-None one (tiles, pixel masks, token types) is refused."""
 
 
@@ -58,6 +59,7 @@ class _Rollout:
     pixels: list[torch.Tensor]  # per image (per tile for tile-indexed pixel_values, e.g. InternVL)
     grids: list[torch.Tensor]  # per image ([3]) or empty
     sizes: list[torch.Tensor]  # per image ([2]) or empty
+    pixel_masks: list[torch.Tensor]  # per tile of a per-rollout tile stack (Idefics3's pixel_attention_mask) or empty
 
 
 class RolloutPacker:
@@ -93,7 +95,12 @@ class RolloutPacker:
         counts = list(num_images) if num_images is not None else [0] * rows
         per_image_pixels: list[torch.Tensor] = []
         tiles = vision.get("num_tiles")  # TRL's tile count per rollout (InternVL's tile-indexed pixel_values)
-        if pixels is not None and tiles is not None:
+        stacks = vision.get("pixel_attention_mask")  # one padded tile stack per rollout (Idefics3 / SmolVLM)
+        if pixels is not None and stacks is not None:
+            if pixels.ndim != 5 or pixels.shape[0] != rows or stacks.shape[:2] != pixels.shape[:2]:
+                raise ValueError(f"pixel_values {tuple(pixels.shape)} / pixel_attention_mask {tuple(stacks.shape)} "
+                                 f"are not one tile stack per rollout ({rows} rollouts)")
+        elif pixels is not None and tiles is not None:
             if pixels.shape[0] != sum(tiles) or len(tiles) != rows:
                 raise ValueError(f"pixel_values has {pixels.shape[0]} tiles but num_tiles {list(tiles)} counts "
                                  f"{sum(tiles)} over {len(tiles)} rollouts (of {rows})")
@@ -135,9 +142,10 @@ class RolloutPacker:
             n = counts[b]
             out.append(_Rollout(
                 prompt=prompt, completion=input_ids[b, split:split + size], mm=mm,
-                pixels=per_image_pixels[image:image + n],
+                pixels=list(pixels[b]) if stacks is not None else per_image_pixels[image:image + n],
                 grids=[] if grids is None else list(grids[image:image + n]),
                 sizes=[] if sizes is None else list(sizes[image:image + n]),
+                pixel_masks=[] if stacks is None else list(stacks[b]),
             ))
             image += n
         return out
@@ -240,7 +248,11 @@ class RolloutPacker:
         if "mm_token_type_ids" in vision and vision["mm_token_type_ids"] is not None:
             inputs["mm_token_type_ids"] = torch.cat(mm).unsqueeze(0)
         pixels = [p for r in images for p in r.pixels]
-        if pixels:
+        masks = [m for r in images for m in r.pixel_masks]
+        if masks:  # the row's tile stacks as one (the model drops the all-zero padding tiles)
+            inputs["pixel_values"] = torch.stack(pixels).unsqueeze(0)
+            inputs["pixel_attention_mask"] = torch.stack(masks).unsqueeze(0)
+        elif pixels:
             grids = [g for r in images for g in r.grids]
             inputs["pixel_values"] = torch.cat(pixels) if grids else torch.stack(pixels)
             if grids:

@@ -160,6 +160,10 @@ def _vision_slice(vision: dict[str, Any], counts: list[int] | None, image_start:
         out["mm_token_type_ids"] = out["mm_token_type_ids"][start:end]
     if counts is None or "pixel_values" not in out:
         return out
+    if "pixel_attention_mask" in out:  # one tile stack per rollout (Idefics3 / SmolVLM)
+        out["pixel_values"] = out["pixel_values"][start:end]
+        out["pixel_attention_mask"] = out["pixel_attention_mask"][start:end]
+        return out
     tiles = out.get("num_tiles")
     if tiles is not None:  # tile-indexed pixel_values (InternVL): TRL counts tiles per rollout
         first = sum(tiles[:start])
