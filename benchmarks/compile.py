@@ -70,11 +70,13 @@ def step(model, row) -> None:
     model(**row, use_cache=False).logits.logsumexp(-1).mean().backward()
 
 
-def run(mode: str, batches: int, rounds: int, backend: str) -> dict:
+def run(mode: str, batches: int, rounds: int, backend: str, device: str = "cpu") -> dict:
+    """``device="cuda"``: the same on a GPU (benchmarks/gpu/recompiles.py), steps timed with a sync."""
     torch._dynamo.reset()
-    model = enable_packing(tiny_model("qwen3", layers=2, vocab_size=512)).train()
+    model = enable_packing(tiny_model("qwen3", layers=2, vocab_size=512)).to(device).train()
     compiled = torch.compile(model, backend=backend)
-    data = rows(batches, 192 if mode == "fixed" else None)
+    data = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in row.items()}
+            for row in rows(batches, 192 if mode == "fixed" else None)]
     log = RecompileLog()
     logger = logging.getLogger("torch._dynamo")
     logger.addHandler(log)
@@ -100,6 +102,8 @@ def run(mode: str, batches: int, rounds: int, backend: str) -> dict:
             for fn, times in ((model, eager_times), (compiled, compiled_times)):
                 start = time.perf_counter()
                 step(fn, row)
+                if device == "cuda":
+                    torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
     eager, comp = statistics.median(eager_times), statistics.median(compiled_times)
     return {

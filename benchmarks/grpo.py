@@ -73,14 +73,19 @@ def fixed_trainer(cls):
     return Fixed
 
 
-def make_trainer(layout: str, processor, out: str):
-    model = tiny_model("qwen2_vl", full_vocabulary=True)
-    path = tempfile.mkdtemp(dir=out)
-    model.save_pretrained(path)  # TRL builds the reference model (beta > 0) from the policy's path
-    model.config._name_or_path = path
-    args = GRPOConfig(output_dir=out, per_device_train_batch_size=4 * G, num_generations=G, max_completion_length=400,
-                      beta=0.04, optim="sgd", learning_rate=1e-3, max_grad_norm=0.0, use_cpu=True, bf16=False,
-                      gradient_checkpointing=False, report_to="none", save_strategy="no", disable_tqdm=True)
+def make_trainer(layout: str, processor, out: str, model=None, **overrides):
+    """The ``layout`` trainer on ``model`` (default: tiny Qwen2-VL, real vocabulary), CPU and fp32 unless
+    ``overrides`` (GRPOConfig fields) say otherwise; benchmarks/gpu/grpo_step.py runs it on a GPU."""
+    model = tiny_model("qwen2_vl", full_vocabulary=True) if model is None else model
+    settings = dict(output_dir=out, per_device_train_batch_size=4 * G, num_generations=G, max_completion_length=400,
+                    beta=0.04, optim="sgd", learning_rate=1e-3, max_grad_norm=0.0, use_cpu=True, bf16=False,
+                    gradient_checkpointing=False, report_to="none", save_strategy="no", disable_tqdm=True)
+    settings.update(overrides)
+    if settings["beta"]:
+        path = tempfile.mkdtemp(dir=out)
+        model.save_pretrained(path)  # TRL builds the reference model (beta > 0) from the policy's path
+        model.config._name_or_path = path
+    args = GRPOConfig(**settings)
     kwargs = dict(model=model, reward_funcs=reward, args=args, processing_class=processor,
                   train_dataset=datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": "x"}]}]))
     if layout == "trl":

@@ -438,50 +438,85 @@ def sampler_case(out: str) -> dict:
             "batch_sampler": type(trainer.get_train_dataloader().batch_sampler.batch_sampler).__name__}
 
 
-def stream_case(out: str) -> dict:
-    """Streaming packs (vlm_pack.streaming) through Trainer: 2 ranks x 2 DataLoader workers over 8 JSONL shards of
-    uneven sizes (the ranks' epochs differ in packs), accumulation 2, 9 steps (2+ epochs), a checkpoint every 3
-    steps; run 2 resumes from checkpoint-6. Each rank reports every forward's samples, epoch or "pad"."""
+def _stream_files(out: str, name: str, parts: list[list[dict]]) -> list[str]:
+    """JSONL files of ``parts`` (written by rank 0), the same paths on both ranks."""
+    files = [str(Path(out) / f"{name}{s}.jsonl") for s in range(len(parts))]
+    if dist.get_rank() == 0:
+        for path, part in zip(files, parts):
+            Path(path).write_text("".join(json.dumps(e) + "\n" for e in part))
+    dist.barrier()
+    return files
+
+
+def _stream_trainer(out: str, files: list[str], resume: str | None = None, **args) -> tuple[list, Trainer]:
+    """Trainer over streaming packs of ``files`` (tiny Qwen2, pack 256, buffer 8, 2 workers, accumulation 2): every
+    forward's [epoch, samples] or "pad"."""
     from datasets import load_dataset
 
     from vlm_pack.streaming import StreamingPackCallback, StreamingPackDataset
-    from vlm_pack.testing.data import text_chat_examples
 
     tokenizer = qwen_tokenizer()
+    packs = StreamingPackDataset(load_dataset("json", data_files=files, split="train", streaming=True),
+                                 VLMPackingCollator(tokenizer, max_length=1024), pack_size=256, buffer_size=8, seed=3)
+    model = enable_packing(tiny_model("qwen2", layers=1, vocab_size=len(tokenizer)))
+    seen = []
+
+    def record(module, args, kwargs):
+        stream = kwargs["vlm_pack"]["stream"]
+        seen.append("pad" if stream.get("pad") else [stream["epoch"], stream["samples"]])
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    args = ref.training_args(out, per_device_train_batch_size=1, dataloader_num_workers=2, ignore_data_skip=True,
+                             accelerator_config={"dispatch_batches": False}, **args)
+    trainer = Trainer(model=model, args=args, train_dataset=packs, data_collator=packs.collate_fn,
+                      callbacks=[StreamingPackCallback(packs)])
+    trainer.train(resume_from_checkpoint=resume)
+    return seen, trainer
+
+
+def stream_case(out: str) -> dict:
+    """Streaming packs (vlm_pack.streaming) through Trainer: 2 ranks x 2 DataLoader workers over 2 JSONL files of
+    40 chats (fewer files than the 4 units: every unit reads every file and keeps its rows), accumulation 2,
+    9 steps (2+ epochs), a checkpoint every 3 steps; runs resumed from copies of checkpoint-3 and checkpoint-6 (in
+    another folder, rank 0's copy: the plain ``resume_from_checkpoint`` recipe). Each rank reports every forward's
+    samples, epoch or "pad"."""
+    import shutil
+
+    from vlm_pack.testing.data import text_chat_examples
+
     examples = text_chat_examples(40, seed=11)
-    cuts = [0, 2, 4, 9, 12, 20, 26, 30, 40]
-    files = []
-    if dist.get_rank() == 0:
-        for s in range(8):
-            path = Path(out) / f"part{s}.jsonl"
-            path.write_text("".join(json.dumps(e) + "\n" for e in examples[cuts[s]:cuts[s + 1]]))
-    dist.barrier()
-    files = [str(Path(out) / f"part{s}.jsonl") for s in range(8)]
-    collator = VLMPackingCollator(tokenizer, max_length=1024)
-
-    def run(resume: str | None) -> list:
-        packs = StreamingPackDataset(load_dataset("json", data_files=files, split="train", streaming=True),
-                                     collator, pack_size=256, buffer_size=8, seed=3)
-        model = enable_packing(tiny_model("qwen2", layers=1, vocab_size=len(tokenizer)))
-        seen = []
-
-        def record(module, args, kwargs):
-            stream = kwargs["vlm_pack"]["stream"]
-            seen.append("pad" if stream.get("pad") else [stream["epoch"], stream["samples"]])
-
-        model.register_forward_pre_hook(record, with_kwargs=True)
-        args = ref.training_args(out, max_steps=9, per_device_train_batch_size=1, save_strategy="steps",
-                                 save_steps=3, dataloader_num_workers=2, ignore_data_skip=True,
-                                 accelerator_config={"dispatch_batches": False})
-        Trainer(model=model, args=args, train_dataset=packs, data_collator=packs.collate_fn,
-                callbacks=[StreamingPackCallback(packs)]).train(resume_from_checkpoint=resume)
-        return seen
-
-    full = run(None)
-    resumed = run(os.path.join(out, "checkpoint-6"))
+    files = _stream_files(out, "stream", [examples[:18], examples[18:]])
+    full, _ = _stream_trainer(out, files, max_steps=9, save_strategy="steps", save_steps=3)
+    resumed = {}
+    for step in (3, 6):
+        copy = os.path.join(out, "copies", f"saved-{step}")
+        if dist.get_rank() == 0:
+            shutil.copytree(os.path.join(out, f"checkpoint-{step}"), copy)
+        dist.barrier()
+        resumed[step], _ = _stream_trainer(os.path.join(out, f"resumed-{step}"), files, resume=copy, max_steps=9)
     gathered = [None] * WORLD
     dist.all_gather_object(gathered, {"full": full, "resumed": resumed})
     return {"ranks": gathered, "samples": len(examples)}
+
+
+def stream_error_case(out: str) -> dict:
+    """Rank 1's stream holds a chat with nothing to train on at line 20 (an error in its data pipeline, raised in a
+    DataLoader worker after some packs): every rank must end with an error, none wait. Each rank reports its
+    error and the seconds until it."""
+    from vlm_pack.testing.data import text_chat_examples
+
+    examples = text_chat_examples(30, seed=12)
+    bad = [*examples[:19], {"messages": [{"role": "user", "content": "a question, no answer"}]}, *examples[19:]]
+    files = _stream_files(out, "error", [examples, bad])
+    start = time.perf_counter()
+    try:
+        _stream_trainer(out, [files[dist.get_rank()]], max_steps=20)
+        error = None
+    except Exception as err:  # noqa: BLE001  (what the rank stopped with is the result)
+        error = f"{type(err).__name__}: {err}"
+    gathered = [None] * WORLD
+    dist.all_gather_object(gathered, {"error": error, "seconds": round(time.perf_counter() - start, 1)})
+    return {"ranks": gathered, "bad_file": files[1]}
 
 
 SP_TEXT_FAMILIES = ("qwen2", "qwen3", "mistral")  # besides Llama (sp_text)
@@ -494,7 +529,8 @@ CASES = {
     "ddp_token_budget": token_budget_case,
     "fsdp2": fsdp2_case,
     "sampler": sampler_case,
-    "stream": stream_case,
+    "stream_2_files": stream_case,
+    "stream_error": stream_error_case,
     "zero2": lambda out: zero_case(out, 2),
     "zero3": lambda out: zero_case(out, 3),
     "sp_text": sp_text_case,

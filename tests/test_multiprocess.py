@@ -32,7 +32,8 @@ SP_CASES = ("sp_text", "sp_token_budget", "sp_video", "sp_qwen3_vl",
 SP_CORRUPTIONS = ("sp_positions_not_restarted", "sp_loss_per_rank_mean", "sp_vision_tower_sliced")
 # ZeRO cases last: once ZeRO-3 is configured, transformers builds every later model partitioned; sequence
 # parallelism (ZeRO-3, DeepSpeed's SP groups) after them.
-CASES = (*DDP_CASES, "ddp_per_rank_mean", "fsdp2", "sampler", "stream",
+STREAM_CASES = ("stream_2_files", "stream_error")
+CASES = (*DDP_CASES, "ddp_per_rank_mean", "fsdp2", "sampler", *STREAM_CASES,
          *(("zero2", "zero3", *SP_CASES, *SP_CORRUPTIONS) if HAS_DEEPSPEED else ()))
 pytestmark = pytest.mark.slow  # multi-process (CI runs slow tests too)
 LAUNCH_TIMEOUT_S = 900  # generous: two processes import torch + transformers and train on a loaded 2-core box
@@ -134,20 +135,34 @@ def test_ulysses_corruptions_are_caught(results):
 
 
 def test_streaming_packs_in_trainer_once_per_epoch_equal_steps_and_resume(results):
-    """vlm_pack.streaming through Trainer on 2 ranks x 2 workers, 8 uneven JSONL shards, accumulation 2, 9 steps:
-    each epoch holds every sample exactly once across the ranks (shards dealt before packing, accelerate's
-    IterableDatasetShard passed through), both ranks start each epoch at the same micro-batch (the rank with less
-    data trains loss-free packs meanwhile, nothing repeated), and the run resumed from checkpoint-6 (second pass)
-    forwards exactly what the uninterrupted run had left, on both ranks."""
-    got = results["stream"]
+    """vlm_pack.streaming through Trainer on 2 ranks x 2 workers over 2 JSONL files of 18 and 22 chats (fewer files
+    than the 4 units: each keeps every 4th row of every file; tests/test_streaming_packs.py runs one file and whole
+    shards at 2 ranks x 2 workers without a launch), accumulation 2, 9 steps: each epoch
+    holds every sample exactly once across the ranks (accelerate's IterableDatasetShard passed through), both ranks
+    start each epoch at the same micro-batch (the rank with less data trains loss-free packs meanwhile, nothing
+    repeated), and the runs resumed from copies of checkpoint-3 (first pass) and checkpoint-6 (second pass) in
+    another folder forward exactly what the uninterrupted run had left, on both ranks (deterministic per seed)."""
+    got = results["stream_2_files"]
     ranks = got["ranks"]
     assert len(ranks[0]["full"]) == len(ranks[1]["full"]) == 18  # 9 steps x accumulation 2 on each rank
     starts = [[next(i for i, x in enumerate(rank["full"]) if x != "pad" and x[0] == e) for e in (1, 2)]
               for rank in ranks]
     assert starts[0] == starts[1]
-    assert any(x == "pad" for rank in ranks for x in rank["full"])
+    assert 2 * 3 < starts[0][0] <= 2 * 6  # checkpoint-3 is in the first pass, checkpoint-6 in the second
     for epoch in (0, 1):
         keys = [tuple(k) for rank in ranks for x in rank["full"] if x != "pad" and x[0] == epoch for k in x[1]]
         assert len(keys) == len(set(keys)) == got["samples"], epoch
     for rank in ranks:
-        assert rank["resumed"] == rank["full"][12:]
+        for step in ("3", "6"):
+            assert rank["resumed"][step] == rank["full"][2 * int(step):], step
+
+
+def test_a_data_error_on_one_rank_stops_every_rank(results):
+    """Rank 1's stream has a chat with nothing to train on (line 20 of its file): rank 1 stops with that error,
+    naming the file and line, and rank 0 stops at the same pull with an error naming rank 1, instead of waiting
+    in the next collective (the per-pull agreement carries an error flag)."""
+    got = results["stream_error"]
+    rank0, rank1 = got["ranks"]
+    assert rank1["error"] and f"{got['bad_file']} line 20: " in rank1["error"], rank1
+    assert rank0["error"] and "rank 1 failed reading its streaming packs" in rank0["error"], rank0
+    assert max(rank0["seconds"], rank1["seconds"]) < 120, got  # bounded: a hang would wait the 30-minute timeout

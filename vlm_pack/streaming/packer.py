@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["BufferedBestFit", "BufferedSample"]
+__all__ = ["BufferedBestFit", "BufferedSample", "predict_fill"]
 
 Key = tuple[int, int]  # (position of the shard in the unit's shard list, row in the shard)
 
@@ -97,3 +97,25 @@ class BufferedBestFit:
         self._waiting, self._by_length = {}, []
         for shard, row, length, entered in state["waiting"]:
             self.add((int(shard), int(row)), int(length), int(entered))
+
+
+def predict_fill(lengths, pack_size: int, buffer_size: int, samples: int = 2048, seed: int = 0) -> tuple[float, float]:
+    """(fill of buffered best fit at ``buffer_size``, fill of offline best fit decreasing) on ``samples`` lengths
+    drawn from ``lengths`` (a stream's first measured samples): what the buffer will give, beside the best
+    possible. Fill = tokens / (packs x pack size)."""
+    from ..offline.algorithms import best_fit_decreasing
+
+    rng = np.random.default_rng(seed)
+    drawn = rng.choice(np.asarray(lengths, dtype=np.int64), size=samples)
+    packer = BufferedBestFit(pack_size, buffer_size, (seed,))
+    packs = 0
+    for i, length in enumerate(drawn.tolist()):
+        packer.add((0, i), length)
+        if packer.full:
+            packer.cut()
+            packs += 1
+    while len(packer):
+        packer.cut()
+        packs += 1
+    tokens = float(drawn.sum()) / pack_size
+    return tokens / packs, tokens / (int(best_fit_decreasing(drawn, pack_size).max()) + 1)

@@ -1,0 +1,29 @@
+"""Stage g: ``torch.compile`` of a packed model on the device: recompiles over 20 packed batches (fixed width and
+variable width) with dynamo's reasons, and the compiled / eager step ratio. The code is benchmarks/compile.py's
+(tiny Qwen3 with ``enable_packing``, fp32 forward + backward), run on the GPU with inductor; the dry run traces
+fixed-width rows with the ``eager`` backend (dynamo's guards and recompiles without inductor's compile time)."""
+
+from __future__ import annotations
+
+from benchmarks.gpu.common import Context, Result, require_cuda, table
+
+
+def run(ctx: Context) -> Result:
+    require_cuda(ctx)
+    from benchmarks import compile as compile_benchmark
+
+    batches, rounds, backend = (3, 1, "eager") if ctx.dry else (20, 2, "inductor")
+    results = []
+    for mode in ("fixed",) if ctx.dry else ("fixed", "variable"):
+        results.append(compile_benchmark.run(mode, batches, rounds, backend, device=ctx.device))
+        ctx.save({"backend": backend, "results": results})
+    lines = [f"{batches} packed rows per mode, backend `{backend}`, {rounds} interleaved timing round(s).", ""]
+    lines += table(["rows", "widths", "first compile s", "recompiles (all / vlm_pack)", "per batch after the first",
+                    "eager ms", "compiled ms", "compiled / eager"],
+                   [[r["mode"], len(r["widths"]), r["first_compile_s"], f"{r['recompiles']} / {r['recompiles_vlm_pack']}",
+                     r["recompiles_per_batch_after_first"], r["eager_step_ms"], r["compiled_step_ms"],
+                     r["compiled_over_eager"]] for r in results])
+    lines += ["", "Recompile reasons:", ""] + [f"- {r['mode']}: {reason}" for r in results for reason in r["reasons"]]
+    checks = {f"{r['mode']}: no recompile after the second batch": not any(r["recompiles_per_batch_after_first"][1:])
+              for r in results}
+    return Result(lines, {"backend": backend, "results": results}, checks)
