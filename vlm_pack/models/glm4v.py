@@ -18,5 +18,6 @@ GLM4V = register_family(FamilySpec(
         "rl": "tests/test_rl_families.py::test_step_equals_trl[glm4v-packed]",
         "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[glm4v-shared]",
         "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_glm4v]",
+        "context_parallel": "tests/test_vlm_families.py::test_context_parallel_alignment_equals_each_sample_alone[glm4v]",
     },
 ))

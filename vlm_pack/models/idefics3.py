@@ -28,6 +28,7 @@ IDEFICS3 = register_family(FamilySpec(
         "rl": "tests/test_rl_families.py::test_step_equals_trl[idefics3-packed]",
         "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[idefics3-shared]",
         "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_idefics3]",
+        "context_parallel": "tests/test_vlm_families.py::test_context_parallel_alignment_equals_each_sample_alone[idefics3]",
     },
 ))
 
@@ -51,5 +52,6 @@ SMOLVLM = register_family(FamilySpec(
     image_text=_smolvlm_image_text,
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[smolvlm]",
+        "context_parallel": "tests/test_vlm_families.py::test_context_parallel_alignment_equals_each_sample_alone[smolvlm]",
     },
 ))

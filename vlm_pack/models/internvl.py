@@ -18,5 +18,6 @@ INTERNVL = register_family(FamilySpec(
         "rl": "tests/test_rl_families.py::test_step_equals_trl[internvl-packed]",
         "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[internvl-shared]",
         "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_internvl]",
+        "context_parallel": "tests/test_vlm_families.py::test_context_parallel_alignment_equals_each_sample_alone[internvl]",
     },
 ))

@@ -17,6 +17,7 @@ LLAMA = register_family(FamilySpec(
         "rl": "tests/test_rl_grpo.py::test_training_steps_equal_trl[llama-packed]",
         "rl_shared_prompt": "tests/test_rl_grpo.py::test_training_steps_equal_trl[llama-shared]",
         "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_text]",
+        "context_parallel": "tests/test_families.py::test_text_family_with_context_parallel_alignment[llama]",
     },
 ))
 QWEN2 = register_family(FamilySpec(
@@ -26,6 +27,7 @@ QWEN2 = register_family(FamilySpec(
         "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen2-packed]",
         "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen2-shared]",
         "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_qwen2]",
+        "context_parallel": "tests/test_families.py::test_text_family_with_context_parallel_alignment[qwen2]",
     },
 ))
 QWEN3 = register_family(FamilySpec(
@@ -34,5 +36,6 @@ QWEN3 = register_family(FamilySpec(
         "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen3-packed]",
         "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen3-shared]",
         "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_qwen3]",
+        "context_parallel": "tests/test_families.py::test_text_family_with_context_parallel_alignment[qwen3]",
     },
 ))
