@@ -101,12 +101,14 @@ def test_collator_refuses_context_parallel_by_name():
     from vlm_pack.data.collator import VLMPackingCollator
     from vlm_pack.testing.tiny_models import qwen_tokenizer
 
-    tokenizer = qwen_tokenizer()
-    with pytest.raises(UnsupportedModelError, match=r"context_parallel_size=2 with a qwen3 model: .* not proven"):
-        VLMPackingCollator(tokenizer, max_length=64, model_config=_config("qwen3"), context_parallel_size=2)
-    with pytest.warns(UserWarning, match="context_parallel_size=2 with a qwen3 model"):
-        VLMPackingCollator(tokenizer, max_length=64, model_config=_config("qwen3"), context_parallel_size=2,
-                           allow_unproven=True)
+    from vlm_pack.testing.tiny_families import mistral_text_config
+
+    tokenizer, config = qwen_tokenizer(), mistral_text_config(1000, layers=1)
+    assert "context_parallel" not in get_family(config).paths
+    with pytest.raises(UnsupportedModelError, match=r"context_parallel_size=2 with a mistral model: .* not proven"):
+        VLMPackingCollator(tokenizer, max_length=64, model_config=config, context_parallel_size=2)
+    with pytest.warns(UserWarning, match="context_parallel_size=2 with a mistral model"):
+        VLMPackingCollator(tokenizer, max_length=64, model_config=config, context_parallel_size=2, allow_unproven=True)
 
 
 def test_budget_planning_refuses_by_name():
