@@ -11,6 +11,7 @@ the samples each rank consumed. References are built after training, split betwe
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from vlm_pack import VLMPackingCollator  # noqa: E402
 from vlm_pack.integrations.hf_model import enable_packing  # noqa: E402
 from vlm_pack.offline.dataset import PackedDataset, PackedSFTDataset  # noqa: E402
 from vlm_pack.offline.storage import PackedArrays, build_index, write_packed  # noqa: E402
+from vlm_pack.testing.tiny_families import TINY_VLM_FAMILIES  # noqa: E402
 from vlm_pack.testing.tiny_models import offline_qwen2vl_processor, qwen_tokenizer, tiny_model  # noqa: E402
 
 WORLD = int(os.environ.get("WORLD_SIZE", 2))  # 2 in the suite; 4 = SP 2 x DP 2 for sp_text, run by hand
@@ -75,13 +77,21 @@ def compare(results: dict, pending: dict) -> None:
         if OWNERS[key] == dist.get_rank():
             if key not in REFERENCES:
                 REFERENCES[key] = build()
-            errors[name] = ref.relative_error(grads, REFERENCES[key])
+            errors[name] = ref.relative_error(trained_part(grads, REFERENCES[key]), REFERENCES[key])
     gathered = [None] * WORLD
     dist.all_gather_object(gathered, errors)
     for part in gathered:
         for name, error in part.items():
             results[name]["error"] = error
     pending.clear()
+
+
+def trained_part(update: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``update`` on the parameters the reference gives a gradient; the others (e.g. the head of a SigLIP tower that
+    LLaVA never calls) must not have moved."""
+    moved = sorted(name for name in set(update) - set(reference) if update[name].any())
+    assert not moved, f"parameters without a reference gradient changed: {moved[:4]}"
+    return {name: update[name] for name in reference}
 
 
 def trainer_grads(model, dataset, collate, out: str, **overrides) -> tuple[dict[str, torch.Tensor], Trainer]:
@@ -304,22 +314,39 @@ class Unrestarted:
         return batch
 
 
-def sp_text_case(out: str, corrupt: str | None = None, **arguments) -> dict:
-    """Llama on two offline packs of six samples (prompt tokens masked): reference key 'text_masked'."""
+def tiny_text_model(family: str):
+    """The tiny text model of ``family`` (seeded: the same weights at every build) over ids below ``ref.VOCAB``."""
+    if family != "mistral":
+        return tiny_model(family, layers=1, vocab_size=ref.VOCAB)
+    from transformers import MistralForCausalLM
+
+    from vlm_pack.testing.tiny_families import mistral_text_config
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return MistralForCausalLM._from_config(mistral_text_config(ref.VOCAB, layers=1), attn_implementation="sdpa",
+                                               dtype=torch.float32).eval()
+
+
+def sp_text_case(out: str, family: str = "llama", corrupt: str | None = None, **arguments) -> dict:
+    """A text family on two offline packs of six samples (prompt tokens masked): reference key 'text_masked' (Llama)
+    or 'text_<family>'."""
     fresh_sequence_parallel()
     packs, samples, masks = sft_packs(out, per_pack=(6, 6) if WORLD == 2 else (12 // WORLD,) * WORLD)
-    model = tiny_model("llama", layers=1, vocab_size=ref.VOCAB)
+    model = tiny_text_model(family)
     result = sp_train(out, model, packs, packs.collate_fn, width=ref.PACK, corrupt=corrupt, **arguments)
     update = result.pop("update", None)
     if update is None:
         return result
-    return {**result, COMPARE: ("text_masked", update, lambda: ref.text_reference(samples, masks))}
+    key = "text_masked" if family == "llama" else f"text_{family}"
+    return {**result, COMPARE: (key, update, lambda: ref.text_reference(samples, masks, tiny_text_model(family)))}
 
 
 def sp_vlm_case(out: str, family: str = "qwen2_vl", video: bool = False, corrupt: str | None = None) -> dict:
     """Rows of several examples (grouped_rows): Qwen2-VL / Qwen3-VL on the eight image / text examples of ddp_vlm,
     four per row (reference key 'vlm' / the family); Qwen2.5-VL on the video / image / text examples of
-    tests/test_video.py, two per row (key 'video'); GLM-4V on two photos + two text chats, two per row."""
+    tests/test_video.py, two per row (key 'video'); the families of vlm_pack.testing.tiny_families (GLM-4V,
+    InternVL, LLaVA-OneVision, Mistral3, Idefics3, ...) on two photos + two text chats, two per row."""
     from vlm_pack.sequence_parallel import grouped_rows
 
     fresh_sequence_parallel()
@@ -329,7 +356,7 @@ def sp_vlm_case(out: str, family: str = "qwen2_vl", video: bool = False, corrupt
         import test_video
 
         proc, examples, per_row, key = test_video.processor_for(family), test_video.examples(), 2, "video"
-    elif family == "glm4v":
+    elif family in TINY_VLM_FAMILIES:
         from vlm_pack.testing.data import photo_examples, text_chat_examples
         from vlm_pack.testing.tiny_families import tiny_vlm, tiny_vlm_processor
 
@@ -500,6 +527,8 @@ def stream_error_case(out: str) -> dict:
     return {"ranks": gathered, "bad_file": files[1]}
 
 
+SP_TEXT_FAMILIES = ("qwen2", "qwen3", "mistral")  # besides Llama (sp_text)
+SP_VLM_FAMILIES = ("glm4v", "internvl", "llava_onevision", "mistral3", "idefics3")
 CASES = {
     "ddp_vlm": vlm_case,
     "ddp_per_rank_mean": lambda out: packed_sft_case(out, average_tokens=False),
@@ -516,7 +545,8 @@ CASES = {
     "sp_video": lambda out: sp_vlm_case(out, "qwen2_5_vl", video=True),
     "sp_token_budget": sp_token_budget_case,
     "sp_qwen3_vl": lambda out: sp_vlm_case(out, "qwen3_vl"),
-    "sp_glm4v": lambda out: sp_vlm_case(out, "glm4v"),
+    **{f"sp_{family}": functools.partial(sp_text_case, family=family) for family in SP_TEXT_FAMILIES},
+    **{f"sp_{family}": functools.partial(sp_vlm_case, family=family) for family in SP_VLM_FAMILIES},
     "sp_positions_not_restarted": lambda out: sp_text_case(out, corrupt="positions"),
     "sp_loss_per_rank_mean": lambda out: sp_text_case(out, corrupt="rank_mean"),
     "sp_cpu_without_use_cpu": lambda out: sp_text_case(out, use_cpu=False),  # Trainer's default device choice

@@ -15,9 +15,11 @@ import tempfile
 
 import datasets
 import torch
+from transformers import MistralForCausalLM
 
 from preference_helpers import _WORDS, GradientsAtStep, word_tokenizer
 from vlm_pack.testing.data import _fit, sample_photos
+from vlm_pack.testing.tiny_families import mistral_text_config, tiny_vlm, tiny_vlm_processor
 from vlm_pack.testing.tiny_models import _MODEL_CLASSES, offline_qwen2vl_processor, tiny_model
 
 G = 4  # rollouts per prompt
@@ -53,11 +55,17 @@ def reward(completion_ids, **kwargs) -> list[float]:
     return [float((sum(c) * 7 + len(c)) % 5) for c in completion_ids]
 
 
+TEXT_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
 @functools.lru_cache(maxsize=None)
 def processor_of(family: str):
-    if family == "llama":
+    """The word tokenizer (text families); the offline Qwen2-VL processor (Qwen-VL families, as
+    tests/test_vlm_equivalence.py); the family's offline processor (vlm_pack.testing.tiny_families). Prompts are
+    left-padded, as TRL's generation needs."""
+    if family in TEXT_FAMILIES:
         return word_tokenizer()
-    processor = offline_qwen2vl_processor()
+    processor = offline_qwen2vl_processor() if family in _MODEL_CLASSES else tiny_vlm_processor(family)
     processor.tokenizer.padding_side = "left"
     return processor
 
@@ -68,7 +76,7 @@ def examples(family: str, n: int = 4) -> datasets.Dataset:
     names = sorted(photos)
     rows = []
     for i in range(n):
-        if family == "llama":
+        if family in TEXT_FAMILIES:
             rows.append({"prompt": [{"role": "user", "content": "what is shown in picture " + "? " * (i + 1)}]})
         else:
             images = [_fit(photos[names[(i + k) % len(names)]], SIDES[(i + k) % 4]) for k in range(1 + i % 2)]
@@ -77,20 +85,33 @@ def examples(family: str, n: int = 4) -> datasets.Dataset:
     return datasets.Dataset.from_list(rows)
 
 
+def _tiny(family: str):
+    vocab = len(_WORDS.split())
+    if family == "mistral":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return MistralForCausalLM._from_config(mistral_text_config(vocab, layers=1), attn_implementation="sdpa",
+                                                   dtype=torch.float32)
+    if family in _MODEL_CLASSES:
+        return tiny_model(family, layers=1, seed=0, vocab_size=vocab if family in TEXT_FAMILIES else None)
+    return tiny_vlm(family, processor_of(family), layers=1, seed=0)
+
+
 @functools.lru_cache(maxsize=None)
-def _saved(family: str) -> str:
+def _saved(family: str) -> tuple[str, type]:
     """The tiny policy saved once: TRL builds the reference model (beta > 0) from the policy's path."""
     path = tempfile.mkdtemp(prefix=f"vlm_pack_rl_{family}_")
     atexit.register(shutil.rmtree, path, ignore_errors=True)
-    vocab = len(_WORDS.split()) if family == "llama" else None
-    tiny_model(family, layers=1, seed=0, vocab_size=vocab).save_pretrained(path)
-    return path
+    model = _tiny(family)
+    model.save_pretrained(path)
+    return path, type(model)
 
 
 def policy(family: str):
     """A fresh copy of the saved tiny policy (fp32, sdpa), its ``_name_or_path`` pointing at the saved files."""
-    model = _MODEL_CLASSES[family].from_pretrained(_saved(family), dtype=torch.float32, attn_implementation="sdpa")
-    return model.eval()
+    path, model_class = _saved(family)
+    return model_class.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
-__all__ = ["G", "MAX_COMPLETION", "GradientsAtStep", "examples", "fixed", "policy", "processor_of", "reward"]
+__all__ = ["G", "MAX_COMPLETION", "TEXT_FAMILIES", "GradientsAtStep", "examples", "fixed", "policy", "processor_of",
+           "reward"]

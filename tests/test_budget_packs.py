@@ -309,15 +309,19 @@ def _family_collator(family: str) -> VLMPackingCollator:
     if family in ("gemma3", "gemma4"):
         processor = offline_gemma3_processor() if family == "gemma3" else _gemma4_processor()
         config = tiny_config(family)
+    elif family in ("qwen2_5_vl", "qwen3_vl"):
+        from test_video import processor_for
+
+        processor, config = processor_for(family), tiny_config(family)
     else:
         processor = tiny_vlm_processor(family)
         config = tiny_vlm(family, processor, layers=1).config
     return VLMPackingCollator(processor, max_length=1 << 16, model_config=config)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma4", *TINY_VLM_FAMILIES])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "gemma3", "gemma4", *TINY_VLM_FAMILIES])
 def test_planned_length_equals_the_real_processor_for_every_family(family):
-    """Every registered VLM family but the Qwen-VL ones (same processor: the shipped-mix and any-size tests above)."""
+    """Every registered VLM family but Qwen2-VL (the shipped-mix and any-size tests above)."""
     collator = _family_collator(family)
     examples = [_images_example(group) for group in _GROUPS]
     planned = measure_lengths(examples, collator, progress=False)

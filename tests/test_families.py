@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlm_pack import pack_batch_sequences
+from vlm_pack import pack_batch_sequences, pad_multiple
 from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.models import UnsupportedModelError, get_family, registered_families
 from vlm_pack.testing.tiny_models import tiny_config, tiny_model
@@ -30,14 +30,14 @@ def _alone(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return logits, F.cross_entropy(logits[:-1], ids[1:])
 
 
-def _packed(model, samples: list[torch.Tensor]) -> torch.Tensor:
+def _packed(model, samples: list[torch.Tensor], pad_to_multiple_of: int = 2) -> torch.Tensor:
     width = max(len(s) for s in samples)
     padded = torch.zeros(len(samples), width, dtype=torch.long)
     mask = torch.zeros_like(padded)
     for row, sample in enumerate(samples):
         padded[row, : len(sample)] = sample
         mask[row, : len(sample)] = 1
-    packed = pack_batch_sequences(padded, padding_mask=mask, pad_to_multiple_of=2)
+    packed = pack_batch_sequences(padded, padding_mask=mask, pad_to_multiple_of=pad_to_multiple_of)
     logits = model(input_ids=packed.tokens, position_ids=packed.position_ids, use_cache=False,
                    **packed.attention_kwargs()).logits[0]
     bounds = packed.cu_seqlens_padded.tolist()
@@ -46,11 +46,22 @@ def _packed(model, samples: list[torch.Tensor]) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", TEXT_FAMILIES)
 def test_text_family_packed_equals_each_sample_alone(family):
+    _check_exact(family, pad_to_multiple_of=2)
+
+
+@pytest.mark.parametrize("family", TEXT_FAMILIES)
+def test_text_family_with_context_parallel_alignment(family):
+    """Each sample padded to a multiple of 4 (``pad_multiple(context_parallel_size=2)``, what the collator does for
+    cp=2): the alignment slots change nothing."""
+    _check_exact(family, pad_to_multiple_of=pad_multiple(context_parallel_size=2))
+
+
+def _check_exact(family: str, pad_to_multiple_of: int) -> None:
     stock = tiny_model(family, attn_implementation="sdpa")
     packed_model = enable_packing(tiny_model(family, attn_implementation="sdpa"))
     stock64, logit_floor, loss_floor = fp64_copy(stock), NoiseFloor("logits"), NoiseFloor("per-sample loss")
     samples = _samples(1)
-    for sample, logits in zip(samples, _packed(packed_model, samples)):
+    for sample, logits in zip(samples, _packed(packed_model, samples, pad_to_multiple_of)):
         reference, reference_loss = _alone(stock, sample)
         reference64, reference_loss64 = _alone(stock64, sample)
         logit_floor.observe(reference, reference64)

@@ -6,8 +6,9 @@ reduction) or one SGD weight update (ZeRO hides ``.grad``) with every sample of 
 through the stock sdpa model, loss = token mean over both ranks and the whole accumulation window
 (tests/test_trainer.py's references): relative L2 < 1e-4 in fp32. Each case also reports the engine that really
 ran, so a silent fallback (e.g. ``TrainingArguments(fsdp=...)`` runs DDP on CPU) cannot pass for another.
-The sequence-parallel cases (DeepSpeed Ulysses, SP = 2, ZeRO-3, vlm_pack.sequence_parallel) run last and add
-about 35 s to the launch.
+The sequence-parallel cases (DeepSpeed Ulysses, SP = 2, ZeRO-3, vlm_pack.sequence_parallel; one case per family,
+all in this launch) run last and add about 35 s (5 original cases) + about 55 s (7 more families, measured on a
+loaded 2-core machine) to the launch.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from tolerance import GRAD_REL_L2
 
 DDP_CASES = ("ddp_vlm", "ddp_packed_dataset", "ddp_packed_sft", "ddp_token_budget")
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-SP_CASES = ("sp_text", "sp_token_budget", "sp_video", "sp_qwen3_vl", "sp_glm4v")
+SP_CASES = ("sp_text", "sp_token_budget", "sp_video", "sp_qwen3_vl",
+            *(f"sp_{family}" for family in ("qwen2", "qwen3", "mistral", "glm4v", "internvl", "llava_onevision",
+                                            "mistral3", "idefics3")))
 SP_CORRUPTIONS = ("sp_positions_not_restarted", "sp_loss_per_rank_mean", "sp_vision_tower_sliced",
                   "sp_cpu_without_use_cpu")
 # ZeRO cases last: once ZeRO-3 is configured, transformers builds every later model partitioned; sequence
@@ -110,12 +113,15 @@ def test_balanced_sampler_in_trainer_covers_every_sample_once_and_resumes(result
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (the test extra installs it)")
 @pytest.mark.parametrize("case", SP_CASES)
 def test_ulysses_sequence_parallel_equals_each_sample_alone(results, case):
-    """SP = 2 (DeepSpeed Ulysses through UlyssesTrainer + ParallelismConfig, ZeRO-3): Llama on offline packs
-    (prompts masked); Qwen2-VL with images on four token-budget packs (accumulation 4); rows of several examples
-    (grouped_rows, accumulation 2, two rows of different label counts): Qwen2.5-VL with videos, Qwen3-VL (2 text
+    """SP = 2 (DeepSpeed Ulysses through UlyssesTrainer + ParallelismConfig, ZeRO-3): Llama, Qwen2, Qwen3 and
+    Mistral on offline packs (prompts masked); Qwen2-VL with images on four token-budget packs (accumulation 4);
+    rows of several examples (grouped_rows, accumulation 2, two rows of different label counts): Qwen2.5-VL with
+    videos, Qwen3-VL (2 text
     layers) with images (deepstack sliced with the row: a rank taking the first deepstack rows instead of its own
-    gives 3.9e-2), GLM-4V with images. The weight update is that of the global token mean
-    of all samples, each run alone through the stock sdpa model."""
+    gives 3.9e-2), GLM-4V, InternVL (tiles), LLaVA-OneVision (anyres
+    crops), Mistral3 (Pixtral) and Idefics3 (per-sample tile stacks) with images. The weight update is that of the
+    global token mean of all samples, each run alone through the stock sdpa model (parameters the reference leaves
+    without gradient, e.g. an unused SigLIP head, must not move)."""
     got = results[case]
     assert (got["engine"], got["stage"], got["sp"]) == ("DeepSpeedEngine", 3, 2), got
     assert got["error"] < GRAD_REL_L2, got

@@ -188,7 +188,7 @@ def test_loss_type_equals_trl(loss_type, tmp, one_thread):
 def test_refusals(tmp):
     processor = processor_of("qwen2_vl")
     gemma = tiny_model("gemma3", layers=1)
-    with pytest.raises(ValueError, match="shared_prompts=True with the gemma3 family"):
+    with pytest.raises(ValueError, match=r"shared_prompts=True\) with a gemma3 model: its bidirectional image blocks"):
         PreferenceCollator(processor_of("gemma3"), model_config=gemma.config, shared_prompts=True)
     with pytest.raises(ValueError, match="needs model_config"):
         PreferenceCollator(processor)
@@ -202,6 +202,11 @@ def test_refusals(tmp):
                              data_collator=collator, train_dataset=dataset, processing_class=processor)
     with pytest.raises(ValueError, match="PreferenceCollator"):
         PackedDPOTrainer(model=model, args=dpo_config(tmp), train_dataset=dataset, processing_class=processor)
+    text = PreferenceCollator(word_tokenizer())  # no model_config: the trainer checks the model's family itself
+    with pytest.raises(ValueError, match=r"PackedDPOTrainer with a qwen3 model: DPO .* not proven"):
+        PackedDPOTrainer(model=tiny_model("qwen3", layers=1), ref_model=None, args=dpo_config(tmp), data_collator=text,
+                         train_dataset=datasets.Dataset.from_list(pair_examples(images=False)),
+                         processing_class=word_tokenizer())
     with pytest.raises(ValueError, match="max_length=8"):
         PreferenceCollator(processor, model_config=model.config, max_length=8)(pair_examples(images=True)[:1])
 

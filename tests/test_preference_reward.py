@@ -92,6 +92,15 @@ def test_refusals(tmp):
                             processing_class=word_tokenizer())
     with pytest.raises(ValueError, match="rejected_ids"):
         RewardCollator(0)([{"chosen_ids": [1, 2], "rejected_ids": []}])
+    from transformers import Qwen3ForSequenceClassification
+
+    config = tiny_config("qwen3", layers=1)
+    config.vocab_size, config.num_labels = len(_WORDS.split()), 1
+    unproven = Qwen3ForSequenceClassification._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"PackedRewardTrainer with a qwen3 model: reward modelling .* not proven"):
+        PackedRewardTrainer(model=unproven, args=RewardConfig(output_dir=tmp, use_cpu=True, report_to="none"),
+                            data_collator=RewardCollator(0), processing_class=word_tokenizer(),
+                            train_dataset=datasets.Dataset.from_list(pair_examples(images=False)))
 
 
 def test_pad_equal_to_eos_scores_the_last_non_pad_token():

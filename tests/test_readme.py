@@ -111,7 +111,9 @@ def test_the_only_skipped_block_is_the_set_up_one_and_its_commands_hold():
     assert demo.returncode == 0 and "usage: vlm-pack demo" in demo.stdout, demo.stderr
 
 
-def test_supported_families_table_lists_every_registered_family_with_its_proof():
+def test_supported_families_table_lists_every_registered_family():
+    """The rules table lists every registered model type; each family's proofs are linked by the generated
+    per-path table (tests/test_registry.py)."""
     from vlm_pack.models import registered_families
 
     assert "(docs/families.md)" in README, "the README links the families table"
@@ -123,9 +125,6 @@ def test_supported_families_table_lists_every_registered_family_with_its_proof()
     types = {t for spec in registered.values() for t in spec.model_types}
     assert types == listed, f"registered, not in the table: {types - listed}; not registered: {listed - types}"
     assert set(registered) <= listed, f"families missing from the docs/families.md table: {set(registered) - listed}"
-    for spec in registered.values():
-        assert (ROOT / spec.proof).is_file(), spec.proof
-        assert any(f"](../{spec.proof})" in row for row in rows if f"`{spec.name}`" in row), f"{spec.name}: proof not linked"
 
 
 # ---- the text: links, module names, paths ----

@@ -92,7 +92,7 @@ def reference_grads(family: str, processor, examples: list, reduction: str = "to
 
 
 def relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    assert got is not None and got.keys() == want.keys()
+    assert got is not None and got.keys() == want.keys(), sorted(set(got) ^ set(want))[:6]
     diff = torch.cat([(got[n] - want[n]).flatten() for n in want])
     return float(diff.norm() / torch.cat([w.flatten() for w in want.values()]).norm())
 
@@ -229,9 +229,11 @@ def random_samples(seed: int = 7, lengths=(9, 14, 6, 11, 20, 7, 13, 5, 12, 16, 8
     return [rng.integers(10, 5000, n) for n in lengths]
 
 
-def text_reference(samples: list[np.ndarray], masks: list[np.ndarray] | None = None) -> dict[str, torch.Tensor]:
-    """Each sample ALONE through a stock sdpa Llama; token t is a target where its mask is 1 (all when None)."""
-    stock = tiny_model("llama", layers=1, vocab_size=VOCAB)
+def text_reference(samples: list[np.ndarray], masks: list[np.ndarray] | None = None,
+                   stock=None) -> dict[str, torch.Tensor]:
+    """Each sample ALONE through a stock sdpa model (default: the tiny Llama); token t is a target where its mask is
+    1 (all when None)."""
+    stock = tiny_model("llama", layers=1, vocab_size=VOCAB) if stock is None else stock
     total, count = 0.0, 0
     for i, tokens in enumerate(samples):
         ids = torch.as_tensor(tokens, dtype=torch.long)

@@ -155,15 +155,16 @@ def test_packed_vlm_equals_per_sample(processor, family, micro_batch):
     assert_exact(model, stock_sdpa(model, family), collator, examples, routes=("kwargs", "positions"))
 
 
-def test_packed_vlm_with_context_parallel_alignment(processor):
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_packed_vlm_with_context_parallel_alignment(processor, family):
     """cp=2 pads every sample to a multiple of 4: alignment slots must change nothing."""
-    model = enable_packing(tiny_model("qwen2_5_vl"))
+    model = enable_packing(tiny_model(family))
     collator = VLMPackingCollator(processor, max_length=1024, model_config=model.config, context_parallel_size=2)
     examples = vlm_examples(4, seed=7)
     batch = collator(examples)
     assert torch.all(batch["vlm_pack"]["cu_seqlens_padded"] % 4 == 0)
     assert batch["vlm_pack"]["stats"].padded_slots > 0
-    assert_exact(model, stock_sdpa(model, "qwen2_5_vl"), collator, examples, routes=("kwargs", "positions"))
+    assert_exact(model, stock_sdpa(model, family), collator, examples, routes=("kwargs", "positions"))
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])

@@ -201,6 +201,20 @@ def test_packed_family_equals_each_sample_alone(family, micro_batch, seed):
     assert_exact(result)
 
 
+@pytest.mark.parametrize("family", [family for family, _, _ in EXACT_CASES])
+def test_context_parallel_alignment_equals_each_sample_alone(family):
+    """The mixed batch with each sample padded to a multiple of 4 (``context_parallel_size=2``): alignment slots
+    between the samples change nothing (logits, losses, the model's own loss, gradients)."""
+    setup = setup_for(family)
+    collator = VLMPackingCollator(setup.processor, max_length=2048, model_config=setup.packed.config,
+                                  context_parallel_size=2)
+    setup = dataclasses.replace(setup, collator=collator)
+    examples = mixed_examples(4, seed=8)
+    meta = packing_metadata(collator(examples))
+    assert not torch.equal(meta["cu_seqlens"], meta["cu_seqlens_padded"])  # alignment slots present
+    assert_exact(compare(setup, examples))
+
+
 def edge_examples() -> list[dict]:
     """What a real SFT micro-batch holds besides plain photo Q&A: a system prompt with a one-word answer, an image
     inside an assistant turn (multi-turn), a text-only chat with a system prompt, and a sample with images of two

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..core.batch import packing_metadata
+from .lengths import require_budget_proof
 from .plan import TokenBudgetPlan
 
 __all__ = ["TokenBudgetPackDataset"]
@@ -35,6 +36,7 @@ class TokenBudgetPackDataset(torch.utils.data.Dataset):
                 f"the plan was made for {plan.lengths.tokens.size} samples but {len(examples)} examples were given: "
                 "pass the same examples, in the same order, that were planned"
             )
+        require_budget_proof(collator, "TokenBudgetPackDataset")
         if not collator.pack_sequences_in_batch:
             raise ValueError("the collator must pack (pack_sequences_in_batch=True) to build token-budget packs")
         if collator.pad_to_multiple_of != plan.pad_to_multiple_of:

@@ -24,8 +24,9 @@ from tqdm.auto import tqdm
 
 from ..data.chat import example_tools, image_size, normalize_example, template_messages
 from ..data.chat_template import locate_turns
+from ..models import require_proven
 
-__all__ = ["SampleLengths", "measure_lengths"]
+__all__ = ["SampleLengths", "measure_lengths", "require_budget_proof"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ def measure_lengths(examples: Sequence[Any], collator: Any, *, batch_size: int =
     """
     if num_proc < 1:
         raise ValueError(f"num_proc must be >= 1; got {num_proc}")
+    require_budget_proof(collator, "measure_lengths")
     starts = range(0, len(examples), batch_size)
     chunks = [(collator, examples[s:s + batch_size], s) for s in starts]
     bar = dict(desc="measuring", unit="batch", total=len(chunks), disable=not progress)
@@ -94,6 +96,14 @@ def measure_lengths(examples: Sequence[Any], collator: Any, *, batch_size: int =
         empty = np.zeros(0, dtype=np.int64)
         return SampleLengths(empty, empty.copy(), empty.copy())
     return SampleLengths(*(np.concatenate(column) for column in zip(*parts)))
+
+
+def require_budget_proof(collator: Any, what: str) -> None:
+    """Refuse token-budget packs for a collator whose model family is not proven on them (``vlm_pack.models``;
+    the collator's ``allow_unproven`` applies). A text collator without ``model_config`` has no family to check."""
+    family = getattr(collator, "family", None)
+    if family is not None:
+        require_proven(family, "budget", what, allow_unproven=getattr(collator, "allow_unproven", False))
 
 
 def _measure_star(args: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -33,7 +33,7 @@ from ..core.batch import METADATA_KEY, mask_first_labels, model_inputs
 from .chat import encode_conversations, example_tools, media_parts, normalize_example, resolve_chat_template
 from ..core.config import PackingConfig
 from ..core.packing import IGNORE_INDEX, PackedBatch, pack_batch_sequences, pack_sequences, pad_multiple
-from ..models import FamilySpec, get_family
+from ..models import FamilySpec, get_family, require_proven
 from ..core.rope_index import MRopeIndex
 
 __all__ = ["CollatorStats", "TOKEN_ALIGNED_KEYS", "VLMPackingCollator", "model_inputs"]
@@ -147,9 +147,10 @@ class VLMPackingCollator:
             )
         self.unlabelled_ids = _media_token_ids(processor, self.family)
         self.unlabelled_spans = _media_span_ids(processor, self.family)
-        refusal = None if self.family is None else self.family.context_parallel_refusal
-        if context_parallel_size > 1 and refusal is not None:
-            raise ValueError(f"context_parallel_size={context_parallel_size} with a {self.family.name} model: {refusal}")
+        self.allow_unproven = allow_unproven
+        if context_parallel_size > 1 and self.family is not None:
+            require_proven(self.family, "context_parallel", f"context_parallel_size={context_parallel_size}",
+                           allow_unproven=allow_unproven)
         self.token_keys = TOKEN_ALIGNED_KEYS if self.family is None else self.family.token_keys
         self.rope_index = (
             MRopeIndex(model_config, self.family.rope_index_model)
@@ -223,13 +224,11 @@ class VLMPackingCollator:
             normalize_example(example, index, reserved_tokens=self.reserved_tokens, allow_images=self.has_images)
             for index, example in enumerate(examples)
         ]
-        if self.family is not None and not self.family.videos:
+        if self.family is not None and "video" not in self.family.paths:
             for index, turns in enumerate(conversations):
                 if media_parts(turns, "video"):
-                    raise ValueError(
-                        f"sample {index}: has a video, but video packing is not proven for the {self.family.name} "
-                        "family (vlm_pack.models); drop video samples or use a family with videos=True"
-                    )
+                    require_proven(self.family, "video", f"sample {index}: a video",
+                                   allow_unproven=self.allow_unproven)
         samples, dropped, images = [], [], 0
         vision_rows = None if self.family is None else self.family.vision_rows
         encoded = encode_conversations(self.processor, conversations, self.chat, vision_rows,

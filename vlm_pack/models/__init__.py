@@ -10,10 +10,15 @@ sliding or linear-attention layers), so each family declares it in a :class:`Fam
     collator          -> positions rule, per-token processor keys
     enable_packing    -> attention rule, layer kinds, family setup hook (e.g. linear-attention kernels),
                          loss rule (whether Trainer's num_items_in_batch reaches the family's own loss)
+    every other path  -> :func:`require_proven` (which training paths the family is proven on, :data:`PATHS`)
 
 A model whose family is not registered, or whose config turns on something the spec does not cover, is
 refused with an :class:`UnsupportedModelError` naming the family and the missing piece; ``allow_unproven=True``
-lets such a model through with a warning (the user then owns the proof).
+lets such a model through with a warning (the user then owns the proof). The same holds per training path: a
+registered family is proven for in-batch SFT (``proof``) and for the paths its ``proven`` names, each with the
+test that shows it; any other (family, path) pair is refused by name when the trainer / collator / setup is
+built (``allow_unproven=True`` where that entry point offers it: a warning instead), and a pair that cannot work
+(:func:`path_refusal`: e.g. linear-attention layers split across ranks) is refused with the reason, always.
 """
 
 from __future__ import annotations
@@ -21,21 +26,45 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
 __all__ = [
+    "PATHS",
+    "PATH_TITLES",
     "FamilySpec",
     "ImageBlockRule",
+    "TrainingPath",
     "UnsupportedModelError",
     "check_config",
+    "families_proven",
     "get_family",
+    "path_refusal",
     "register_family",
     "registered_families",
+    "require_proven",
     "text_backbone",
     "text_config",
 ]
+
+TrainingPath = Literal["sft", "video", "audio", "budget", "dpo", "dpo_shared_prompt", "reward", "rl",
+                       "rl_shared_prompt", "sequence_parallel", "context_parallel"]
+PATHS: tuple[TrainingPath, ...] = get_args(TrainingPath)
+PATH_TITLES: dict[TrainingPath, str] = {
+    "sft": "in-batch SFT (VLMPackingCollator + enable_packing)",
+    "video": "video inputs (VLMPackingCollator)",
+    "audio": "audio inputs",
+    "budget": "token-budget packing (vlm_pack.budget)",
+    "dpo": "DPO (PackedDPOTrainer / PreferenceCollator, each sequence its own segment)",
+    "dpo_shared_prompt": "DPO with shared prompts (PreferenceCollator(shared_prompts=True))",
+    "reward": "reward modelling (PackedRewardTrainer)",
+    "rl": "GRPO / RLOO on packed rollouts (share_prompts=False)",
+    "rl_shared_prompt": "GRPO / RLOO with shared prompts (share_prompts=True)",
+    "sequence_parallel": "sequence parallelism (DeepSpeed Ulysses, vlm_pack.sequence_parallel)",
+    "context_parallel": "context parallelism (context_parallel_size > 1)",
+}
+"""Every training path a family can be proven on, and what it covers."""
 
 PositionRule = Literal["arange", "mrope"]
 AttentionRule = Literal["causal", "causal_image_blocks"]
@@ -135,6 +164,11 @@ class FamilySpec:
     ``row_token``: for ``"image_token"`` rows, the token the rows are proportional to where it is not the processor's
     image placeholder (Llama 4: one ``pixel_values`` row per tile of ``<|patch|>`` tokens, while its placeholder
     ``<|image|>`` is written once per image).
+    ``proven``: ``{path: pytest node id}`` of the training paths (:data:`PATHS`) beyond in-batch SFT that a test
+    shows exact for this family (tests/test_registry.py checks each id is a collected test). The default, empty,
+    claims in-batch SFT only (``proof``); every other path is refused by :func:`require_proven`.
+    ``refused``: ``{path: why}`` for paths this family cannot be served on (beyond the rules
+    :func:`path_refusal` derives from the spec); refused always, even with ``allow_unproven=True``.
     """
 
     name: str
@@ -145,7 +179,6 @@ class FamilySpec:
     attention: AttentionRule = "causal"
     layer_kinds: frozenset[str] = frozenset({"full_attention"})
     token_keys: tuple[str, ...] = ("input_ids", "labels")
-    videos: bool = False
     rope_types: frozenset[str] = STATIC_ROPE_TYPES
     prepare_model: Callable[[Any], None] | None = None
     loss_honours_num_items: bool = True
@@ -161,8 +194,22 @@ class FamilySpec:
     router_loss_mask: bool = False
     video_runs: Literal["video", "frame"] = "video"
     row_token: str | None = None
+    proven: Mapping[TrainingPath, str] = field(default_factory=dict)
+    refused: Mapping[TrainingPath, str] = field(default_factory=dict)
+
+    @property
+    def paths(self) -> frozenset[TrainingPath]:
+        """The training paths proven for this family (in-batch SFT always)."""
+        return frozenset({"sft", *self.proven})
 
     def __post_init__(self) -> None:
+        unknown = sorted(set(self.proven) - set(PATHS) | set(self.refused) - set(PATHS))
+        if unknown or "sft" in self.proven:
+            raise ValueError(f"family {self.name!r}: unknown training paths {unknown or ['sft']} in proven / refused "
+                             f"(paths: {', '.join(PATHS[1:])}; in-batch SFT is always proven, by proof=)")
+        both = sorted(set(self.proven) & set(self.refused))
+        if both:
+            raise ValueError(f"family {self.name!r}: paths {both} are both proven and refused")
         if (self.positions == "mrope") != (self.rope_index_model is not None):
             raise ValueError(f"family {self.name!r}: rope_index_model is required exactly when positions='mrope'")
         if (self.attention == "causal_image_blocks") != (self.image_blocks is not None):
@@ -285,6 +332,65 @@ def get_family(config: Any, *, allow_unproven: bool = False) -> FamilySpec:
             raise UnsupportedModelError(message)
         warnings.warn(message, stacklevel=2)
     return spec
+
+
+_IMAGE_BLOCK_REFUSALS: dict[str, str] = {
+    "sequence_parallel": "its bidirectional image blocks are not proven across the Ulysses all-to-all",
+    "rl": "its bidirectional image blocks are not proven for packed rollouts; use TRL's trainer",
+    "rl_shared_prompt": "its bidirectional image blocks are not proven for packed rollouts; use TRL's trainer",
+    "dpo_shared_prompt": "its bidirectional image blocks need self-attention segments, which the shared-prompt rule "
+                         "replaces; use shared_prompts=False",
+}
+_LINEAR_ATTENTION_REFUSALS: dict[str, str] = {
+    "sequence_parallel": "its linear-attention (recurrent) layers need the whole sequence on one rank",
+    "rl_shared_prompt": "its linear-attention layers carry a recurrent state that cannot be shared; use "
+                        "share_prompts=False",
+    "dpo_shared_prompt": "its linear-attention layers carry a recurrent state that cannot be shared; use "
+                         "shared_prompts=False",
+}
+
+
+def path_refusal(spec: FamilySpec, path: TrainingPath) -> str | None:
+    """Why ``spec``'s family cannot be served on ``path`` at all (None: it can, once proven): the family's own
+    ``refused`` entry, its ``context_parallel_refusal``, or a rule its attention implies (image blocks, linear
+    attention)."""
+    if path in spec.refused:
+        return spec.refused[path]
+    if path == "context_parallel":
+        return spec.context_parallel_refusal
+    if spec.attention == "causal_image_blocks" and path in _IMAGE_BLOCK_REFUSALS:
+        return _IMAGE_BLOCK_REFUSALS[path]
+    if "linear_attention" in spec.layer_kinds and path in _LINEAR_ATTENTION_REFUSALS:
+        return _LINEAR_ATTENTION_REFUSALS[path]
+    return None
+
+
+def families_proven(path: TrainingPath) -> list[str]:
+    """Names of the registered families proven on ``path``, sorted."""
+    return sorted(name for name, spec in registered_families().items() if path in spec.paths)
+
+
+def require_proven(spec: FamilySpec, path: TrainingPath, what: str, *, allow_unproven: bool | None = False) -> None:
+    """Refuse ``what`` (the trainer / collator / setup being built) unless ``spec``'s family is proven on ``path``.
+
+    A :func:`path_refusal` raises always. An unproven pair raises :class:`UnsupportedModelError` naming the family,
+    the path and the families proven on it; ``allow_unproven=True`` turns that into a warning (the caller's own
+    escape hatch); ``None``: the entry point offers no escape hatch (the message then suggests none).
+    """
+    if path not in PATHS:
+        raise ValueError(f"unknown training path {path!r}; choose one of {', '.join(PATHS)}")
+    reason = path_refusal(spec, path)
+    if reason is not None:
+        raise UnsupportedModelError(f"{what} with a {spec.name} model: {reason}")
+    if path in spec.paths:
+        return
+    proven = families_proven(path)
+    message = (f"{what} with a {spec.name} model: {PATH_TITLES[path]} is not proven for this family (no test shows "
+               f"it exact; proven families: {', '.join(proven) or 'none'}; see docs/families.md)")
+    if not allow_unproven:
+        hint = "" if allow_unproven is None else ". Pass allow_unproven=True to run it at your own risk"
+        raise UnsupportedModelError(message + hint)
+    warnings.warn(message, stacklevel=2)
 
 
 _loaded = False

@@ -39,8 +39,16 @@ AYA_VISION = register_family(FamilySpec(
     media_spans=(("<|START_OF_IMG|>", "<|END_OF_IMG|>"),),  # its "TILE_n" tile labels are plain text in between
     image_text=_aya_image_text,
     extra_checks=(text_backbone("cohere2"),),
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[aya_vision]",
+        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[aya_vision]",
+    },
 ))
 COHERE2_VISION = register_family(FamilySpec(
     name="cohere2_vision", model_types=("cohere2_vision",), proof=_PROOF, layer_kinds=_LAYER_KINDS,
     vision_rows={"pixel_values": "image_token"}, extra_checks=(text_backbone("cohere2"),), media_tokens=_MEDIA,
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[cohere2_vision]",
+        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[cohere2_vision]",
+    },
 ))

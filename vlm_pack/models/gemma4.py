@@ -62,4 +62,7 @@ GEMMA4 = register_family(FamilySpec(
     context_parallel_refusal=IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL,
     extra_checks=(_proven_features,),
     image_text=_image_text,
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[gemma4]",
+    },
 ))

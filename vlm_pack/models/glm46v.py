@@ -11,4 +11,10 @@ GLM46V = register_family(FamilySpec(
     name="glm46v", model_types=("glm46v",), proof="tests/test_vlm_families.py",
     positions="mrope", rope_index_model="Glm46VModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
     media_tokens=("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"),
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[glm46v]",
+        "rl": "tests/test_rl_families.py::test_step_equals_trl[glm46v-packed]",
+        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[glm46v-shared]",
+        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[glm46v]",
+    },
 ))

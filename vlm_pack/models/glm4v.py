@@ -13,4 +13,11 @@ GLM4V = register_family(FamilySpec(
     name="glm4v", model_types=("glm4v",), proof="tests/test_vlm_families.py",
     positions="mrope", rope_index_model="Glm4vModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
     media_tokens=("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"),
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[glm4v]",
+        "rl": "tests/test_rl_families.py::test_step_equals_trl[glm4v-packed]",
+        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[glm4v-shared]",
+        "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_glm4v]",
+        "context_parallel": "tests/test_vlm_families.py::test_context_parallel_alignment_equals_each_sample_alone[glm4v]",
+    },
 ))

@@ -17,4 +17,10 @@ GLM4V_MOE = register_family(FamilySpec(
     positions="mrope", rope_index_model="Glm4vMoeModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
     router_loss_mask=True,
     media_tokens=("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"),
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[glm4v_moe]",
+        "rl": "tests/test_rl_families.py::test_step_equals_trl[glm4v_moe-packed]",
+        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[glm4v_moe-shared]",
+        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[glm4v_moe]",
+    },
 ))

@@ -31,4 +31,8 @@ IDEFICS2 = register_family(FamilySpec(
     vision_rows={"pixel_values": "sample", "pixel_attention_mask": "sample"}, media_tokens=("<fake_token_around_image>",),
     extra_checks=(text_backbone("mistral", "llama", "qwen2", "qwen3"),),
     mask_before_expansion=True, expand_text=_expand_text,
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[idefics2]",
+        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[idefics2]",
+    },
 ))

@@ -23,6 +23,13 @@ _PROOF = "tests/test_vlm_families.py"
 
 IDEFICS3 = register_family(FamilySpec(
     name="idefics3", model_types=("idefics3",), proof=_PROOF, vision_rows=_ROWS, extra_checks=_TEXT, media_tokens=_MEDIA,
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[idefics3]",
+        "rl": "tests/test_rl_families.py::test_step_equals_trl[idefics3-packed]",
+        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[idefics3-shared]",
+        "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_idefics3]",
+        "context_parallel": "tests/test_vlm_families.py::test_context_parallel_alignment_equals_each_sample_alone[idefics3]",
+    },
 ))
 
 
@@ -43,4 +50,8 @@ def _smolvlm_image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tu
 SMOLVLM = register_family(FamilySpec(
     name="smolvlm", model_types=("smolvlm",), proof=_PROOF, vision_rows=_ROWS, extra_checks=_TEXT, media_tokens=_MEDIA,
     image_text=_smolvlm_image_text,
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[smolvlm]",
+        "context_parallel": "tests/test_vlm_families.py::test_context_parallel_alignment_equals_each_sample_alone[smolvlm]",
+    },
 ))

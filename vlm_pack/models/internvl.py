@@ -13,4 +13,11 @@ INTERNVL = register_family(FamilySpec(
     name="internvl", model_types=("internvl",), proof="tests/test_vlm_families.py",
     vision_rows={"pixel_values": "image_token"}, media_tokens=("<img>", "</img>"),
     extra_checks=(text_backbone("qwen2", "llama", "qwen3"),),
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[internvl]",
+        "rl": "tests/test_rl_families.py::test_step_equals_trl[internvl-packed]",
+        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[internvl-shared]",
+        "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_internvl]",
+        "context_parallel": "tests/test_vlm_families.py::test_context_parallel_alignment_equals_each_sample_alone[internvl]",
+    },
 ))

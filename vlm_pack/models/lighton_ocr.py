@@ -16,4 +16,8 @@ LIGHTON_OCR = register_family(FamilySpec(
     # Qwen's vision markers (the checkpoint's vocabulary): its processor's break / end tokens and the chat markup.
     media_tokens=("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>"),
     extra_checks=(text_backbone("qwen3"),),
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[lighton_ocr]",
+        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[lighton_ocr]",
+    },
 ))

@@ -21,16 +21,34 @@ _NEXT_ROWS = {"pixel_values": "image", "image_sizes": "image"}
 
 LLAVA = register_family(FamilySpec(
     name="llava", model_types=("llava",), proof=_PROOF, vision_rows={"pixel_values": "image"}, extra_checks=_TEXT,
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[llava]",
+        "rl": "tests/test_rl_families.py::test_step_equals_trl[llava-packed]",
+        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[llava-shared]",
+        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[llava]",
+    },
 ))
 LLAVA_NEXT = register_family(FamilySpec(
     name="llava_next", model_types=("llava_next",), proof=_PROOF, vision_rows=_NEXT_ROWS, extra_checks=_TEXT,
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[llava_next]",
+        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[llava_next]",
+    },
 ))
 LLAVA_NEXT_VIDEO = register_family(FamilySpec(
     name="llava_next_video", model_types=("llava_next_video",), proof=_PROOF, vision_rows=_NEXT_ROWS,
     extra_checks=_TEXT,
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[llava_next_video]",
+        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[llava_next_video]",
+    },
 ))
 VIPLLAVA = register_family(FamilySpec(
     name="vipllava", model_types=("vipllava",), proof=_PROOF, vision_rows={"pixel_values": "image"}, extra_checks=_TEXT,
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[vipllava]",
+        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[vipllava]",
+    },
 ))
 
 
@@ -53,4 +71,8 @@ VIDEO_LLAVA = register_family(FamilySpec(
     name="video_llava", model_types=("video_llava",), proof=_PROOF,
     vision_rows={"pixel_values_images": "image", "pixel_values": "image"}, extra_checks=_TEXT,
     image_text=_video_llava_image_text,
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[video_llava]",
+        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[video_llava]",
+    },
 ))

@@ -33,4 +33,7 @@ QWEN3_5_MOE = register_family(FamilySpec(
     token_keys=("input_ids", "labels", "mm_token_type_ids"),
     prepare_model=_restart_deltanet, context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
     router_loss_mask=True,
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen3_5_moe]",
+    },
 ))

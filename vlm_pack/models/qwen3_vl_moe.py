@@ -15,5 +15,12 @@ from . import FamilySpec, register_family
 QWEN3_VL_MOE = register_family(FamilySpec(
     name="qwen3_vl_moe", model_types=("qwen3_vl_moe",), proof="tests/test_vlm_families.py",
     positions="mrope", rope_index_model="Qwen3VLMoeModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
-    media_tokens=("<|vision_start|>", "<|vision_end|>"), router_loss_mask=True, videos=True, video_runs="frame",
+    media_tokens=("<|vision_start|>", "<|vision_end|>"), router_loss_mask=True, video_runs="frame",
+    proven={
+        "video": "tests/test_video.py::test_video_packed_equals_each_sample_alone[qwen3_vl_moe]",
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen3_vl_moe]",
+        "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen3_vl_moe-packed]",
+        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen3_vl_moe-shared]",
+        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[qwen3_vl_moe]",
+    },
 ))

@@ -18,14 +18,41 @@ VISION_MARKERS = ("<|vision_start|>", "<|vision_end|>")
 
 QWEN2_VL = register_family(FamilySpec(
     name="qwen2_vl", model_types=("qwen2_vl",), proof=_PROOF,
-    positions="mrope", rope_index_model="Qwen2VLModel", token_keys=_TOKEN_KEYS, media_tokens=VISION_MARKERS, videos=True,
+    positions="mrope", rope_index_model="Qwen2VLModel", token_keys=_TOKEN_KEYS, media_tokens=VISION_MARKERS,
+    proven={
+        "video": "tests/test_video.py::test_video_packed_equals_each_sample_alone[qwen2_vl]",
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_materialised_length_on_the_shipped_mix",
+        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen2_vl-packed]",
+        "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen2_vl-shared]",
+        "rl": "tests/test_rl_grpo.py::test_training_steps_equal_trl[qwen2_vl-packed]",
+        "rl_shared_prompt": "tests/test_rl_grpo.py::test_training_steps_equal_trl[qwen2_vl-shared]",
+        "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_token_budget]",
+        "context_parallel": "tests/test_vlm_equivalence.py::test_packed_vlm_with_context_parallel_alignment[qwen2_vl]",
+    },
 ))
 QWEN2_5_VL = register_family(FamilySpec(
     name="qwen2_5_vl", model_types=("qwen2_5_vl",), proof=_PROOF,
-    positions="mrope", rope_index_model="Qwen2_5_VLModel", token_keys=_TOKEN_KEYS, media_tokens=VISION_MARKERS, videos=True,
+    positions="mrope", rope_index_model="Qwen2_5_VLModel", token_keys=_TOKEN_KEYS, media_tokens=VISION_MARKERS,
+    proven={
+        "video": "tests/test_video.py::test_video_packed_equals_each_sample_alone[qwen2_5_vl]",
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen2_5_vl]",
+        "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen2_5_vl-shared]",
+        "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen2_5_vl-packed]",
+        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen2_5_vl-shared]",
+        "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_video]",
+        "context_parallel": "tests/test_vlm_equivalence.py::test_packed_vlm_with_context_parallel_alignment[qwen2_5_vl]",
+    },
 ))
 QWEN3_VL = register_family(FamilySpec(
     name="qwen3_vl", model_types=("qwen3_vl",), proof=_PROOF,
     positions="mrope", rope_index_model="Qwen3VLModel", token_keys=_TOKEN_KEYS, media_tokens=VISION_MARKERS,
-    videos=True, video_runs="frame",
+    video_runs="frame",
+    proven={
+        "video": "tests/test_video.py::test_video_packed_equals_each_sample_alone[qwen3_vl]",
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen3_vl]",
+        "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen3_vl-packed]",
+        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen3_vl-shared]",
+        "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_qwen3_vl]",
+        "context_parallel": "tests/test_vlm_equivalence.py::test_packed_vlm_with_context_parallel_alignment[qwen3_vl]",
+    },
 ))

@@ -30,7 +30,7 @@ import torch
 from transformers.configuration_utils import PreTrainedConfig
 
 from ..core.batch import METADATA_KEY
-from ..models import FamilySpec, get_family
+from ..models import FamilySpec, get_family, require_proven
 from ..core.packing import IGNORE_INDEX, pack_sequences
 from ..attention.shared_prefix import SHARED_PREFIX_KWARG, shared_prefix_keys
 from ..core.rope_index import MRopeIndex
@@ -96,11 +96,10 @@ class PreferenceCollator:
         if self.family is None and self.has_images:
             raise ValueError("a multimodal processor needs model_config=model.config (positions and per-token keys "
                              "follow the model's family)")
-        if shared_prompts and self.family is not None and self.family.attention != "causal":
-            raise ValueError(
-                f"shared_prompts=True with the {self.family.name} family: its bidirectional image blocks need "
-                "self-attention segments, which the shared-prompt rule replaces; use shared_prompts=False"
-            )
+        self.allow_unproven = allow_unproven
+        if self.family is not None:
+            require_proven(self.family, "dpo_shared_prompt" if shared_prompts else "dpo",
+                           f"PreferenceCollator(shared_prompts={shared_prompts})", allow_unproven=allow_unproven)
         self.shared_prompts = shared_prompts
         self.max_length = max_length
         if truncation_mode not in TRUNCATION_MODES:

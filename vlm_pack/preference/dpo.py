@@ -32,6 +32,7 @@ from trl.trainer.utils import use_adapter
 
 from ..core.batch import METADATA_KEY
 from ..integrations.hf_model import enable_packing, keep_batches_whole, refuse_dispatch
+from ..models import get_family, require_proven
 from .collator import OVERLONG, PREFERENCE_KEY, ROW_KEY, PreferenceCollator
 from .losses import PairLogps, check_dpo_options, dpo_loss
 
@@ -66,8 +67,13 @@ def sequence_logps(model: torch.nn.Module, inputs: dict[str, Any], **extra: Any)
     return sums[:sequences], outputs
 
 
-def _enable(model) -> None:
-    enable_packing(model.get_base_model() if is_peft_model(model) else model)
+def _enable(model, collator: PreferenceCollator) -> None:
+    """Packed attention on ``model`` once its family is proven on the collator's DPO layout (``vlm_pack.models``)."""
+    model = model.get_base_model() if is_peft_model(model) else model
+    path = "dpo_shared_prompt" if collator.shared_prompts else "dpo"
+    family = get_family(model.config, allow_unproven=collator.allow_unproven)
+    require_proven(family, path, "PackedDPOTrainer", allow_unproven=collator.allow_unproven)
+    enable_packing(model, allow_unproven=collator.allow_unproven)
 
 
 class PackedDPOTrainer(DPOTrainer):
@@ -105,7 +111,7 @@ class PackedDPOTrainer(DPOTrainer):
         # Packed attention before TRL's __init__, which may already run the reference (precompute_ref_log_probs).
         for candidate in (model, ref_model):
             if candidate is not None and not isinstance(candidate, str):
-                _enable(candidate)
+                _enable(candidate, data_collator)
         train_dataset = _with_rows(train_dataset)
         eval_dataset = ({k: _with_rows(v) for k, v in eval_dataset.items()} if isinstance(eval_dataset, dict)
                         else _with_rows(eval_dataset))
@@ -123,7 +129,7 @@ class PackedDPOTrainer(DPOTrainer):
             raise ValueError("MoE router auxiliary loss (router_aux_loss_coef) is not supported by the packed DPO path")
         for candidate in (self.model, self.ref_model):  # models TRL loaded or created itself
             if candidate is not None:
-                _enable(self.accelerator.unwrap_model(candidate))
+                _enable(self.accelerator.unwrap_model(candidate), data_collator)
         self.last_logps: PairLogps | None = None
 
     def _adopt_length(self, args) -> None:

@@ -21,6 +21,7 @@ from trl import RewardTrainer
 from ..core.batch import METADATA_KEY
 from ..integrations.hf_model import enable_packing, keep_batches_whole, refuse_dispatch
 from ..core.packing import pack_sequences
+from ..models import get_family, require_proven
 
 __all__ = ["PackedRewardTrainer", "RewardCollator", "sequence_scores"]
 
@@ -93,16 +94,20 @@ def sequence_scores(
 class PackedRewardTrainer(RewardTrainer):
     """``trl.RewardTrainer`` on packed rows from :class:`RewardCollator` (same arguments otherwise).
 
-    The model is switched to packed attention (``vlm_pack.enable_packing``).
+    The model is switched to packed attention (``vlm_pack.enable_packing``) once its family is proven on reward
+    modelling (``vlm_pack.models``; ``allow_unproven=True``: a warning instead of the refusal).
     """
 
-    def __init__(self, model, args=None, data_collator=None, *pargs, **kwargs) -> None:
+    def __init__(self, model, args=None, data_collator=None, *pargs, allow_unproven: bool = False, **kwargs) -> None:
         if not isinstance(data_collator, RewardCollator):
             raise ValueError("PackedRewardTrainer needs data_collator=vlm_pack.preference.RewardCollator(pad_token_id)")
         refuse_dispatch(args, "PackedRewardTrainer")
         super().__init__(model, args, data_collator, *pargs, **kwargs)
         keep_batches_whole(self)
-        enable_packing(self.accelerator.unwrap_model(self.model))
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        family = get_family(unwrapped.config, allow_unproven=allow_unproven)
+        require_proven(family, "reward", "PackedRewardTrainer", allow_unproven=allow_unproven)
+        enable_packing(unwrapped, allow_unproven=allow_unproven)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:

@@ -34,7 +34,8 @@ from ..models import FamilySpec
 
 __all__ = ["PackedRollouts", "RolloutPacker", "VISION_KEYS"]
 
-VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "mm_token_type_ids")
+VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "mm_token_type_ids", "num_tiles",
+               "pixel_attention_mask")
 """TRL forward kwargs the packer handles; any other non-None one (tiles, pixel masks, token types) is refused."""
 
 
@@ -55,9 +56,10 @@ class _Rollout:
     prompt: torch.Tensor  # [Lp] ids
     completion: torch.Tensor  # [c] ids (empty when TRL masked the whole completion)
     mm: torch.Tensor | None  # [Lp] per-token vision ids of the prompt
-    pixels: list[torch.Tensor]  # per image
+    pixels: list[torch.Tensor]  # per image (per tile for tile-indexed pixel_values, e.g. InternVL)
     grids: list[torch.Tensor]  # per image ([3]) or empty
     sizes: list[torch.Tensor]  # per image ([2]) or empty
+    pixel_masks: list[torch.Tensor]  # per tile of a per-rollout tile stack (Idefics3's pixel_attention_mask) or empty
 
 
 class RolloutPacker:
@@ -92,7 +94,19 @@ class RolloutPacker:
             raise ValueError("pixel_values without num_images: the images cannot be assigned to their rollouts")
         counts = list(num_images) if num_images is not None else [0] * rows
         per_image_pixels: list[torch.Tensor] = []
-        if pixels is not None:
+        tiles = vision.get("num_tiles")  # TRL's tile count per rollout (InternVL's tile-indexed pixel_values)
+        stacks = vision.get("pixel_attention_mask")  # one padded tile stack per rollout (Idefics3 / SmolVLM)
+        if pixels is not None and stacks is not None:
+            if pixels.ndim != 5 or pixels.shape[0] != rows or stacks.shape[:2] != pixels.shape[:2]:
+                raise ValueError(f"pixel_values {tuple(pixels.shape)} / pixel_attention_mask {tuple(stacks.shape)} "
+                                 f"are not one tile stack per rollout ({rows} rollouts)")
+        elif pixels is not None and tiles is not None:
+            if pixels.shape[0] != sum(tiles) or len(tiles) != rows:
+                raise ValueError(f"pixel_values has {pixels.shape[0]} tiles but num_tiles {list(tiles)} counts "
+                                 f"{sum(tiles)} over {len(tiles)} rollouts (of {rows})")
+            per_image_pixels = list(pixels)
+            counts = list(tiles)  # a rollout's tiles stand in for its images below
+        elif pixels is not None:
             if grids is not None:
                 per_image_pixels = list(torch.split(pixels, grids.prod(-1).tolist()))
             elif pixels.shape[0] == sum(counts):
@@ -128,9 +142,10 @@ class RolloutPacker:
             n = counts[b]
             out.append(_Rollout(
                 prompt=prompt, completion=input_ids[b, split:split + size], mm=mm,
-                pixels=per_image_pixels[image:image + n],
+                pixels=list(pixels[b]) if stacks is not None else per_image_pixels[image:image + n],
                 grids=[] if grids is None else list(grids[image:image + n]),
                 sizes=[] if sizes is None else list(sizes[image:image + n]),
+                pixel_masks=[] if stacks is None else list(stacks[b]),
             ))
             image += n
         return out
@@ -233,7 +248,11 @@ class RolloutPacker:
         if "mm_token_type_ids" in vision and vision["mm_token_type_ids"] is not None:
             inputs["mm_token_type_ids"] = torch.cat(mm).unsqueeze(0)
         pixels = [p for r in images for p in r.pixels]
-        if pixels:
+        masks = [m for r in images for m in r.pixel_masks]
+        if masks:  # the row's tile stacks as one (the model drops the all-zero padding tiles)
+            inputs["pixel_values"] = torch.stack(pixels).unsqueeze(0)
+            inputs["pixel_attention_mask"] = torch.stack(masks).unsqueeze(0)
+        elif pixels:
             grids = [g for r in images for g in r.grids]
             inputs["pixel_values"] = torch.cat(pixels) if grids else torch.stack(pixels)
             if grids:

@@ -24,7 +24,7 @@ from accelerate.utils import is_peft_model
 from trl import GRPOTrainer, RLOOTrainer
 
 from ..integrations.hf_model import enable_packing
-from ..models import get_family
+from ..models import get_family, require_proven
 from .layout import PackedRollouts, RolloutPacker
 
 __all__ = ["PackedGRPOTrainer", "PackedRLOOTrainer", "gather_hidden_states", "shuffle_groups"]
@@ -81,12 +81,8 @@ class _PackedRollouts:
         model = _hf_model(self.accelerator.unwrap_model(self.model))
         family = get_family(model.config, allow_unproven=allow_unproven)
         name = type(self).__name__
-        if family.attention != "causal":
-            raise ValueError(f"{name}: the {family.name} family's bidirectional image blocks are not proven for packed "
-                             "rollouts; use TRL's trainer")
-        if share_prompts and not family.layer_kinds <= {"full_attention", "sliding_attention"}:
-            raise ValueError(f"{name}: share_prompts=True with the {family.name} family: its linear-attention layers "
-                             "carry a recurrent state that cannot be shared; use share_prompts=False")
+        require_proven(family, "rl_shared_prompt" if share_prompts else "rl",
+                       f"{name}(share_prompts={share_prompts})", allow_unproven=allow_unproven)
         if getattr(self, "aux_loss_enabled", False):
             raise ValueError(f"{name}: the MoE router auxiliary loss is not supported on packed rollouts")
         if getattr(self, "tools", None) or getattr(self, "environment_factories", None) is not None:
@@ -164,6 +160,16 @@ def _vision_slice(vision: dict[str, Any], counts: list[int] | None, image_start:
         out["mm_token_type_ids"] = out["mm_token_type_ids"][start:end]
     if counts is None or "pixel_values" not in out:
         return out
+    if "pixel_attention_mask" in out:  # one tile stack per rollout (Idefics3 / SmolVLM)
+        out["pixel_values"] = out["pixel_values"][start:end]
+        out["pixel_attention_mask"] = out["pixel_attention_mask"][start:end]
+        return out
+    tiles = out.get("num_tiles")
+    if tiles is not None:  # tile-indexed pixel_values (InternVL): TRL counts tiles per rollout
+        first = sum(tiles[:start])
+        out["pixel_values"] = out["pixel_values"][first:first + sum(tiles[start:end])]
+        out["num_tiles"] = tiles[start:end]
+        return out
     image_end = image_start + sum(counts)
     grids = out.get("image_grid_thw")
     if grids is not None:
@@ -183,8 +189,8 @@ class PackedGRPOTrainer(_PackedRollouts, GRPOTrainer):
     ``share_prompts`` (default True): each group's prompt and images once per forward, its completions attending
     to it (``per_device_*_batch_size`` a multiple of ``num_generations``); False: each rollout its own segment.
     ``allow_unproven``: pack a model family outside the registry at your own risk (``vlm_pack.models``).
-    Refused at construction: image-block families (Gemma 3/4), shared prompts on linear-attention layers, MoE
-    auxiliary losses, tools and environments.
+    Refused at construction: a model family not proven on the chosen layout (``vlm_pack.models``: image-block
+    families and shared prompts on linear-attention layers cannot be), MoE auxiliary losses, tools and environments.
     """
 
     _trl_base = GRPOTrainer

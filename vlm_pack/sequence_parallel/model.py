@@ -17,8 +17,9 @@
 Gradients need no extra communication: each rank's slice sends its part back through the merge and the
 replicated vision tower, and the engine's gradient reduction over the ranks sums the parts.
 
-Families are allowed by name once proven in tests/test_multiprocess.py (:data:`PROVEN_FAMILIES`); the others are
-refused with the reason (image blocks and linear attention need more than a slice). Qwen3-VL's deepstack features
+A family is allowed once the registry says it is proven under sequence parallelism (``FamilySpec.proven``, each
+by a case of tests/test_multiprocess.py); the others are refused by name, with the reason where one is known
+(image blocks and linear attention need more than a slice). Qwen3-VL's deepstack features
 (added inside the decoder at the row's vision slots) are sliced with the row: this rank's ``visual_pos_masks`` and
 the matching rows of ``deepstack_visual_embeds`` (one host sync per forward, not per layer).
 """
@@ -32,10 +33,10 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..integrations.hf_model import ATTN_IMPLEMENTATION, enable_packing, register_attention
-from ..models import get_family
+from ..models import get_family, require_proven
 from .batch import SP_KEY
 
-__all__ = ["PROVEN_FAMILIES", "SHARD_KWARG", "SP_ATTN_IMPLEMENTATION", "SequenceShard", "prepare_model",
+__all__ = ["SHARD_KWARG", "SP_ATTN_IMPLEMENTATION", "SequenceShard", "prepare_model",
            "ulysses_shard"]
 
 SP_ATTN_IMPLEMENTATION = "vlm_pack_varlen_sp"
@@ -43,14 +44,6 @@ SP_ATTN_IMPLEMENTATION = "vlm_pack_varlen_sp"
 
 SHARD_KWARG = "vlm_pack_sp_shard"
 """Forward kwarg (top model -> language model) carrying this rank's :class:`SequenceShard`."""
-
-PROVEN_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"})
-"""Families shown exact under SP = 2 against each sample alone (tests/test_multiprocess.py)."""
-
-_REFUSED = {
-    "gemma3": "its bidirectional image blocks are not proven across the Ulysses all-to-all",
-    "gemma4": "its bidirectional image blocks are not proven across the Ulysses all-to-all",
-}
 
 
 @dataclass(frozen=True)
@@ -137,15 +130,8 @@ def prepare_model(model, sp_size: int, *, shard_of: Callable[[], SequenceShard] 
     """
     if not isinstance(sp_size, int) or sp_size < 2:
         raise ValueError(f"sp_size must be an int >= 2 (1 needs no sequence parallelism); got {sp_size!r}")
-    family = get_family(model.config)
-    if family.name not in PROVEN_FAMILIES:
-        name = family.name
-        reason = _REFUSED.get(name, "not proven exact under sequence parallelism yet")
-        if "linear_attention" in family.layer_kinds:
-            reason = "its linear-attention (recurrent) layers need the whole sequence on one rank"
-        raise ValueError(
-            f"{name}: refused under sequence parallelism: {reason}. Proven families: {sorted(PROVEN_FAMILIES)}"
-        )
+    require_proven(get_family(model.config), "sequence_parallel", f"prepare_model(sp_size={sp_size})",
+                   allow_unproven=None)
     _check_heads(model.config, sp_size)
     enable_packing(model)
     register_attention(SP_ATTN_IMPLEMENTATION)
