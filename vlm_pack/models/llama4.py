@@ -100,6 +100,7 @@ def _chunk_size(config: Any) -> str | None:
 
 LLAMA4 = register_family(FamilySpec(
     name="llama4",
+    proven={"budget": "tests/test_families_round3a.py::test_planned_length_equals_the_real_processor[llama4]"},
     model_types=("llama4", "llama4_text"),
     proof=_PROOF,
     layer_kinds=frozenset({"full_attention", "chunked_attention"}),
