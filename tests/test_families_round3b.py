@@ -22,8 +22,8 @@ import test_vlm_families as families
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROUND3B = ["paddleocr_vl"]
-MROPE = ["paddleocr_vl"]
+ROUND3B = ["paddleocr_vl", "ernie4_5_vl_moe"]
+MROPE = ["paddleocr_vl", "ernie4_5_vl_moe"]
 
 
 @pytest.mark.parametrize("family", ROUND3B)
@@ -46,3 +46,35 @@ def test_corruption_one_dimensional_positions(family):
 @pytest.mark.parametrize("family", ROUND3B)
 def test_collator_stats_count_every_familys_images(family):
     families.test_collator_stats_count_every_familys_images(family)
+
+
+@torch.no_grad()
+def test_corruption_ernie_vision_experts_follow_their_tokens():
+    """ERNIE 4.5 VL routes the tokens marked in moe_mm_token_type_ids (image tokens and their markers) to its vision
+    experts: the per-token key is packed like input_ids; the marks dropped (every token to the text experts) are
+    caught."""
+    setup = families.setup_for("ernie4_5_vl_moe")
+    examples = families.swap_examples()
+    refs = families.references(setup, examples)
+    batch = setup.collator(examples)
+    assert batch["moe_mm_token_type_ids"].shape == batch["input_ids"].shape and batch["moe_mm_token_type_ids"].any()
+    refs[3].logits.check(families.logit_error(batch, families.packed_logits(setup.packed, batch), refs))
+    unmarked = torch.zeros_like(batch["moe_mm_token_type_ids"])
+    assert refs[3].logits.is_far(families.logit_error(
+        batch, families.packed_logits(setup.packed, batch, moe_mm_token_type_ids=unmarked), refs))
+
+
+def test_ernie_processor_is_called_once_per_sample():
+    """ERNIE's processor builds its MoE token types with np.array over the batch's ids, so a batch of samples of
+    different lengths fails in one call; the family's encode_alone makes the collator call it per sample."""
+    import dataclasses
+
+    from vlm_pack.data.collator import VLMPackingCollator
+
+    setup = families.setup_for("ernie4_5_vl_moe")
+    examples = families.mixed_examples(3, seed=1)
+    collator = VLMPackingCollator(setup.processor, max_length=2048, model_config=setup.packed.config)
+    assert collator(examples)["cu_seq_lens_q"].numel() == 4
+    collator.family = dataclasses.replace(collator.family, encode_alone=False)
+    with pytest.raises(ValueError, match="inhomogeneous"):
+        collator(examples)

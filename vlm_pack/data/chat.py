@@ -370,6 +370,7 @@ def encode_conversations(
     unlabelled_spans: Sequence[tuple[int, int]] = (),
     mask_before_expansion: bool = False,
     tools: Sequence[Any] | None = None,
+    encode_alone: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Render and tokenise normalised conversations in ONE processor call; returns one dict per sample.
 
@@ -386,12 +387,14 @@ def encode_conversations(
     ``FamilySpec.mask_before_expansion`` (the processor's assistant mask is that of the unexpanded text): the mask
     is then carried from the template's own tokens (each placeholder one token) onto the expanded ones
     (:func:`carry_assistant_mask`). ``tools``: each conversation's chat-level tools (:func:`example_tools`).
+    ``encode_alone``: the family's ``FamilySpec.encode_alone`` (its processor cannot encode samples of different
+    lengths in one call): one call per sample, the outputs joined as one call's would be.
     """
     text_only = not hasattr(processor, "image_processor")  # text templates expect string content
     rendered = [template_messages(conversation, text_only) for conversation in conversations]
     tools = list(tools) if tools is not None else [None] * len(conversations)
     try:
-        out = _apply_template(processor, rendered, chat_template, tools)
+        out = (_apply_each if encode_alone else _apply_template)(processor, rendered, chat_template, tools)
     except Exception as batch_error:
         for index, conversation in enumerate(rendered):
             try:
@@ -524,6 +527,19 @@ def _apply_template(
     per_kind = {"images_kwargs": {"return_tensors": "pt"}, "text_kwargs": {"return_tensors": None, "padding": False}}
     tensors = {"processor_kwargs": per_kind, "return_tensors": "auto"} if images else {}
     return render_with_assistant_masks(processor, conversations, chat_template, tools, **tensors)
+
+
+def _apply_each(
+    processor: Any, conversations: list[list[dict]], chat_template: ChatTemplate, tools: Sequence[Any],
+) -> dict[str, Any]:
+    """``_apply_template`` one sample at a time, joined: tensors (vision rows) concatenated in sample order,
+    per-sample lists (token ids, masks) extended."""
+    parts = [_apply_template(processor, [turns], chat_template, [tool]) for turns, tool in zip(conversations, tools)]
+    out: dict[str, Any] = {}
+    for key in dict.fromkeys(key for part in parts for key in part):
+        values = [part[key] for part in parts if key in part]
+        out[key] = torch.cat(values) if isinstance(values[0], torch.Tensor) else [v for value in values for v in value]
+    return out
 
 
 def _image_token_counts(processor: Any, input_ids: Sequence[Sequence[int]]) -> list[int]:

@@ -132,6 +132,8 @@ class FamilySpec:
     ``"video"`` one run per video (Qwen2-VL), ``"frame"`` one run per temporal patch, each after its timestamp text
     (Qwen3-VL, whose ``get_rope_index`` splits ``video_grid_thw`` per frame). The collator checks every video
     sample against it (a processor of another family would misplace the frames' positions).
+    ``encode_alone``: the family's processor cannot encode samples of different lengths in one call (ERNIE 4.5 VL
+    builds its MoE token types with ``np.array`` over ragged ids): the collator calls it once per sample.
     """
 
     name: str
@@ -157,6 +159,7 @@ class FamilySpec:
     expand_text: Callable[[Any, list[str]], list[list[int]]] | None = None
     router_loss_mask: bool = False
     video_runs: Literal["video", "frame"] = "video"
+    encode_alone: bool = False
 
     def __post_init__(self) -> None:
         if (self.positions == "mrope") != (self.rope_index_model is not None):
@@ -296,4 +299,4 @@ def _load_builtin() -> None:
         aya_vision, deepseek_vl, gemma3, gemma4, glm4v, glm4v_moe, glm46v, glm_ocr, idefics2, idefics3, internvl,
         lighton_ocr, llama, llava, llava_onevision, mistral, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
     )
-    from . import paddleocr_vl  # noqa: F401  (round 3b families)
+    from . import ernie4_5_vl_moe, paddleocr_vl  # noqa: F401  (round 3b families)
