@@ -22,8 +22,8 @@ import test_vlm_families as families
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROUND3B = ["paddleocr_vl", "ernie4_5_vl_moe"]
-MROPE = ["paddleocr_vl", "ernie4_5_vl_moe"]
+ROUND3B = ["paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl"]
+MROPE = ["paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl"]
 
 
 @pytest.mark.parametrize("family", ROUND3B)
@@ -31,7 +31,7 @@ def test_edge_batch_equals_each_sample_alone(family):
     families.test_edge_batch_equals_each_sample_alone(family)
 
 
-@pytest.mark.parametrize("family", ROUND3B)
+@pytest.mark.parametrize("family", [f for f in ROUND3B if f != "hunyuan_vl"])  # HunYuan: its own test below
 def test_corruptions_are_caught(family):
     """Vision rows swapped between two same-size images; positions not restarted per sample (see the harness)."""
     families.test_corruptions_are_caught(family)
@@ -78,3 +78,62 @@ def test_ernie_processor_is_called_once_per_sample():
     collator.family = dataclasses.replace(collator.family, encode_alone=False)
     with pytest.raises(ValueError, match="inhomogeneous"):
         collator(examples)
+
+
+def _swapped_vision(setup, batch: dict, examples: list[dict]) -> dict:
+    """The batch with sample 0's vision rows given to sample 2 and back (same-size images: still well-formed)."""
+    samples = setup.collator._encode_all(examples)[0]
+    swapped = dict(batch)
+    for key in (k for k in samples[0] if k not in setup.collator.token_keys):
+        chunks = [sample.get(key) for sample in samples]
+        chunks[0], chunks[2] = chunks[2], chunks[0]
+        swapped[key] = torch.cat([chunk for chunk in chunks if chunk is not None])
+        assert swapped[key].shape == batch[key].shape
+    return swapped
+
+
+@torch.no_grad()
+def test_corruption_hunyuan_image_ordinal_restarts_per_sample():
+    """HunYuan-VL's last rope axis is the image ordinal, which its get_rope_index counts across the rows of a batch:
+    positions from one rope-index call on the whole padded micro-batch (how the stock model positions a padded
+    batch) give later samples' images ordinals their samples alone never see, and are caught; so are vision rows
+    given to the wrong sample. (Its forward takes no text row, so the harness's position-id boundary check does
+    not apply: boundaries come from cu_seq_lens_* alone.)"""
+    from vlm_pack.core.batch import packing_metadata
+
+    setup = families.setup_for("hunyuan_vl")
+    examples = families.swap_examples()
+    refs = families.references(setup, examples)
+    batch = setup.collator(examples)
+    assert batch["position_ids"].shape[0] == 4  # the rope axes only
+    families.assert_exact(families.errors(batch, families.packed_logits(setup.packed, batch), refs))
+    assert refs[3].logits.is_far(families.logit_error(
+        batch, families.packed_logits(setup.packed, _swapped_vision(setup, batch, examples)), refs))
+
+    samples = setup.collator._encode_all(examples)[0]
+    width = max(s["input_ids"].shape[1] for s in samples)
+    padded = setup.collator._padded(samples, width)
+    joint = setup.collator.rope_index(padded["input_ids"], padded["mm_token_type_ids"], padded["attention_mask"],
+                                      image_grid_thw=torch.cat([s["image_grid_thw"] for s in samples
+                                                                if "image_grid_thw" in s]))[1:]
+    starts = packing_metadata(batch)["cu_seqlens_padded"][:-1].tolist()
+    counted = batch["position_ids"].clone()
+    for row, (start, sample) in enumerate(zip(starts, samples)):
+        length = sample["input_ids"].shape[1]
+        counted[:, 0, start:start + length] = joint[:, row, :length]
+    assert not torch.equal(counted, batch["position_ids"])
+    assert refs[3].logits.is_far(families.logit_error(
+        batch, families.packed_logits(setup.packed, batch, position_ids=counted), refs))
+
+
+def test_hunyuan_length_dependent_rope_is_refused():
+    """HunYuan's checkpoints label their fixed-alpha NTK rope "dynamic" (static angles: accepted, proven above); a
+    "dynamic" rope without alpha rescales with the sequence length, which packing changes: refused by name."""
+    from vlm_pack.models import UnsupportedModelError, get_family
+
+    config = families.setup_for("hunyuan_vl").packed.config
+    config = config.__class__.from_dict(config.to_dict())
+    assert get_family(config).name == "hunyuan_vl"
+    del config.text_config.rope_parameters["alpha"]
+    with pytest.raises(UnsupportedModelError, match="rope_type 'dynamic' without 'alpha'"):
+        get_family(config)

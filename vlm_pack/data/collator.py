@@ -199,7 +199,7 @@ class VLMPackingCollator:
             clock.append(time.perf_counter())
             batch = self._pack_samples(samples, vision)
         elif self.pack_sequences_in_batch:
-            positions = self._positions(padded, vision)
+            positions = self._positions(samples, padded["input_ids"].shape[1])
             clock.append(time.perf_counter())
             batch = self._pack(padded, vision, positions)
         else:  # an ordinary batch: the model derives (mRoPE) positions of a padded batch itself
@@ -305,21 +305,31 @@ class VLMPackingCollator:
                 )
         return {key: torch.cat([s[key] for s in samples if key in s]) for key in keys}
 
-    def _positions(self, padded: dict[str, torch.Tensor], vision: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """``[4, B, S]`` per-sample text + mRoPE positions for mRoPE models; None otherwise (restart per sample)."""
+    def _positions(self, samples: list[dict[str, torch.Tensor]], width: int) -> torch.Tensor | None:
+        """``[4, B, width]`` per-sample text + mRoPE positions for mRoPE models (0 at padding; without the text row
+        where the family's ``mrope_text_row`` is False); None otherwise.
+
+        The model's rope index runs on each sample ALONE, as the stock model computes that sample's positions: some
+        rope indexes count media across the rows of a batch (HunYuan-VL's image ordinal), which a packed row's
+        samples must not share."""
         if self.rope_index is None:
             return None
-        token_types = padded.get("mm_token_type_ids")
-        if token_types is None:  # a text tokenizer: no vision tokens anywhere (images were rejected earlier)
-            token_types = torch.zeros_like(padded["input_ids"])
-        return self.rope_index(
-            padded["input_ids"],
-            token_types,
-            padded["attention_mask"],
-            image_grid_thw=vision.get("image_grid_thw"),
-            video_grid_thw=vision.get("video_grid_thw"),
-            second_per_grid_ts=vision.get("second_per_grid_ts"),
-        )
+        rows, skip = [], 0 if self.family.mrope_text_row else 1
+        for sample in samples:
+            ids = sample["input_ids"]
+            token_types = sample.get("mm_token_type_ids")
+            if token_types is None:  # a text tokenizer: no vision tokens anywhere (images were rejected earlier)
+                token_types = torch.zeros_like(ids)
+            rows.append(self.rope_index(
+                ids, token_types, torch.ones_like(ids),
+                image_grid_thw=sample.get("image_grid_thw"),
+                video_grid_thw=sample.get("video_grid_thw"),
+                second_per_grid_ts=sample.get("second_per_grid_ts"),
+            )[skip:, 0])
+        positions = rows[0].new_zeros(rows[0].shape[0], len(rows), width)
+        for index, row in enumerate(rows):
+            positions[:, index, : row.shape[1]] = row
+        return positions
 
     def _pack(
         self, padded: dict[str, torch.Tensor], vision: dict[str, torch.Tensor], positions: torch.Tensor | None

@@ -134,6 +134,9 @@ class FamilySpec:
     sample against it (a processor of another family would misplace the frames' positions).
     ``encode_alone``: the family's processor cannot encode samples of different lengths in one call (ERNIE 4.5 VL
     builds its MoE token types with ``np.array`` over ragged ids): the collator calls it once per sample.
+    ``mrope_text_row``: mRoPE positions carry the per-sample text row first (``[1 + A, 1, T]``, from which HF models
+    derive packed boundaries); False where the model takes only its rope rows (HunYuan-VL's forward recognises the
+    text row but does not strip it, transformers 5.24): boundaries then come from ``cu_seq_lens_*`` alone.
     """
 
     name: str
@@ -160,6 +163,7 @@ class FamilySpec:
     router_loss_mask: bool = False
     video_runs: Literal["video", "frame"] = "video"
     encode_alone: bool = False
+    mrope_text_row: bool = True
 
     def __post_init__(self) -> None:
         if (self.positions == "mrope") != (self.rope_index_model is not None):
@@ -299,4 +303,4 @@ def _load_builtin() -> None:
         aya_vision, deepseek_vl, gemma3, gemma4, glm4v, glm4v_moe, glm46v, glm_ocr, idefics2, idefics3, internvl,
         lighton_ocr, llama, llava, llava_onevision, mistral, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
     )
-    from . import ernie4_5_vl_moe, paddleocr_vl  # noqa: F401  (round 3b families)
+    from . import ernie4_5_vl_moe, hunyuan_vl, paddleocr_vl  # noqa: F401  (round 3b families)
