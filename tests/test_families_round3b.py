@@ -22,7 +22,7 @@ import test_vlm_families as families
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROUND3B = ["paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl"]
+ROUND3B = ["paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", "ovis2"]
 MROPE = ["paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl"]
 
 
@@ -43,9 +43,24 @@ def test_corruption_one_dimensional_positions(family):
     families.test_corruption_one_dimensional_positions(family)
 
 
-@pytest.mark.parametrize("family", ROUND3B)
+@pytest.mark.parametrize("family", [f for f in ROUND3B if f != "ovis2"])  # Ovis 2: its own test below
 def test_collator_stats_count_every_familys_images(family):
     families.test_collator_stats_count_every_familys_images(family)
+
+
+def test_ovis2_image_tokens_are_its_atoms():
+    """Ovis 2's processor replaces its <image> placeholder whole (<IMG_START>, <IMG_ATOM> runs, grid markers,
+    <IMG_END>): the family's image_token (<IMG_ATOM>) is what the collator counts, for the statistics and for
+    splitting the tile rows of pixel_values per sample (4 atoms per tile here)."""
+    from vlm_pack.testing.data import photo_examples
+
+    setup = families.setup_for("ovis2")
+    examples = photo_examples(3, seed=2, max_side=84)
+    batch = setup.collator(examples)
+    atom = setup.processor.tokenizer.convert_tokens_to_ids("<IMG_ATOM>")
+    assert not (batch["input_ids"] == setup.processor.image_token_id).any()
+    assert batch["vlm_pack"]["stats"].image_tokens == int((batch["input_ids"] == atom).sum()) > 0
+    assert batch["pixel_values"].shape[0] * 4 == int((batch["input_ids"] == atom).sum())
 
 
 @torch.no_grad()

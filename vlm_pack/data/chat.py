@@ -371,6 +371,7 @@ def encode_conversations(
     mask_before_expansion: bool = False,
     tools: Sequence[Any] | None = None,
     encode_alone: bool = False,
+    image_token_id: int | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Render and tokenise normalised conversations in ONE processor call; returns one dict per sample.
 
@@ -388,7 +389,9 @@ def encode_conversations(
     is then carried from the template's own tokens (each placeholder one token) onto the expanded ones
     (:func:`carry_assistant_mask`). ``tools``: each conversation's chat-level tools (:func:`example_tools`).
     ``encode_alone``: the family's ``FamilySpec.encode_alone`` (its processor cannot encode samples of different
-    lengths in one call): one call per sample, the outputs joined as one call's would be.
+    lengths in one call): one call per sample, the outputs joined as one call's would be. ``image_token_id``: the
+    token each image expands into, whose count splits ``"image_token"`` vision rows (default: the processor's
+    ``image_token_id``).
     """
     text_only = not hasattr(processor, "image_processor")  # text templates expect string content
     rendered = [template_messages(conversation, text_only) for conversation in conversations]
@@ -412,7 +415,8 @@ def encode_conversations(
     vision = {key: torch.as_tensor(value) if key in _PER_VIDEO_LISTS else value
               for key, value in out.items() if isinstance(value, torch.Tensor) or key in _PER_VIDEO_LISTS}
     vision_rows = vision_rows or {}
-    image_tokens = _image_token_counts(processor, out["input_ids"]) if "image_token" in vision_rows.values() else None
+    image_tokens = (_image_token_counts(processor, out["input_ids"], image_token_id)
+                    if "image_token" in vision_rows.values() else None)
     for key, chunks in _split_vision(vision, images, videos, vision_rows, image_tokens).items():
         for sample, chunk in zip(samples, chunks):
             if chunk is not None:
@@ -542,9 +546,9 @@ def _apply_each(
     return out
 
 
-def _image_token_counts(processor: Any, input_ids: Sequence[Sequence[int]]) -> list[int]:
-    """Image placeholder tokens per sample (``processor.image_token_id``)."""
-    image_token = getattr(processor, "image_token_id", None)
+def _image_token_counts(processor: Any, input_ids: Sequence[Sequence[int]], image_token: int | None) -> list[int]:
+    """Image tokens per sample (``image_token``, else ``processor.image_token_id``)."""
+    image_token = getattr(processor, "image_token_id", None) if image_token is None else image_token
     if not isinstance(image_token, int):
         raise ValueError("the processor has no integer image_token_id, needed to split vision rows per image token")
     return [int(np.count_nonzero(np.asarray(ids) == image_token)) for ids in input_ids]

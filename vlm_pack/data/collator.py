@@ -145,6 +145,7 @@ class VLMPackingCollator:
                 "the collator got a multimodal processor but no model_config: pass model_config=model.config, so "
                 "positions and per-token keys follow the model's family (e.g. mRoPE computed per sample)"
             )
+        self.image_token_id = _image_token_id(processor, self.family)
         self.unlabelled_ids = _media_token_ids(processor, self.family)
         self.unlabelled_spans = _media_span_ids(processor, self.family)
         refusal = None if self.family is None else self.family.context_parallel_refusal
@@ -234,7 +235,7 @@ class VLMPackingCollator:
                                        self.unlabelled_ids, self.unlabelled_spans,
                                        self.family is not None and self.family.mask_before_expansion,
                                        [example_tools(example, index) for index, example in enumerate(examples)],
-                                       self.family is not None and self.family.encode_alone)
+                                       self.family is not None and self.family.encode_alone, self.image_token_id)
         if self.family is not None and self.rope_index is not None:
             for index, features in enumerate(encoded):
                 _check_video_runs(features, self.processor, self.family, self.rope_index.spatial_merge_size, index)
@@ -390,9 +391,8 @@ class VLMPackingCollator:
         self, batch: dict[str, Any], samples: list[dict], dropped: list[int], images: int, timings: dict[str, float]
     ) -> CollatorStats:
         real = sum(s["input_ids"].shape[1] for s in samples)
-        image_token = getattr(self.processor, "image_token_id", None)
-        if isinstance(image_token, int):  # every family's processor names its image placeholder token
-            image_tokens = int((batch["input_ids"] == image_token).sum())
+        if isinstance(self.image_token_id, int):  # every family's processor names its image placeholder token
+            image_tokens = int((batch["input_ids"] == self.image_token_id).sum())
         else:
             token_types = batch.get("mm_token_type_ids")
             image_tokens = 0 if token_types is None else int((token_types == 1).sum())
@@ -433,6 +433,15 @@ def _check_video_runs(features: dict[str, torch.Tensor], processor: Any, family:
             f"expects {layout} ({want}); encode with the model's own processor ({type(processor).__name__} "
             "writes another family's video layout)"
         )
+
+
+def _image_token_id(processor: Any, family: FamilySpec | None) -> int | None:
+    """The id each image expands into: the family's ``image_token`` where it names one (Ovis 2's ``<IMG_ATOM>``),
+    else the processor's ``image_token_id`` (None for a text tokenizer)."""
+    if family is not None and family.image_token is not None:
+        return getattr(processor, "tokenizer", processor).convert_tokens_to_ids(family.image_token)
+    token = getattr(processor, "image_token_id", None)
+    return token if isinstance(token, int) else None
 
 
 def _media_token_ids(processor: Any, family: FamilySpec | None) -> tuple[int, ...]:

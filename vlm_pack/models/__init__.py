@@ -137,6 +137,9 @@ class FamilySpec:
     ``mrope_text_row``: mRoPE positions carry the per-sample text row first (``[1 + A, 1, T]``, from which HF models
     derive packed boundaries); False where the model takes only its rope rows (HunYuan-VL's forward recognises the
     text row but does not strip it, transformers 5.24): boundaries then come from ``cu_seq_lens_*`` alone.
+    ``image_token``: the token each image expands into where it is not the processor's ``image_token`` (Ovis 2
+    replaces ``<image>`` by ``<IMG_ATOM>`` runs framed by indicator tokens): the collator counts it for
+    ``"image_token"`` vision rows and its image-token statistics.
     """
 
     name: str
@@ -164,6 +167,7 @@ class FamilySpec:
     video_runs: Literal["video", "frame"] = "video"
     encode_alone: bool = False
     mrope_text_row: bool = True
+    image_token: str | None = None
 
     def __post_init__(self) -> None:
         if (self.positions == "mrope") != (self.rope_index_model is not None):
@@ -303,4 +307,4 @@ def _load_builtin() -> None:
         aya_vision, deepseek_vl, gemma3, gemma4, glm4v, glm4v_moe, glm46v, glm_ocr, idefics2, idefics3, internvl,
         lighton_ocr, llama, llava, llava_onevision, mistral, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
     )
-    from . import ernie4_5_vl_moe, hunyuan_vl, paddleocr_vl  # noqa: F401  (round 3b families)
+    from . import ernie4_5_vl_moe, hunyuan_vl, ovis2, paddleocr_vl  # noqa: F401  (round 3b families)

@@ -6,7 +6,8 @@ shuffle (``hidden_stride``) run per tile (``get_image_features`` is called witho
 becomes ``image_seq_length`` ``<IMG_ATOM>`` tokens filled in order by ``masked_scatter``; the five visual
 indicator tokens (``<IMG_START>``, ``<IMG_GRID>``, ``<IMG_COL>``, ``<IMG_ROW>``, ``<IMG_END>``) take fixed rows of
 the visual embedding table, the same packed or alone. ``pixel_values`` has one row per tile and the processor
-drops the per-image grids, so the collator splits its rows in proportion to each sample's image tokens. The
+drops the per-image grids, so the collator splits its rows in proportion to each sample's ``<IMG_ATOM>`` tokens
+(``image_token``: the processor's own image token, ``<image>``, is replaced whole). The
 language model is a proven text family.
 """
 
@@ -42,6 +43,6 @@ def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str,
 
 OVIS2 = register_family(FamilySpec(
     name="ovis2", model_types=("ovis2",), proof="tests/test_families_round3b.py",
-    vision_rows={"pixel_values": "image_token"}, media_tokens=("<IMG_ATOM>", *_INDICATORS),
+    vision_rows={"pixel_values": "image_token"}, image_token="<IMG_ATOM>", media_tokens=("<IMG_ATOM>", *_INDICATORS),
     extra_checks=(text_backbone("qwen2", "qwen3", "llama"),), image_text=_image_text,
 ))
