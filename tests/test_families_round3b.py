@@ -22,8 +22,8 @@ import test_vlm_families as families
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROUND3B = ["paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", "ovis2"]
-MROPE = ["paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl"]
+ROUND3B = ["paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", "ovis2", "qwen2_5_omni_thinker"]
+MROPE = ["paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", "qwen2_5_omni_thinker"]
 
 
 @pytest.mark.parametrize("family", ROUND3B)
@@ -152,3 +152,20 @@ def test_hunyuan_length_dependent_rope_is_refused():
     del config.text_config.rope_parameters["alpha"]
     with pytest.raises(UnsupportedModelError, match="rope_type 'dynamic' without 'alpha'"):
         get_family(config)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_omni_thinker"])
+def test_omni_audio_and_video_are_refused(family):
+    """The Omni thinkers' audio features are not packed per sample and their videos' positions interleave with the
+    audio track in time: an audio part, or a video, is refused when the batch is built, naming what to do."""
+    import numpy as np
+
+    collator = families.setup_for(family).collator
+    chat = [{"role": "assistant", "content": "A beep."}]
+    audio = {"messages": [{"role": "user", "content": [{"type": "audio", "audio": np.zeros(1600)}]}, *chat]}
+    with pytest.raises(ValueError, match="unsupported content part.*'audio'.*use type 'text', 'image' or 'video'"):
+        collator([audio])
+    video = {"messages": [{"role": "user", "content": [{"type": "video", "video": np.zeros((2, 28, 28, 3), np.uint8)}]},
+                          *chat]}
+    with pytest.raises(ValueError, match=f"video packing is not proven for the {family} family"):
+        collator([video])

@@ -423,7 +423,7 @@ def test_unproven_language_model_is_refused(family):
     ("PaliGemmaConfig", "chats cannot be encoded for PaliGemma", "attend both ways over each whole sample"),
     ("Llama4Config", "chunked attention over packed rows is not implemented", "attend across chunk borders"),
     ("MllamaConfig", "cross-attention isolation over packed rows is not implemented", "another sample's image"),
-    ("Qwen2_5OmniThinkerConfig", "the Omni thinker.s time-aligned mRoPE", "wrong position"),
+    ("Qwen2_5OmniConfig", "the full Omni model .thinker . talker. is not proven", "wrong position"),
     ("FastVlmConfig", "the vision tower must not mix images", "depend on the other samples' images"),
     ("PerceptionLMConfig", "PerceptionLM's pixel_values hold one stack of tiles per image", "different tile counts"),
     ("GotOcr2Config", "chats cannot be encoded for GOT-OCR2", "the processor rejects every chat batch"),

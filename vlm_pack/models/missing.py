@@ -40,8 +40,9 @@ _PALIGEMMA = MissingRule(
     "with the processor's own prefix/suffix encoding)",
 )
 _OMNI = MissingRule(
-    "the Omni thinker's time-aligned mRoPE (audio and video positions interleaved in time) is not computed per "
-    "sample, and audio inputs are not packed",
+    "the full Omni model (thinker + talker) is not proven: the Omni thinker's time-aligned mRoPE is proven per "
+    "sample for the thinker alone (train Qwen2_5OmniThinkerForConditionalGeneration, image and text inputs; audio "
+    "inputs are not packed)",
     "positions would be 1-D instead of the model's 3-D rope: every image, video and audio token gets a wrong position",
 )
 
@@ -71,7 +72,6 @@ MISSING_RULES: dict[str, MissingRule] = {
         "untested: KV-shared layers and audio features could mix samples; nothing here measures it",
     ),
     "qwen2_5_omni": _OMNI,
-    "qwen2_5_omni_thinker": _OMNI,
     "qwen3_omni_moe": _OMNI,
     "qwen3_omni_moe_thinker": _OMNI,
     "fast_vlm": MissingRule(

@@ -164,6 +164,66 @@ def _ovis2_model(processor, initializer_range: float, layers: int, attn: str) ->
     return Ovis2ForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
+# ---------------------------------------------------------------- Qwen2.5-Omni thinker (images; audio and video refused)
+
+# Qwen2.5-VL's tiny vision tower and image processor (56-112 px images, 14-px patches merged 2x2); a tiny Whisper
+# feature extractor and audio tower complete the processor and model (audio is refused by the collator).
+_OMNI_TOKENS = {"image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>", "video_token": "<|VIDEO|>",
+                "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
+                "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
+
+
+def _qwen2_5_omni_thinker_processor() -> ProcessorMixin:
+    from transformers import Qwen2_5OmniProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor, WhisperFeatureExtractor
+
+    patching = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2}
+    return Qwen2_5OmniProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112, **patching),
+        video_processor=Qwen2VLVideoProcessor(**patching),
+        feature_extractor=WhisperFeatureExtractor(feature_size=16),
+        tokenizer=_tokenizer(_OMNI_TOKENS),
+        chat_template=chatml_template("<|vision_bos|><|IMAGE|><|vision_eos|>"),
+    )
+
+
+def _qwen2_5_omni_thinker_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration
+
+    from .tiny_models import _with_patching
+
+    ids = processor.tokenizer.convert_tokens_to_ids
+    config = Qwen2_5OmniThinkerConfig(
+        text_config=_mrope_text(processor, initializer_range, layers, [2, 3, 3]),
+        # Block 0 windowed (56-px windows: several per image), block 1 full attention, as the tiny Qwen2.5-VL.
+        vision_config=_with_patching({"depth": 2, "hidden_size": 32, "out_hidden_size": _HIDDEN, "intermediate_size": 64,
+                                      "num_heads": 2, "window_size": 56, "fullatt_block_indexes": [1]},
+                                     initializer_range),
+        audio_config={"num_mel_bins": 16, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
+                      "d_model": 32, "output_dim": _HIDDEN, "n_window": 4},
+        audio_token_index=ids("<|AUDIO|>"), image_token_index=ids("<|IMAGE|>"), video_token_index=ids("<|VIDEO|>"),
+        audio_start_token_id=ids("<|audio_bos|>"), audio_end_token_id=ids("<|audio_eos|>"),
+        vision_start_token_id=ids("<|vision_bos|>"), initializer_range=initializer_range,
+    )
+    return _omni_reference(Qwen2_5OmniThinkerForConditionalGeneration._from_config(
+        config, attn_implementation=attn, dtype=torch.float32))
+
+
+def _all_ones_mask(module, args, kwargs):
+    if kwargs.get("attention_mask") is None and kwargs.get("position_ids") is None \
+            and kwargs.get("input_ids") is not None:
+        return args, {**kwargs, "attention_mask": torch.ones_like(kwargs["input_ids"])}
+    return None
+
+
+def _omni_reference(model: PreTrainedModel) -> PreTrainedModel:
+    """The Omni thinkers compute their mRoPE positions only when the forward gets an attention_mask (without one
+    they fall back to 1-D positions, transformers 5.24). A user's unpacked call passes the processor's mask, so the
+    tiny model called without mask or positions (the test suites' reference: each sample alone) gets its all-ones
+    mask; packed calls carry their positions and are left alone."""
+    model.register_forward_pre_hook(_all_ones_mask, with_kwargs=True)
+    return model
+
+
 ROUND3B_BUILDERS = {
     "paddleocr_vl": _Builder(
         _paddleocr_vl_processor,
@@ -192,5 +252,12 @@ ROUND3B_BUILDERS = {
         "Qwen tokenizer + Ovis's <image>, <IMG_ATOM> and indicator tokens and ChatML instead of the checkpoint's "
         "(no package ships its template); real Ovis2ImageProcessor (28-px tiles, up to 4 + a thumbnail) and "
         "Ovis2Processor; Qwen2 language model",
+    ),
+    "qwen2_5_omni_thinker": _Builder(
+        _qwen2_5_omni_thinker_processor,
+        _qwen2_5_omni_thinker_model,
+        "Qwen tokenizer + Omni's image/audio/video and boundary tokens and ChatML instead of the checkpoint's (no "
+        "package ships its template); real Qwen2VLImageProcessor (56-112 px images), WhisperFeatureExtractor (16 mel "
+        "bins) and Qwen2_5OmniProcessor",
     ),
 }
