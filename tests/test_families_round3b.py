@@ -22,8 +22,9 @@ import test_vlm_families as families
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROUND3B = ["paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", "ovis2", "qwen2_5_omni_thinker"]
-MROPE = ["paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", "qwen2_5_omni_thinker"]
+ROUND3B = ["paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", "ovis2", "qwen2_5_omni_thinker",
+           "qwen3_omni_moe_thinker"]
+MROPE = ["paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"]
 
 
 @pytest.mark.parametrize("family", ROUND3B)
@@ -154,7 +155,7 @@ def test_hunyuan_length_dependent_rope_is_refused():
         get_family(config)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_omni_thinker"])
+@pytest.mark.parametrize("family", ["qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"])
 def test_omni_audio_and_video_are_refused(family):
     """The Omni thinkers' audio features are not packed per sample and their videos' positions interleave with the
     audio track in time: an audio part, or a video, is refused when the batch is built, naming what to do."""

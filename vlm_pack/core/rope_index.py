@@ -83,5 +83,10 @@ class MRopeIndex:
             attention_mask=attention_mask,
             **kwargs,
         )
+        if mrope.is_floating_point():  # Qwen3-Omni's time-aligned index is computed in floats
+            if not torch.equal(mrope, mrope.round()):
+                raise ValueError(f"{self.rope_index_model}.get_rope_index gave fractional positions (media timed at "
+                                 "sub-position resolution), which packed position ids cannot carry")
+            mrope = mrope.long()
         text = text_position_ids(attention_mask).to(mrope.dtype)
         return torch.cat([text.unsqueeze(0), mrope], dim=0)

@@ -73,7 +73,6 @@ MISSING_RULES: dict[str, MissingRule] = {
     ),
     "qwen2_5_omni": _OMNI,
     "qwen3_omni_moe": _OMNI,
-    "qwen3_omni_moe_thinker": _OMNI,
     "fast_vlm": MissingRule(
         "the vision tower must not mix images, and FastVLM's (timm FastViT-MCi, every ConvMlp a BatchNorm2d that "
         "inference_mode does not fold) normalises by the statistics of every image in the forward while training; "

@@ -19,3 +19,8 @@ QWEN2_5_OMNI_THINKER = register_family(FamilySpec(
     positions="mrope", rope_index_model="Qwen2_5OmniThinkerForConditionalGeneration",
     media_tokens=("<|vision_bos|>", "<|vision_eos|>", "<|audio_bos|>", "<|audio_eos|>"),
 ))
+QWEN3_OMNI_MOE_THINKER = register_family(FamilySpec(
+    name="qwen3_omni_moe_thinker", model_types=("qwen3_omni_moe_thinker",), proof=_PROOF,
+    positions="mrope", rope_index_model="Qwen3OmniMoeThinkerForConditionalGeneration",
+    media_tokens=("<|vision_bos|>", "<|vision_eos|>", "<|audio_bos|>", "<|audio_eos|>"),
+))

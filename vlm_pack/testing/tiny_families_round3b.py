@@ -224,6 +224,44 @@ def _omni_reference(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
+# ---------------------------------------------------------------- Qwen3-Omni-MoE thinker (images; audio and video refused)
+
+# Qwen3-VL's tiny vision tower (14-px patches merged 2x2, learned position grid, one deepstack layer) and the
+# Qwen2.5-Omni thinker's processor (Qwen3OmniMoeProcessor: the same tokens); MoE text: 4 experts, 2 per token.
+
+
+def _qwen3_omni_moe_thinker_processor() -> ProcessorMixin:
+    from transformers import Qwen3OmniMoeProcessor
+
+    parts = _qwen2_5_omni_thinker_processor()
+    return Qwen3OmniMoeProcessor(image_processor=parts.image_processor, video_processor=parts.video_processor,
+                                 feature_extractor=parts.feature_extractor, tokenizer=parts.tokenizer,
+                                 chat_template=parts.chat_template)
+
+
+def _qwen3_omni_moe_thinker_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import Qwen3OmniMoeThinkerConfig, Qwen3OmniMoeThinkerForConditionalGeneration
+
+    from .tiny_models import _with_patching
+
+    ids = processor.tokenizer.convert_tokens_to_ids
+    text = _mrope_text(processor, initializer_range, layers, [2, 3, 3])
+    text["rope_parameters"]["mrope_interleaved"] = True
+    config = Qwen3OmniMoeThinkerConfig(
+        text_config={**text, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+        vision_config=_with_patching({"depth": 1, "hidden_size": 32, "out_hidden_size": _HIDDEN, "intermediate_size": 64,
+                                      "num_heads": 2, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+                                     initializer_range),
+        audio_config={"num_mel_bins": 16, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
+                      "d_model": 32, "output_dim": _HIDDEN, "n_window": 4},
+        audio_token_id=ids("<|AUDIO|>"), image_token_id=ids("<|IMAGE|>"), video_token_id=ids("<|VIDEO|>"),
+        audio_start_token_id=ids("<|audio_bos|>"), vision_start_token_id=ids("<|vision_bos|>"),
+        initializer_range=initializer_range,
+    )
+    return _omni_reference(Qwen3OmniMoeThinkerForConditionalGeneration._from_config(
+        config, attn_implementation=attn, dtype=torch.float32))
+
+
 ROUND3B_BUILDERS = {
     "paddleocr_vl": _Builder(
         _paddleocr_vl_processor,
@@ -259,5 +297,10 @@ ROUND3B_BUILDERS = {
         "Qwen tokenizer + Omni's image/audio/video and boundary tokens and ChatML instead of the checkpoint's (no "
         "package ships its template); real Qwen2VLImageProcessor (56-112 px images), WhisperFeatureExtractor (16 mel "
         "bins) and Qwen2_5OmniProcessor",
+    ),
+    "qwen3_omni_moe_thinker": _Builder(
+        _qwen3_omni_moe_thinker_processor,
+        _qwen3_omni_moe_thinker_model,
+        "as qwen2_5_omni_thinker, with Qwen3OmniMoeProcessor and a Qwen3-VL-style vision tower",
     ),
 }
