@@ -23,7 +23,7 @@ import test_vlm_families as families
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROUND3B = ["paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", "ovis2", "qwen2_5_omni_thinker",
-           "qwen3_omni_moe_thinker"]
+           "qwen3_omni_moe_thinker", "lfm2_vl"]
 MROPE = ["paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"]
 
 
@@ -170,3 +170,28 @@ def test_omni_audio_and_video_are_refused(family):
                           *chat]}
     with pytest.raises(ValueError, match=f"video packing is not proven for the {family} family"):
         collator([video])
+
+
+@torch.no_grad()
+def test_corruption_lfm2_conv_window_carried_across_samples(monkeypatch):
+    """LFM2's short-convolution layers must restart their window per sample: enable_packing installs the
+    boundary-aware forward on its Lfm2ShortConv modules, and the window carried over the whole row (boundaries
+    ignored) is caught. The edge batch holds tiled images (crops + thumbnail) too: their rows follow their sample."""
+    from vlm_pack.attention import linear as la
+
+    setup = families.setup_for("lfm2_vl")
+    convs = [m for m in setup.packed.modules() if type(m).__name__ == "Lfm2ShortConv"]
+    assert convs and all(getattr(m.forward, "__vlm_pack_linear__", False) for m in convs)
+    examples = families.edge_examples()
+    refs = families.references(setup, examples)
+    batch = setup.collator(examples)
+    assert batch["pixel_values"].shape[0] > 5  # more tiles than the edge batch's 5 images
+    refs[3].logits.check(families.logit_error(batch, families.packed_logits(setup.packed, batch), refs))
+    exact, total = la.segmented_causal_conv1d, batch["input_ids"].shape[1]
+    whole_row = la.SegmentLayout.from_cu_seqlens(torch.tensor([0, total]), total)
+
+    def carried(reference_fn, hidden_states, weight, bias, activation, layout):
+        return exact(reference_fn, hidden_states, weight, bias, activation, whole_row)
+
+    monkeypatch.setattr(la, "segmented_causal_conv1d", carried)
+    assert refs[3].logits.is_far(families.logit_error(batch, families.packed_logits(setup.packed, batch), refs))

@@ -235,7 +235,8 @@ class VLMPackingCollator:
                                        self.unlabelled_ids, self.unlabelled_spans,
                                        self.family is not None and self.family.mask_before_expansion,
                                        [example_tools(example, index) for index, example in enumerate(examples)],
-                                       self.family is not None and self.family.encode_alone, self.image_token_id)
+                                       self.family is not None and self.family.encode_alone, self.image_token_id,
+                                       None if self.family is None else self.family.tile_tokens)
         if self.family is not None and self.rope_index is not None:
             for index, features in enumerate(encoded):
                 _check_video_runs(features, self.processor, self.family, self.rope_index.spatial_merge_size, index)

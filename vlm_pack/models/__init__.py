@@ -43,7 +43,9 @@ AttentionRule = Literal["causal", "causal_image_blocks"]
 # "image" one row per image; "sample" one per sample; "sample_with_images" one per sample holding >= 1 image
 # (e.g. LLaVA-OneVision's batch_num_images); "image_token" rows in fixed proportion to the sample's image
 # placeholder tokens (e.g. InternVL's tiles, whose per-image count the processor does not return).
-RowUnit = Literal["image", "sample", "sample_with_images", "image_token"]
+# "tile" rows are tiles of different token counts in sample order (LFM2-VL's thumbnail and crops), each sample
+# taking the tiles whose tokens (``FamilySpec.tile_tokens``) add up to its image tokens.
+RowUnit = Literal["image", "sample", "sample_with_images", "image_token", "tile"]
 
 # RoPE variants whose angles depend on the position id alone. Dynamic / long-rope scaling depends on the
 # sequence length, which differs between a packed row and a sample run alone: not exact, so not accepted.
@@ -139,7 +141,8 @@ class FamilySpec:
     text row but does not strip it, transformers 5.24): boundaries then come from ``cu_seq_lens_*`` alone.
     ``image_token``: the token each image expands into where it is not the processor's ``image_token`` (Ovis 2
     replaces ``<image>`` by ``<IMG_ATOM>`` runs framed by indicator tokens): the collator counts it for
-    ``"image_token"`` vision rows and its image-token statistics.
+    ``"image_token"`` vision rows and its image-token statistics. ``tile_tokens``: ``(processor, the batch's vision
+    tensors) -> image tokens of each tile`` for ``"tile"`` vision rows.
     """
 
     name: str
@@ -168,6 +171,7 @@ class FamilySpec:
     encode_alone: bool = False
     mrope_text_row: bool = True
     image_token: str | None = None
+    tile_tokens: Callable[[Any, Mapping[str, torch.Tensor]], list[int]] | None = None
 
     def __post_init__(self) -> None:
         if (self.positions == "mrope") != (self.rope_index_model is not None):
@@ -307,4 +311,4 @@ def _load_builtin() -> None:
         aya_vision, deepseek_vl, gemma3, gemma4, glm4v, glm4v_moe, glm46v, glm_ocr, idefics2, idefics3, internvl,
         lighton_ocr, llama, llava, llava_onevision, mistral, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
     )
-    from . import ernie4_5_vl_moe, hunyuan_vl, ovis2, paddleocr_vl, qwen_omni  # noqa: F401  (round 3b families)
+    from . import ernie4_5_vl_moe, hunyuan_vl, lfm2_vl, ovis2, paddleocr_vl, qwen_omni  # noqa: F401  (round 3b)
