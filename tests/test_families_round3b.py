@@ -195,3 +195,21 @@ def test_corruption_lfm2_conv_window_carried_across_samples(monkeypatch):
 
     monkeypatch.setattr(la, "segmented_causal_conv1d", carried)
     assert refs[3].logits.is_far(families.logit_error(batch, families.packed_logits(setup.packed, batch), refs))
+
+
+@pytest.mark.parametrize(("model_type", "rule"), [
+    ("minicpmv4_6", "packs every slice of every image of a call into ONE pixel_values row"),
+    ("minicpmv4_7", "packs every slice of every image of a call into ONE pixel_values row"),
+    ("molmo2", "image_token_pooling indexes the patches of every crop"),
+    ("aria", "gives every image of a call the call's largest crop count"),
+    ("deepseek_ocr2", "local crops"),
+    ("lfm3_vl", "short-convolution layers over each image's patches"),
+])
+def test_round3b_families_not_proven_are_refused_by_name(model_type, rule):
+    """The families of this round whose packing needs a rule vlm_pack lacks: refused, naming the rule."""
+    from types import SimpleNamespace
+
+    from vlm_pack.models import UnsupportedModelError, get_family
+
+    with pytest.raises(UnsupportedModelError, match=f"model_type '{model_type}': .*{rule}"):
+        get_family(SimpleNamespace(model_type=model_type))

@@ -46,7 +46,38 @@ _OMNI = MissingRule(
     "positions would be 1-D instead of the model's 3-D rope: every image, video and audio token gets a wrong position",
 )
 
+_MINICPMV = MissingRule(
+    "MiniCPM-V's processor packs every slice of every image of a call into ONE pixel_values row (NaViT patches "
+    "concatenated along the width, with target_sizes per slice); vlm_pack has no rule splitting a tensor per sample "
+    "along its last dimension, nor the per-image slice counts the processor drops",
+    "the collator cannot give each sample its pixels (one row for the whole batch), so a packed batch fails or mixes "
+    "samples' slices (not measured)",
+)
+
 MISSING_RULES: dict[str, MissingRule] = {
+    "minicpmv4_6": _MINICPMV,
+    "minicpmv4_7": _MINICPMV,
+    "molmo2": MissingRule(
+        "Molmo 2's image_token_pooling indexes the patches of every crop of the processor call (offsets across the "
+        "batch), which per-sample vision rows would have to re-base; not implemented or proven",
+        "pooled image tokens could read another sample's patches (not measured)",
+    ),
+    "aria": MissingRule(
+        "Aria's processor gives every image of a call the call's largest crop count (num_crops is one number per "
+        "call), so an image's token count depends on the other images encoded with it, while pixel_values keep each "
+        "image's own crops",
+        "a sample's image tokens would differ from the sample encoded alone (not measured)",
+    ),
+    "deepseek_ocr2": MissingRule(
+        "DeepSeek-OCR 2's local crops (pixel_values_local, counted per image by num_local_patches) need a row rule "
+        "splitting them by that count, and its SAM + query-encoder tower is not proven under packing",
+        "untested: crop rows would be attributed by guess",
+    ),
+    "lfm3_vl": MissingRule(
+        "LFM3-VL's vision tower has short-convolution layers over each image's patches and its LFM3 text adds "
+        "sliding-window layers next to the convolutions; neither is proven under packing (LFM2-VL is)",
+        "untested: convolution windows could cross images or samples",
+    ),
     "got_ocr2": MissingRule(
         "chats cannot be encoded for GOT-OCR2: transformers' GotOcr2Processor builds its own OCR prompt and rejects "
         "what apply_chat_template hands it (each sample's images as a list: 'Nested images are only supported with "
