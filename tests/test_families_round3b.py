@@ -213,3 +213,33 @@ def test_round3b_families_not_proven_are_refused_by_name(model_type, rule):
 
     with pytest.raises(UnsupportedModelError, match=f"model_type '{model_type}': .*{rule}"):
         get_family(SimpleNamespace(model_type=model_type))
+
+
+def test_lfm2_text_model_packed_equals_each_sample_alone():
+    """LFM2 on its own (Lfm2ForCausalLM, the language model of LFM2-VL): short-convolution (window 3) and attention
+    layers, text chats packed with the tokenizer's collator against each sample alone through the stock model
+    (logits, losses, the model's own loss, gradients)."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    from vlm_pack.data.collator import VLMPackingCollator
+    from vlm_pack.integrations.hf_model import enable_packing
+    from vlm_pack.testing.data import text_chat_examples
+    from vlm_pack.testing.tiny_models import qwen_tokenizer
+
+    tokenizer = qwen_tokenizer()
+
+    def model():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            config = Lfm2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
+                                conv_L_cache=3, block_auto_adjust_ff_dim=False, initializer_range=0.2)
+            return Lfm2ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+    packed = enable_packing(model())
+    collator = VLMPackingCollator(tokenizer, max_length=1024, model_config=packed.config)
+    assert collator.family.name == "lfm2_vl"
+    setup = families.Setup("lfm2", tokenizer, model(), packed, collator)
+    result = families.compare(setup, text_chat_examples(3, seed=1, max_turns=2))
+    print("lfm2", result)
+    families.assert_exact(result)

@@ -417,10 +417,10 @@ def encode_conversations(
     vision = {key: torch.as_tensor(value) if key in _PER_VIDEO_LISTS else value
               for key, value in out.items() if isinstance(value, torch.Tensor) or key in _PER_VIDEO_LISTS}
     vision_rows = vision_rows or {}
+    units = {vision_rows.get(key) for key in vision}  # a batch without images (or a text model) has none
     image_tokens = (_image_token_counts(processor, out["input_ids"], image_token_id)
-                    if {"image_token", "tile"} & set(vision_rows.values()) else None)
-    tiled = any(vision_rows.get(key) == "tile" for key in vision)  # a batch without images has no tiles
-    tiles = tile_tokens(processor, vision) if tiled and tile_tokens is not None else None
+                    if {"image_token", "tile"} & units else None)
+    tiles = tile_tokens(processor, vision) if "tile" in units and tile_tokens is not None else None
     for key, chunks in _split_vision(vision, images, videos, vision_rows, image_tokens, tiles).items():
         for sample, chunk in zip(samples, chunks):
             if chunk is not None:

@@ -1,5 +1,5 @@
 """LFM2-VL (SigLIP2 NaFlex tower + LFM2 hybrid text: short-convolution and attention layers) and its LFM2 language
-model: features placed by image-token id, 1-D positions per sample.
+model (``lfm2``, also on its own: ``Lfm2ForCausalLM``): features placed by image-token id, 1-D positions per sample.
 
 Rules (proven in tests/test_families_round3b.py): ``full_attention`` layers are causal over the packed row split at
 ``cu_seq_lens_q``; ``conv`` layers (``Lfm2ShortConv``: a causal depthwise convolution over the last
@@ -60,7 +60,7 @@ def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str,
 
 
 LFM2_VL = register_family(FamilySpec(
-    name="lfm2_vl", model_types=("lfm2_vl",), proof="tests/test_families_round3b.py", layer_kinds=_LAYER_KINDS,
+    name="lfm2_vl", model_types=("lfm2_vl", "lfm2"), proof="tests/test_families_round3b.py", layer_kinds=_LAYER_KINDS,
     prepare_model=_short_conv, context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL, vision_rows=_ROWS,
     tile_tokens=_tile_tokens, image_text=_image_text, media_tokens=("<|image_start|>", "<|image_end|>", "<|img_thumbnail|>") + tuple(
         f"<|img_row_{row}_col_{col}|>" for row in range(1, 11) for col in range(1, 11)),
