@@ -23,7 +23,7 @@ import test_vlm_families as families
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROUND3B = ["paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", "ovis2", "qwen2_5_omni_thinker",
-           "qwen3_omni_moe_thinker", "lfm2_vl"]
+           "qwen3_omni_moe_thinker", "lfm2_vl", "aria"]
 MROPE = ["paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"]
 
 
@@ -201,7 +201,6 @@ def test_corruption_lfm2_conv_window_carried_across_samples(monkeypatch):
     ("minicpmv4_6", "packs every slice of every image of a call into ONE pixel_values row"),
     ("minicpmv4_7", "packs every slice of every image of a call into ONE pixel_values row"),
     ("molmo2", "image_token_pooling indexes the patches of every crop"),
-    ("aria", "gives every image of a call the call's largest crop count"),
     ("deepseek_ocr2", "local crops"),
     ("lfm3_vl", "short-convolution layers over each image's patches"),
 ])
@@ -243,3 +242,20 @@ def test_lfm2_text_model_packed_equals_each_sample_alone():
     result = families.compare(setup, text_chat_examples(3, seed=1, max_turns=2))
     print("lfm2", result)
     families.assert_exact(result)
+
+
+def test_aria_image_splitting_is_refused():
+    """Aria with split_image=True: its processor gives every image of a call the call's largest crop count while
+    pixel_values hold each image's own crops; the family declares one pixel row per image, so the collator refuses
+    the batch by name instead of guessing which crops belong to which sample."""
+    from PIL import Image
+
+    setup = families.setup_for("aria")
+    processor = families.tiny_vlm_processor("aria")
+    processor.images_kwargs = {**processor.images_kwargs, "split_image": True}  # the processor call default
+    collator = families.VLMPackingCollator(processor, max_length=4096, model_config=setup.packed.config)
+    wide = {"messages": [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (980, 490))},
+                                                       {"type": "text", "text": "Wide?"}]},
+                         {"role": "assistant", "content": "Yes."}]}
+    with pytest.raises(ValueError, match="processor output 'pixel_values' has shape .* one row per image"):
+        collator([wide, families.swap_examples()[0]])

@@ -62,12 +62,6 @@ MISSING_RULES: dict[str, MissingRule] = {
         "batch), which per-sample vision rows would have to re-base; not implemented or proven",
         "pooled image tokens could read another sample's patches (not measured)",
     ),
-    "aria": MissingRule(
-        "Aria's processor gives every image of a call the call's largest crop count (num_crops is one number per "
-        "call), so an image's token count depends on the other images encoded with it, while pixel_values keep each "
-        "image's own crops",
-        "a sample's image tokens would differ from the sample encoded alone (not measured)",
-    ),
     "deepseek_ocr2": MissingRule(
         "DeepSeek-OCR 2's local crops (pixel_values_local, counted per image by num_local_patches) need a row rule "
         "splitting them by that count, and its SAM + query-encoder tower is not proven under packing",
