@@ -23,7 +23,7 @@ import test_vlm_families as families
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROUND3B = ["paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", "ovis2", "qwen2_5_omni_thinker",
-           "qwen3_omni_moe_thinker", "lfm2_vl", "aria"]
+           "qwen3_omni_moe_thinker", "lfm2_vl", "aria", "qianfan_ocr"]
 MROPE = ["paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"]
 
 
@@ -259,3 +259,10 @@ def test_aria_image_splitting_is_refused():
                          {"role": "assistant", "content": "Yes."}]}
     with pytest.raises(ValueError, match="processor output 'pixel_values' has shape .* one row per image"):
         collator([wide, families.swap_examples()[0]])
+
+
+@pytest.mark.parametrize("family", ["ovis2", "qianfan_ocr"])
+def test_unproven_language_model_is_refused(family):
+    """Composite families whose language model is a separate registered text family: any other language model, or
+    a proven one with an unhandled feature, is refused by name (the harness's check)."""
+    families.test_unproven_language_model_is_refused(family)

@@ -325,6 +325,7 @@ MEDIA_TOKENS.update({name: ["<|IMAGE_START|>", "<|IMAGE_PLACEHOLDER|>", "<|IMAGE
 MEDIA_TOKENS["ovis2"] = ["<IMG_ATOM>", "<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"]
 MEDIA_TOKENS.update({name: ["<|vision_bos|>", "<|IMAGE|>", "<|vision_eos|>"] for name in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")})
 MEDIA_TOKENS["aria"] = ["<|img|>"]
+MEDIA_TOKENS["qianfan_ocr"] = ["<img>", "<IMG_CONTEXT>", "</img>"]
 MEDIA_TOKENS["lfm2_vl"] = ["<|image_start|>", "<image>", "<|image_end|>"]
 MEDIA_TOKENS["hunyuan_vl"] = ["<｜hy_place▁holder▁no▁100｜>", "<｜hy_place▁holder▁no▁102｜>", "<｜hy_place▁holder▁no▁101｜>"]
 # Image markup that holds plain text: Aya Vision's tile labels "TILE_1", ... between its start/end markers.

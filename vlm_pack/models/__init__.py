@@ -311,4 +311,4 @@ def _load_builtin() -> None:
         aya_vision, deepseek_vl, gemma3, gemma4, glm4v, glm4v_moe, glm46v, glm_ocr, idefics2, idefics3, internvl,
         lighton_ocr, llama, llava, llava_onevision, mistral, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
     )
-    from . import aria, ernie4_5_vl_moe, hunyuan_vl, lfm2_vl, ovis2, paddleocr_vl, qwen_omni  # noqa: F401  (round 3b)
+    from . import aria, ernie4_5_vl_moe, hunyuan_vl, lfm2_vl, ovis2, paddleocr_vl, qianfan_ocr, qwen_omni  # noqa: F401

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, ProcessorMixin
 
-from .tiny_families import _HIDDEN, _Builder, _qwen2_text, _tokenizer, chatml_template
+from .tiny_families import _HIDDEN, _INTERNVL_TILE, _INTERNVL_TOKENS, _Builder, _qwen2_text, _tokenizer, chatml_template
 from .tiny_models import TINY_VISION_TOWER, official_template
 
 __all__ = ["ROUND3B_BUILDERS"]
@@ -329,6 +329,35 @@ def _aria_model(processor, initializer_range: float, layers: int, attn: str) -> 
     return AriaForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
+# ---------------------------------------------------------------- Qianfan-OCR (InternVL layout, Qwen3 text)
+
+# As the tiny InternVL: 28-px tiles (up to 4 + a thumbnail) of 7-px patches, pixel-shuffled by 0.5: 4 tokens a tile.
+
+
+def _qianfan_ocr_processor() -> ProcessorMixin:
+    from transformers import GotOcr2ImageProcessor, QianfanOCRProcessor
+
+    size = {"height": _INTERNVL_TILE, "width": _INTERNVL_TILE}
+    return QianfanOCRProcessor(
+        image_processor=GotOcr2ImageProcessor(size=size, crop_to_patches=True, min_patches=1, max_patches=4),
+        tokenizer=_tokenizer({**_INTERNVL_TOKENS, "image_placeholder": "<image>"}),
+        image_seq_length=4, chat_template=chatml_template("<image>"),
+    )
+
+
+def _qianfan_ocr_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import QianfanOCRConfig, QianfanOCRForConditionalGeneration
+
+    text = _qwen2_text(len(processor.tokenizer), initializer_range, layers)
+    config = QianfanOCRConfig(
+        vision_config={**TINY_VISION_TOWER, "image_size": [_INTERNVL_TILE, _INTERNVL_TILE], "patch_size": [7, 7],
+                       "initializer_range": initializer_range},
+        text_config={**text, "model_type": "qwen3", "head_dim": _HIDDEN // 4},
+        image_token_id=processor.image_token_id, image_seq_length=4, downsample_ratio=0.5,
+    )
+    return QianfanOCRForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
 ROUND3B_BUILDERS = {
     "paddleocr_vl": _Builder(
         _paddleocr_vl_processor,
@@ -382,5 +411,11 @@ ROUND3B_BUILDERS = {
         _aria_model,
         "Qwen tokenizer + Aria's <|img|> token and ChatML (the placeholder alone) instead of Aria's; real "
         "AriaImageProcessor (490-px images, no splitting) and AriaProcessor; MoE text with 4 experts, 2 per token",
+    ),
+    "qianfan_ocr": _Builder(
+        _qianfan_ocr_processor,
+        _qianfan_ocr_model,
+        "as internvl (Qwen tokenizer + InternVL's image tokens and ChatML writing the processor's <image> "
+        "placeholder), with QianfanOCRProcessor and a Qwen3 language model",
     ),
 }
