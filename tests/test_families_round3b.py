@@ -111,11 +111,11 @@ def _swapped_vision(setup, batch: dict, examples: list[dict]) -> dict:
 @torch.no_grad()
 def test_corruption_hunyuan_image_ordinal_restarts_per_sample():
     """HunYuan-VL's last rope axis is the image ordinal, which its get_rope_index counts across the rows of a batch:
-    positions from one rope-index call on the whole padded micro-batch (how the stock model positions a padded
-    batch) give later samples' images ordinals their samples alone never see, and are caught; so are vision rows
-    given to the wrong sample. (Its forward takes no text row, so the harness's position-id boundary check does
-    not apply: boundaries come from cu_seq_lens_* alone.)"""
-    from vlm_pack.core.batch import packing_metadata
+    positions from one rope-index call on the whole padded micro-batch (the family's rope_index_alone off: how the
+    stock model positions a padded batch) give later samples' images ordinals their samples alone never see, and
+    are caught; so are vision rows given to the wrong sample. (Its forward takes no text row, so the harness's
+    position-id boundary check does not apply: boundaries come from cu_seq_lens_* alone.)"""
+    import dataclasses
 
     setup = families.setup_for("hunyuan_vl")
     examples = families.swap_examples()
@@ -126,17 +126,9 @@ def test_corruption_hunyuan_image_ordinal_restarts_per_sample():
     assert refs[3].logits.is_far(families.logit_error(
         batch, families.packed_logits(setup.packed, _swapped_vision(setup, batch, examples)), refs))
 
-    samples = setup.collator._encode_all(examples)[0]
-    width = max(s["input_ids"].shape[1] for s in samples)
-    padded = setup.collator._padded(samples, width)
-    joint = setup.collator.rope_index(padded["input_ids"], padded["mm_token_type_ids"], padded["attention_mask"],
-                                      image_grid_thw=torch.cat([s["image_grid_thw"] for s in samples
-                                                                if "image_grid_thw" in s]))[1:]
-    starts = packing_metadata(batch)["cu_seqlens_padded"][:-1].tolist()
-    counted = batch["position_ids"].clone()
-    for row, (start, sample) in enumerate(zip(starts, samples)):
-        length = sample["input_ids"].shape[1]
-        counted[:, 0, start:start + length] = joint[:, row, :length]
+    joint = families.VLMPackingCollator(setup.processor, max_length=2048, model_config=setup.packed.config)
+    joint.family = dataclasses.replace(joint.family, rope_index_alone=False)  # one call on the padded batch
+    counted = joint(examples)["position_ids"]
     assert not torch.equal(counted, batch["position_ids"])
     assert refs[3].logits.is_far(families.logit_error(
         batch, families.packed_logits(setup.packed, batch, position_ids=counted), refs))

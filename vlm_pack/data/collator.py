@@ -200,7 +200,7 @@ class VLMPackingCollator:
             clock.append(time.perf_counter())
             batch = self._pack_samples(samples, vision)
         elif self.pack_sequences_in_batch:
-            positions = self._positions(samples, padded["input_ids"].shape[1])
+            positions = self._positions(samples, padded, vision)
             clock.append(time.perf_counter())
             batch = self._pack(padded, vision, positions)
         else:  # an ordinary batch: the model derives (mRoPE) positions of a padded batch itself
@@ -307,31 +307,39 @@ class VLMPackingCollator:
                 )
         return {key: torch.cat([s[key] for s in samples if key in s]) for key in keys}
 
-    def _positions(self, samples: list[dict[str, torch.Tensor]], width: int) -> torch.Tensor | None:
-        """``[4, B, width]`` per-sample text + mRoPE positions for mRoPE models (0 at padding; without the text row
+    def _positions(self, samples: list[dict[str, torch.Tensor]], padded: dict[str, torch.Tensor],
+                   vision: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """``[4, B, S]`` per-sample text + mRoPE positions for mRoPE models (0 at padding; without the text row
         where the family's ``mrope_text_row`` is False); None otherwise.
 
-        The model's rope index runs on each sample ALONE, as the stock model computes that sample's positions: some
-        rope indexes count media across the rows of a batch (HunYuan-VL's image ordinal), which a packed row's
-        samples must not share."""
+        One rope-index call on the padded batch, or one per sample where the family's ``rope_index_alone`` says its
+        rope index counts media across a batch's rows (HunYuan-VL's image ordinal): each sample then gets the
+        positions the stock model computes for it alone."""
         if self.rope_index is None:
             return None
-        rows, skip = [], 0 if self.family.mrope_text_row else 1
-        for sample in samples:
-            ids = sample["input_ids"]
-            token_types = sample.get("mm_token_type_ids")
-            if token_types is None:  # a text tokenizer: no vision tokens anywhere (images were rejected earlier)
-                token_types = torch.zeros_like(ids)
-            rows.append(self.rope_index(
-                ids, token_types, torch.ones_like(ids),
-                image_grid_thw=sample.get("image_grid_thw"),
-                video_grid_thw=sample.get("video_grid_thw"),
-                second_per_grid_ts=sample.get("second_per_grid_ts"),
-            )[skip:, 0])
+        skip = 0 if self.family.mrope_text_row else 1
+        if not self.family.rope_index_alone:
+            return self._rope_index(padded, vision)[skip:]
+        width = padded["input_ids"].shape[1]
+        rows = [self._rope_index({**sample, "attention_mask": torch.ones_like(sample["input_ids"])}, sample)[skip:, 0]
+                for sample in samples]
         positions = rows[0].new_zeros(rows[0].shape[0], len(rows), width)
         for index, row in enumerate(rows):
             positions[:, index, : row.shape[1]] = row
         return positions
+
+    def _rope_index(self, tokens: dict[str, torch.Tensor], vision: dict[str, torch.Tensor]) -> torch.Tensor:
+        token_types = tokens.get("mm_token_type_ids")
+        if token_types is None:  # a text tokenizer: no vision tokens anywhere (images were rejected earlier)
+            token_types = torch.zeros_like(tokens["input_ids"])
+        return self.rope_index(
+            tokens["input_ids"],
+            token_types,
+            tokens["attention_mask"],
+            image_grid_thw=vision.get("image_grid_thw"),
+            video_grid_thw=vision.get("video_grid_thw"),
+            second_per_grid_ts=vision.get("second_per_grid_ts"),
+        )
 
     def _pack(
         self, padded: dict[str, torch.Tensor], vision: dict[str, torch.Tensor], positions: torch.Tensor | None

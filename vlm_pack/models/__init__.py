@@ -139,6 +139,8 @@ class FamilySpec:
     ``mrope_text_row``: mRoPE positions carry the per-sample text row first (``[1 + A, 1, T]``, from which HF models
     derive packed boundaries); False where the model takes only its rope rows (HunYuan-VL's forward recognises the
     text row but does not strip it, transformers 5.24): boundaries then come from ``cu_seq_lens_*`` alone.
+    ``rope_index_alone``: the family's ``get_rope_index`` counts media across the rows of a batch (HunYuan-VL's
+    image ordinal), so the collator runs it on each sample alone instead of once on the padded batch.
     ``image_token``: the token each image expands into where it is not the processor's ``image_token`` (Ovis 2
     replaces ``<image>`` by ``<IMG_ATOM>`` runs framed by indicator tokens): the collator counts it for
     ``"image_token"`` vision rows and its image-token statistics. ``tile_tokens``: ``(processor, the batch's vision
@@ -170,6 +172,7 @@ class FamilySpec:
     video_runs: Literal["video", "frame"] = "video"
     encode_alone: bool = False
     mrope_text_row: bool = True
+    rope_index_alone: bool = False
     image_token: str | None = None
     tile_tokens: Callable[[Any, Mapping[str, torch.Tensor]], list[int]] | None = None
 

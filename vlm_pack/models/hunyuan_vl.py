@@ -5,8 +5,8 @@ Rules (proven in tests/test_families_round3b.py): positions are ``[A, 1, T]``, t
 axes (leading axes the 1-D sequence position, the last three width, height and image ordinal) from HunYuan's own
 ``get_rope_index``, with no text row (``mrope_text_row=False``: its forward recognises one but does not strip it),
 so sample boundaries reach the attention as ``cu_seq_lens_*`` only. Its image ordinal counts images across the rows of
-a batch, so the collator runs the rope index on each sample alone (the ordinal restarts per sample, as for a sample
-trained alone); ``mm_token_type_ids`` is per token; ``pixel_values`` rows are patches split by ``image_grid_thw``
+a batch, so the collator runs the rope index on each sample alone (``rope_index_alone``: the ordinal restarts per
+sample, as for a sample trained alone); ``mm_token_type_ids`` is per token; ``pixel_values`` rows are patches split by ``image_grid_thw``
 and the vision tower runs per image. The checkpoints' rope is labelled ``"dynamic"`` with a fixed ``alpha``
 (NTK-alpha: static frequencies, which the model computes once); ``"dynamic"`` without ``alpha`` depends on the
 sequence length and is refused.
@@ -29,5 +29,6 @@ HUNYUAN_VL = register_family(FamilySpec(
     name="hunyuan_vl", model_types=("hunyuan_vl",), proof="tests/test_families_round3b.py",
     positions="mrope", rope_index_model="HunYuanVLModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
     rope_types=STATIC_ROPE_TYPES | {"dynamic"}, extra_checks=(_static_dynamic_rope,), mrope_text_row=False,
+    rope_index_alone=True,
     media_tokens=("<｜hy_place▁holder▁no▁100｜>", "<｜hy_place▁holder▁no▁101｜>"),
 ))
