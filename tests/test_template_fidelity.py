@@ -320,6 +320,14 @@ MEDIA_TOKENS.update({name: ["<image>"] for name in ("llava", "llava_next", "llav
 MEDIA_TOKENS.update({name: ["<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>"]
                      for name in ("aya_vision", "cohere2_vision")})
 MEDIA_TOKENS.update({name: ["<image_placeholder>"] for name in ("deepseek_vl", "deepseek_vl_hybrid")})
+# Round-3b families (tests/test_families_round3b.py).
+MEDIA_TOKENS.update({name: ["<|IMAGE_START|>", "<|IMAGE_PLACEHOLDER|>", "<|IMAGE_END|>"] for name in ("paddleocr_vl", "ernie4_5_vl_moe")})
+MEDIA_TOKENS["ovis2"] = ["<IMG_ATOM>", "<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"]
+MEDIA_TOKENS.update({name: ["<|vision_bos|>", "<|IMAGE|>", "<|vision_eos|>"] for name in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")})
+MEDIA_TOKENS["aria"] = ["<|img|>"]
+MEDIA_TOKENS["qianfan_ocr"] = ["<img>", "<IMG_CONTEXT>", "</img>"]
+MEDIA_TOKENS["lfm2_vl"] = ["<|image_start|>", "<image>", "<|image_end|>"]
+MEDIA_TOKENS["hunyuan_vl"] = ["<｜hy_place▁holder▁no▁100｜>", "<｜hy_place▁holder▁no▁102｜>", "<｜hy_place▁holder▁no▁101｜>"]
 # Image markup that holds plain text: Aya Vision's tile labels "TILE_1", ... between its start/end markers.
 MEDIA_SPANS = {"aya_vision": ("<|START_OF_IMG|>", "<|END_OF_IMG|>")}
 LABEL_FAMILIES = ["qwen2_vl", "gemma3", *TINY_VLM_FAMILIES]
@@ -343,7 +351,7 @@ def _assistant_image_chat() -> list[dict]:
 def _training_template(processor) -> str:
     """The template whose generation blocks give the reference mask: the processor's own if marked, else TRL's."""
     own = processor.chat_template
-    if "{% generation %}" in own:  # vlm_pack's ChatML stand-in for families whose template no package ships
+    if "{% generation %}" in own or "{%- generation -%}" in own:  # marked: vlm_pack's ChatML stand-in, LFM2.5-VL's
         return own
     name = next(n for n in ("qwen2_5_vl", "gemma3", "idefics3", "smolvlm") if official_template(n) == own)
     return official_template(f"{name}_training")

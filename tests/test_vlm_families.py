@@ -292,15 +292,15 @@ def test_corruptions_are_caught(family):
     * vision rows given to the wrong sample (the two same-size images swapped: a well-formed batch);
     * positions not restarted per sample (stock sdpa, boundaries read from position ids as HF does when no
       cu_seq_lens are passed: exact with per-sample positions, wrong with whole-row positions). Not for hybrid
-      DeltaNet families, whose stock linear layers cannot read boundaries from positions (their restart has its
-      own corruption test)."""
+      DeltaNet or short-convolution families, whose stock linear / conv layers cannot read boundaries from
+      positions (their restart has its own corruption test)."""
     setup = setup_for(family)
     examples = swap_examples()
     refs = references(setup, examples)
     batch = setup.collator(examples)
     assert_exact(errors(batch, packed_logits(setup.packed, batch), refs))
 
-    if "linear_attention" not in setup.collator.family.layer_kinds:
+    if not {"linear_attention", "conv"} & setup.collator.family.layer_kinds:
         no_kwargs = dict.fromkeys(BOUNDARY_KWARGS)
         refs[3].logits.check(logit_error(batch, packed_logits(setup.stock, batch, **no_kwargs), refs))
         whole_row = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["position_ids"])
@@ -435,7 +435,7 @@ def test_unproven_language_model_is_refused(family):
 
 @pytest.mark.parametrize(("config_class", "rule", "wrong"), [
     ("PaliGemmaConfig", "chats cannot be encoded for PaliGemma", "attend both ways over each whole sample"),
-    ("Qwen2_5OmniThinkerConfig", "the Omni thinker.s time-aligned mRoPE", "wrong position"),
+    ("Qwen2_5OmniConfig", "the full Omni model .thinker . talker. is not proven", "wrong position"),
     ("FastVlmConfig", "the vision tower must not mix images", "depend on the other samples' images"),
     ("PerceptionLMConfig", "PerceptionLM's pixel_values hold one stack of tiles per image", "different tile counts"),
     ("GotOcr2Config", "chats cannot be encoded for GOT-OCR2", "the processor rejects every chat batch"),

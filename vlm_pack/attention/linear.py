@@ -314,38 +314,43 @@ def _check_covers(cu: torch.Tensor, total: int) -> None:
 # ------------------------------------------------------------------ installing on one model's modules
 
 
-def _rebound_forward(cls: type, backend: str) -> Callable:
-    """``cls.forward``'s own code, with the two kernel names resolved in a private namespace to our versions."""
+_WRAPPERS = {CONV_FUNCTION: _PackedConv, RULE_FUNCTION: _PackedDeltaRule}
+
+
+def _rebound_forward(cls: type, backend: str, functions: tuple[str, ...]) -> Callable:
+    """``cls.forward``'s own code, with the kernel names in ``functions`` resolved in a private namespace to our
+    versions."""
     inner = inspect.unwrap(cls.forward)
     names = set(inner.__code__.co_names)
-    if not {CONV_FUNCTION, RULE_FUNCTION} <= names:
+    if not set(functions) <= names:
         raise NotImplementedError(
-            f"{cls.__name__}.forward does not call {CONV_FUNCTION} and {RULE_FUNCTION} by name; this "
+            f"{cls.__name__}.forward does not call {' and '.join(functions)} by name; this "
             "transformers version is not supported for packed linear attention"
         )
     namespace = dict(inner.__globals__)
-    for name, wrapper in ((CONV_FUNCTION, _PackedConv), (RULE_FUNCTION, _PackedDeltaRule)):
+    for name in functions:
         original = namespace[name]
         reference = inspect.unwrap(original)
         if reference.__name__ != name:
             raise NotImplementedError(f"{cls.__module__}.{name} does not unwrap to transformers' torch function")
-        namespace[name] = wrapper(original, reference, backend)
+        namespace[name] = _WRAPPERS[name](original, reference, backend)
     rebound = types.FunctionType(inner.__code__, namespace, inner.__name__, inner.__defaults__, inner.__closure__)
     rebound.__kwdefaults__ = inner.__kwdefaults__
     return rebound
 
 
 def _packed_forward(rebound: Callable) -> Callable:
-    """The DeltaNet forward to bind to each module (a bound method, so ``copy.deepcopy`` rebinds it to the copy)."""
+    """The layer forward to bind to each module (a bound method, so ``copy.deepcopy`` rebinds it to the copy).
+    Its callers pass keywords (the DeltaNet's cache is ``cache_params``, LFM2's short conv's ``cache``)."""
 
-    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+    def forward(self, *args, **kwargs):
         if kwargs.get("cu_seq_lens_q") is not None:
-            if cache_params is not None:
+            if kwargs.get("cache_params") is not None or kwargs.get("cache") is not None:
                 raise ValueError("packed rows cannot fill a cache: call the model with use_cache=False")
-            if attention_mask is not None:
+            if kwargs.get("attention_mask") is not None:
                 raise ValueError("a packed row got both cu_seq_lens_q and a padding attention_mask: drop "
                                  "attention_mask (packed rows carry their boundaries in cu_seq_lens_*)")
-        return rebound(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        return rebound(self, *args, **kwargs)
 
     forward.__vlm_pack_linear__ = True
     return forward
@@ -387,9 +392,13 @@ def remove_linear_attention_packing(model: torch.nn.Module) -> int:
 
 
 def install_linear_attention_packing(
-    model: torch.nn.Module, class_names: Iterable[str], backend: str = "auto"
+    model: torch.nn.Module, class_names: Iterable[str], backend: str = "auto",
+    functions: tuple[str, ...] = (CONV_FUNCTION, RULE_FUNCTION),
 ) -> list[torch.nn.Module]:
     """Give every submodule of ``model`` whose class is named in ``class_names`` a packed-row forward.
+
+    ``functions``: the kernels its forward calls by name that must read the boundaries (a DeltaNet both; a
+    short-convolution layer such as LFM2's ``Lfm2ShortConv`` only ``causal_conv1d_fn``).
 
     ``backend``: ``"auto"`` (fla for CUDA tensors when installed, else exact torch), ``"fla"`` or
     ``"torch_segments"``. Installing again replaces the previous install. Returns the modules changed.
@@ -411,7 +420,7 @@ def install_linear_attention_packing(
             )
         cls = type(module)
         if cls not in rebound:
-            rebound[cls] = _packed_forward(_rebound_forward(cls, backend))
+            rebound[cls] = _packed_forward(_rebound_forward(cls, backend, functions))
         module.forward = types.MethodType(rebound[cls], module)
         # The layer around the DeltaNet sees the position ids (the DeltaNet itself does not).
         module._vlm_pack_position_check = parents[module].register_forward_pre_hook(

@@ -54,9 +54,13 @@ class MRopeIndex:
     def spatial_merge_size(self) -> int:
         return int(self.config.vision_config.spatial_merge_size)
 
-    # get_rope_index calls self.get_vision_position_ids; route it to the family's own implementation.
-    def get_vision_position_ids(self, *args, **kwargs) -> torch.Tensor:
-        return self._model_cls.get_vision_position_ids(self, *args, **kwargs)
+    # get_rope_index calls helpers on self (get_vision_position_ids, the Omni thinkers' get_llm_pos_ids_for_vision):
+    # route every public name this stand-in lacks to the family's own implementation, bound to the stand-in.
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name in ("config", "rope_index_model"):
+            raise AttributeError(name)
+        function = getattr(self._model_cls, name)
+        return function.__get__(self) if callable(function) else function
 
     def __call__(
         self,
@@ -67,17 +71,22 @@ class MRopeIndex:
         video_grid_thw: torch.Tensor | None = None,
         **extra: torch.Tensor,
     ) -> torch.Tensor:
-        """Position ids ``[4, B, S]`` for a padded batch; ``extra`` (e.g. ``second_per_grid_ts``) is passed on
-        only where the family's ``get_rope_index`` takes it."""
-        kwargs = {key: value for key, value in extra.items() if key in self._accepted and value is not None}
+        """Position ids ``[4, B, S]`` for a padded batch; ``mm_token_type_ids`` and ``extra`` (e.g.
+        ``second_per_grid_ts``) are passed on only where the family's ``get_rope_index`` takes them."""
+        given = {"mm_token_type_ids": mm_token_type_ids, **extra}  # the Omni thinkers read token ids instead
+        kwargs = {key: value for key, value in given.items() if key in self._accepted and value is not None}
         mrope, _ = self._model_cls.get_rope_index(
             self,
             input_ids,
-            mm_token_type_ids=mm_token_type_ids,
             image_grid_thw=image_grid_thw,
             video_grid_thw=video_grid_thw,
             attention_mask=attention_mask,
             **kwargs,
         )
+        if mrope.is_floating_point():  # Qwen3-Omni's time-aligned index is computed in floats
+            if not torch.equal(mrope, mrope.round()):
+                raise ValueError(f"{self.rope_index_model}.get_rope_index gave fractional positions (media timed at "
+                                 "sub-position resolution), which packed position ids cannot carry")
+            mrope = mrope.long()
         text = text_position_ids(attention_mask).to(mrope.dtype)
         return torch.cat([text.unsqueeze(0), mrope], dim=0)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import io
 import os
 import pathlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -370,7 +370,9 @@ def encode_conversations(
     unlabelled_spans: Sequence[tuple[int, int]] = (),
     mask_before_expansion: bool = False,
     tools: Sequence[Any] | None = None,
-    row_token_id: int | None = None,
+    encode_alone: bool = False,
+    image_token_id: int | None = None,
+    tile_tokens: Callable[[Any, Mapping[str, torch.Tensor]], list[int]] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Render and tokenise normalised conversations in ONE processor call; returns one dict per sample.
 
@@ -387,13 +389,17 @@ def encode_conversations(
     ``FamilySpec.mask_before_expansion`` (the processor's assistant mask is that of the unexpanded text): the mask
     is then carried from the template's own tokens (each placeholder one token) onto the expanded ones
     (:func:`carry_assistant_mask`). ``tools``: each conversation's chat-level tools (:func:`example_tools`).
-    ``row_token_id``: the token ``"image_token"`` rows are proportional to (default: the processor's placeholder).
+    ``encode_alone``: the family's ``FamilySpec.encode_alone`` (its processor cannot encode samples of different
+    lengths in one call): one call per sample, the outputs joined as one call's would be. ``image_token_id``: the
+    token each image expands into, whose count splits ``"image_token"`` vision rows (default: the processor's
+    ``image_token_id``). ``tile_tokens``: the family's ``FamilySpec.tile_tokens`` (image tokens of each row of its
+    ``"tile"`` vision tensors).
     """
     text_only = not hasattr(processor, "image_processor")  # text templates expect string content
     rendered = [template_messages(conversation, text_only) for conversation in conversations]
     tools = list(tools) if tools is not None else [None] * len(conversations)
     try:
-        out = _apply_template(processor, rendered, chat_template, tools)
+        out = (_apply_each if encode_alone else _apply_template)(processor, rendered, chat_template, tools)
     except Exception as batch_error:
         for index, conversation in enumerate(rendered):
             try:
@@ -411,9 +417,11 @@ def encode_conversations(
     vision = {key: torch.as_tensor(value) if key in _PER_VIDEO_LISTS else value
               for key, value in out.items() if isinstance(value, torch.Tensor) or key in _PER_VIDEO_LISTS}
     vision_rows = vision_rows or {}
-    image_tokens = (_image_token_counts(processor, out["input_ids"], row_token_id)
-                    if "image_token" in vision_rows.values() else None)
-    for key, chunks in _split_vision(vision, images, videos, vision_rows, image_tokens).items():
+    units = {vision_rows.get(key) for key in vision}  # a batch without images (or a text model) has none
+    image_tokens = (_image_token_counts(processor, out["input_ids"], image_token_id)
+                    if {"image_token", "tile"} & units else None)
+    tiles = tile_tokens(processor, vision) if "tile" in units and tile_tokens is not None else None
+    for key, chunks in _split_vision(vision, images, videos, vision_rows, image_tokens, tiles).items():
         for sample, chunk in zip(samples, chunks):
             if chunk is not None:
                 sample[key] = chunk
@@ -529,9 +537,22 @@ def _apply_template(
     return render_with_assistant_masks(processor, conversations, chat_template, tools, **tensors)
 
 
-def _image_token_counts(processor: Any, input_ids: Sequence[Sequence[int]], token_id: int | None = None) -> list[int]:
-    """Image tokens per sample: ``token_id``, else the processor's placeholder (``processor.image_token_id``)."""
-    image_token = token_id if token_id is not None else getattr(processor, "image_token_id", None)
+def _apply_each(
+    processor: Any, conversations: list[list[dict]], chat_template: ChatTemplate, tools: Sequence[Any],
+) -> dict[str, Any]:
+    """``_apply_template`` one sample at a time, joined: tensors (vision rows) concatenated in sample order,
+    per-sample lists (token ids, masks) extended."""
+    parts = [_apply_template(processor, [turns], chat_template, [tool]) for turns, tool in zip(conversations, tools)]
+    out: dict[str, Any] = {}
+    for key in dict.fromkeys(key for part in parts for key in part):
+        values = [part[key] for part in parts if key in part]
+        out[key] = torch.cat(values) if isinstance(values[0], torch.Tensor) else [v for value in values for v in value]
+    return out
+
+
+def _image_token_counts(processor: Any, input_ids: Sequence[Sequence[int]], image_token: int | None) -> list[int]:
+    """Image tokens per sample (``image_token``, else ``processor.image_token_id``)."""
+    image_token = getattr(processor, "image_token_id", None) if image_token is None else image_token
     if not isinstance(image_token, int):
         raise ValueError("the processor has no integer image_token_id, needed to split vision rows per image token")
     return [int(np.count_nonzero(np.asarray(ids) == image_token)) for ids in input_ids]
@@ -543,6 +564,7 @@ def _split_vision(
     videos: list[int],
     vision_rows: Mapping[str, str],
     image_tokens: list[int] | None = None,
+    tile_tokens: list[int] | None = None,
 ) -> dict[str, list[torch.Tensor | None]]:
     """Attribute each batched vision tensor's rows to samples; samples without rows get None.
 
@@ -567,6 +589,8 @@ def _split_vision(
             counts = [int(n > 0) for n in per_sample]
         elif unit == "image_token":
             counts = _proportional(key, rows, image_tokens)
+        elif unit == "tile":
+            counts = _tiles(key, rows, image_tokens, tile_tokens)
         elif unit == "sample" or (unit is None and rows != len(owner) and rows == len(per_sample)):
             counts = [1] * len(per_sample)
         else:  # one row per image (video), declared or inferred
@@ -580,6 +604,20 @@ def _split_vision(
             )
         split[key] = [chunk if count else None for chunk, count in zip(torch.split(value, counts), counts)]
     return split
+
+
+def _tiles(key: str, rows: int, image_tokens: list[int], tile_tokens: list[int] | None) -> list[int]:
+    """Rows per sample when each row is a tile of ``tile_tokens[row]`` image tokens (tiles of different sizes, in
+    sample order): each sample takes the next tiles whose tokens add up to its own image tokens."""
+    if tile_tokens is None or len(tile_tokens) != rows:
+        raise ValueError(f"processor output {key!r} has {rows} rows but the family's tile_tokens gave "
+                         f"{None if tile_tokens is None else len(tile_tokens)} tile token counts")
+    ends = np.cumsum(tile_tokens)
+    bounds = np.searchsorted(ends, np.cumsum(image_tokens), side="right")
+    if bounds[-1] != rows or not np.array_equal(np.concatenate([[0], ends])[bounds], np.cumsum(image_tokens)):
+        raise ValueError(f"processor output {key!r}: its tiles' image tokens do not add up to each sample's image "
+                         "tokens, so the collator cannot split it per sample")
+    return np.diff(np.concatenate([[0], bounds])).tolist()
 
 
 def _proportional(key: str, rows: int, image_tokens: list[int]) -> list[int]:

@@ -145,6 +145,7 @@ class VLMPackingCollator:
                 "the collator got a multimodal processor but no model_config: pass model_config=model.config, so "
                 "positions and per-token keys follow the model's family (e.g. mRoPE computed per sample)"
             )
+        self.image_token_id = _image_token_id(processor, self.family)
         self.unlabelled_ids = _media_token_ids(processor, self.family)
         self.unlabelled_spans = _media_span_ids(processor, self.family)
         self.allow_unproven = allow_unproven
@@ -163,8 +164,6 @@ class VLMPackingCollator:
                     f"processor.image_processor.merge_size={merge} but model_config.vision_config."
                     f"spatial_merge_size={self.rope_index.spatial_merge_size}: processor and model do not match"
                 )
-        row_token = None if self.family is None else self.family.row_token
-        self.row_token_id = None if row_token is None else _token_id(processor, row_token)
         self.last_stats: CollatorStats | None = None
 
     @classmethod
@@ -202,7 +201,7 @@ class VLMPackingCollator:
             clock.append(time.perf_counter())
             batch = self._pack_samples(samples, vision)
         elif self.pack_sequences_in_batch:
-            positions = self._positions(padded, vision)
+            positions = self._positions(samples, padded, vision)
             clock.append(time.perf_counter())
             batch = self._pack(padded, vision, positions)
         else:  # an ordinary batch: the model derives (mRoPE) positions of a padded batch itself
@@ -235,7 +234,8 @@ class VLMPackingCollator:
                                        self.unlabelled_ids, self.unlabelled_spans,
                                        self.family is not None and self.family.mask_before_expansion,
                                        [example_tools(example, index) for index, example in enumerate(examples)],
-                                       self.row_token_id)
+                                       self.family is not None and self.family.encode_alone, self.image_token_id,
+                                       None if self.family is None else self.family.tile_tokens)
         if self.family is not None and self.rope_index is not None:
             for index, features in enumerate(encoded):
                 _check_video_runs(features, self.processor, self.family, self.rope_index.spatial_merge_size, index)
@@ -306,17 +306,35 @@ class VLMPackingCollator:
                 )
         return {key: torch.cat([s[key] for s in samples if key in s]) for key in keys}
 
-    def _positions(self, padded: dict[str, torch.Tensor], vision: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """``[4, B, S]`` per-sample text + mRoPE positions for mRoPE models; None otherwise (restart per sample)."""
+    def _positions(self, samples: list[dict[str, torch.Tensor]], padded: dict[str, torch.Tensor],
+                   vision: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """``[4, B, S]`` per-sample text + mRoPE positions for mRoPE models (0 at padding; without the text row
+        where the family's ``mrope_text_row`` is False); None otherwise.
+
+        One rope-index call on the padded batch, or one per sample where the family's ``rope_index_alone`` says its
+        rope index counts media across a batch's rows (HunYuan-VL's image ordinal): each sample then gets the
+        positions the stock model computes for it alone."""
         if self.rope_index is None:
             return None
-        token_types = padded.get("mm_token_type_ids")
+        skip = 0 if self.family.mrope_text_row else 1
+        if not self.family.rope_index_alone:
+            return self._rope_index(padded, vision)[skip:]
+        width = padded["input_ids"].shape[1]
+        rows = [self._rope_index({**sample, "attention_mask": torch.ones_like(sample["input_ids"])}, sample)[skip:, 0]
+                for sample in samples]
+        positions = rows[0].new_zeros(rows[0].shape[0], len(rows), width)
+        for index, row in enumerate(rows):
+            positions[:, index, : row.shape[1]] = row
+        return positions
+
+    def _rope_index(self, tokens: dict[str, torch.Tensor], vision: dict[str, torch.Tensor]) -> torch.Tensor:
+        token_types = tokens.get("mm_token_type_ids")
         if token_types is None:  # a text tokenizer: no vision tokens anywhere (images were rejected earlier)
-            token_types = torch.zeros_like(padded["input_ids"])
+            token_types = torch.zeros_like(tokens["input_ids"])
         return self.rope_index(
-            padded["input_ids"],
+            tokens["input_ids"],
             token_types,
-            padded["attention_mask"],
+            tokens["attention_mask"],
             image_grid_thw=vision.get("image_grid_thw"),
             video_grid_thw=vision.get("video_grid_thw"),
             second_per_grid_ts=vision.get("second_per_grid_ts"),
@@ -381,9 +399,8 @@ class VLMPackingCollator:
         self, batch: dict[str, Any], samples: list[dict], dropped: list[int], images: int, timings: dict[str, float]
     ) -> CollatorStats:
         real = sum(s["input_ids"].shape[1] for s in samples)
-        image_token = getattr(self.processor, "image_token_id", None)
-        if isinstance(image_token, int):  # every family's processor names its image placeholder token
-            image_tokens = int((batch["input_ids"] == image_token).sum())
+        if isinstance(self.image_token_id, int):  # every family's processor names its image placeholder token
+            image_tokens = int((batch["input_ids"] == self.image_token_id).sum())
         else:
             token_types = batch.get("mm_token_type_ids")
             image_tokens = 0 if token_types is None else int((token_types == 1).sum())
@@ -426,6 +443,15 @@ def _check_video_runs(features: dict[str, torch.Tensor], processor: Any, family:
         )
 
 
+def _image_token_id(processor: Any, family: FamilySpec | None) -> int | None:
+    """The id each image expands into: the family's ``image_token`` where it names one (Ovis 2's ``<IMG_ATOM>``),
+    else the processor's ``image_token_id`` (None for a text tokenizer)."""
+    if family is not None and family.image_token is not None:
+        return _token_id(processor, family.image_token)
+    token = getattr(processor, "image_token_id", None)
+    return token if isinstance(token, int) else None
+
+
 def _media_token_ids(processor: Any, family: FamilySpec | None) -> tuple[int, ...]:
     """Ids that never carry labels: the processor's image / video placeholders and markers (Gemma's ``boi_token``
     / ``eoi_token``) and the family's declared ``media_tokens``; tokens the vocabulary lacks are skipped."""
@@ -449,11 +475,11 @@ def _media_span_ids(processor: Any, family: FamilySpec | None) -> tuple[tuple[in
 
 
 def _token_id(processor: Any, token: str) -> int:
-    """The id of ``token`` in the processor's vocabulary (the family's ``row_token``), or a clear error."""
+    """The id of ``token`` in the processor's vocabulary (the family's ``image_token``), or a clear error."""
     tokenizer = getattr(processor, "tokenizer", processor)
     token_id = tokenizer.convert_tokens_to_ids(token)
     if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
-        raise ValueError(f"the family's row token {token!r} is not in the processor's vocabulary: processor and model "
+        raise ValueError(f"the family's image token {token!r} is not in the processor's vocabulary: processor and model "
                          "family do not match")
     return token_id
 

@@ -72,7 +72,9 @@ AttentionRule = Literal["causal", "causal_image_blocks"]
 # "image" one row per image; "sample" one per sample; "sample_with_images" one per sample holding >= 1 image
 # (e.g. LLaVA-OneVision's batch_num_images); "image_token" rows in fixed proportion to the sample's image
 # placeholder tokens (e.g. InternVL's tiles, whose per-image count the processor does not return).
-RowUnit = Literal["image", "sample", "sample_with_images", "image_token"]
+# "tile" rows are tiles of different token counts in sample order (LFM2-VL's thumbnail and crops), each sample
+# taking the tiles whose tokens (``FamilySpec.tile_tokens``) add up to its image tokens.
+RowUnit = Literal["image", "sample", "sample_with_images", "image_token", "tile"]
 
 # RoPE variants whose angles depend on the position id alone. Dynamic / long-rope scaling depends on the
 # sequence length, which differs between a packed row and a sample run alone: not exact, so not accepted.
@@ -161,9 +163,18 @@ class FamilySpec:
     ``"video"`` one run per video (Qwen2-VL), ``"frame"`` one run per temporal patch, each after its timestamp text
     (Qwen3-VL, whose ``get_rope_index`` splits ``video_grid_thw`` per frame). The collator checks every video
     sample against it (a processor of another family would misplace the frames' positions).
-    ``row_token``: for ``"image_token"`` rows, the token the rows are proportional to where it is not the processor's
-    image placeholder (Llama 4: one ``pixel_values`` row per tile of ``<|patch|>`` tokens, while its placeholder
-    ``<|image|>`` is written once per image).
+    ``encode_alone``: the family's processor cannot encode samples of different lengths in one call (ERNIE 4.5 VL
+    builds its MoE token types with ``np.array`` over ragged ids): the collator calls it once per sample.
+    ``mrope_text_row``: mRoPE positions carry the per-sample text row first (``[1 + A, 1, T]``, from which HF models
+    derive packed boundaries); False where the model takes only its rope rows (HunYuan-VL's forward recognises the
+    text row but does not strip it, transformers 5.24): boundaries then come from ``cu_seq_lens_*`` alone.
+    ``rope_index_alone``: the family's ``get_rope_index`` counts media across the rows of a batch (HunYuan-VL's
+    image ordinal), so the collator runs it on each sample alone instead of once on the padded batch.
+    ``image_token``: the token each image expands into where it is not the processor's ``image_token`` (Ovis 2
+    replaces ``<image>`` by ``<IMG_ATOM>`` runs framed by indicator tokens; Llama 4 writes ``<|image|>`` once per image
+    and one ``pixel_values`` row per tile of ``<|patch|>`` tokens): the collator counts it for
+    ``"image_token"`` vision rows and its image-token statistics. ``tile_tokens``: ``(processor, the batch's vision
+    tensors) -> image tokens of each tile`` for ``"tile"`` vision rows.
     ``proven``: ``{path: pytest node id}`` of the training paths (:data:`PATHS`) beyond in-batch SFT that a test
     shows exact for this family (tests/test_registry.py checks each id is a collected test). The default, empty,
     claims in-batch SFT only (``proof``); every other path is refused by :func:`require_proven`.
@@ -193,7 +204,11 @@ class FamilySpec:
     expand_text: Callable[[Any, list[str]], list[list[int]]] | None = None
     router_loss_mask: bool = False
     video_runs: Literal["video", "frame"] = "video"
-    row_token: str | None = None
+    encode_alone: bool = False
+    mrope_text_row: bool = True
+    rope_index_alone: bool = False
+    image_token: str | None = None
+    tile_tokens: Callable[[Any, Mapping[str, torch.Tensor]], list[int]] | None = None
     proven: Mapping[TrainingPath, str] = field(default_factory=dict)
     refused: Mapping[TrainingPath, str] = field(default_factory=dict)
 
@@ -407,3 +422,4 @@ def _load_builtin() -> None:
         granite_docling, idefics2, idefics3, internvl, lighton_ocr, llama, llama4, llava, llava_onevision, mistral,
         mllama, phi4_multimodal, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
     )
+    from . import aria, ernie4_5_vl_moe, hunyuan_vl, lfm2_vl, ovis2, paddleocr_vl, qianfan_ocr, qwen_omni  # noqa: F401

@@ -14,7 +14,7 @@ Rules (proven in tests/test_families_round3a.py against each sample alone throug
 * MoE routing is per token (``output_router_logits`` refused: its aux loss is not proven here);
 * the vision tower encodes each 336-px tile on its own; ``pixel_values`` has one row per tile and every tile
   (the global view included) becomes ``<|patch|>`` tokens, so the collator splits the rows in proportion to each
-  sample's ``<|patch|>`` tokens (``row_token``); the image markup tokens never carry labels.
+  sample's ``<|patch|>`` tokens (``image_token``); the image markup tokens never carry labels.
 
 Note: ``Llama4ForConditionalGeneration.forward`` in transformers 5.24 fails when it returns a dict (it reads
 ``outputs.image_outputs``, which its language model does not return); ``return_dict=False`` works, and the proof
@@ -105,7 +105,7 @@ LLAMA4 = register_family(FamilySpec(
     proof=_PROOF,
     layer_kinds=frozenset({"full_attention", "chunked_attention"}),
     vision_rows={"pixel_values": "image_token"},
-    row_token="<|patch|>",
+    image_token="<|patch|>",
     media_tokens=MEDIA_TOKENS,
     prepare_model=_prepare,
     image_text=_image_text,

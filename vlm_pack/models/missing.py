@@ -40,12 +40,38 @@ _PALIGEMMA = MissingRule(
     "with the processor's own prefix/suffix encoding)",
 )
 _OMNI = MissingRule(
-    "the Omni thinker's time-aligned mRoPE (audio and video positions interleaved in time) is not computed per "
-    "sample, and audio inputs are not packed",
+    "the full Omni model (thinker + talker) is not proven: the Omni thinker's time-aligned mRoPE is proven per "
+    "sample for the thinker alone (train Qwen2_5OmniThinkerForConditionalGeneration, image and text inputs; audio "
+    "inputs are not packed)",
     "positions would be 1-D instead of the model's 3-D rope: every image, video and audio token gets a wrong position",
 )
 
+_MINICPMV = MissingRule(
+    "MiniCPM-V's processor packs every slice of every image of a call into ONE pixel_values row (NaViT patches "
+    "concatenated along the width, with target_sizes per slice); vlm_pack has no rule splitting a tensor per sample "
+    "along its last dimension, nor the per-image slice counts the processor drops",
+    "the collator cannot give each sample its pixels (one row for the whole batch), so a packed batch fails or mixes "
+    "samples' slices (not measured)",
+)
+
 MISSING_RULES: dict[str, MissingRule] = {
+    "minicpmv4_6": _MINICPMV,
+    "minicpmv4_7": _MINICPMV,
+    "molmo2": MissingRule(
+        "Molmo 2's image_token_pooling indexes the patches of every crop of the processor call (offsets across the "
+        "batch), which per-sample vision rows would have to re-base; not implemented or proven",
+        "pooled image tokens could read another sample's patches (not measured)",
+    ),
+    "deepseek_ocr2": MissingRule(
+        "DeepSeek-OCR 2's local crops (pixel_values_local, counted per image by num_local_patches) need a row rule "
+        "splitting them by that count, and its SAM + query-encoder tower is not proven under packing",
+        "untested: crop rows would be attributed by guess",
+    ),
+    "lfm3_vl": MissingRule(
+        "LFM3-VL's vision tower has short-convolution layers over each image's patches and its LFM3 text adds "
+        "sliding-window layers next to the convolutions; neither is proven under packing (LFM2-VL is)",
+        "untested: convolution windows could cross images or samples",
+    ),
     "got_ocr2": MissingRule(
         "chats cannot be encoded for GOT-OCR2: transformers' GotOcr2Processor builds its own OCR prompt and rejects "
         "what apply_chat_template hands it (each sample's images as a list: 'Nested images are only supported with "
@@ -72,9 +98,7 @@ MISSING_RULES: dict[str, MissingRule] = {
         "here measures it",
     ),
     "qwen2_5_omni": _OMNI,
-    "qwen2_5_omni_thinker": _OMNI,
     "qwen3_omni_moe": _OMNI,
-    "qwen3_omni_moe_thinker": _OMNI,
     "fast_vlm": MissingRule(
         "the vision tower must not mix images, and FastVLM's (timm FastViT-MCi, every ConvMlp a BatchNorm2d that "
         "inference_mode does not fold) normalises by the statistics of every image in the forward while training; "

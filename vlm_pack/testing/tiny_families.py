@@ -917,6 +917,9 @@ _BUILDERS = {
         "and LightOnOcrProcessor; Qwen3 language model",
     ),
 }
+from .tiny_families_round3b import ROUND3B_BUILDERS  # noqa: E402  (builds on the helpers above)
+
+_BUILDERS.update(ROUND3B_BUILDERS)
 TINY_VLM_FAMILIES = tuple(_BUILDERS)
 
 

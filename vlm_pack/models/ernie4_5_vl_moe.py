@@ -1,0 +1,22 @@
+"""ERNIE 4.5 VL MoE: 3-D rope positions from the model's own ``Ernie4_5_VLMoeModel.get_rope_index``, per sample,
+and mixture-of-experts MLPs with separate text and vision experts.
+
+Rules (proven in tests/test_families_round3b.py): positions are ``[4, 1, T]`` (row 0 a per-sample text arange,
+rows 1-3 from ERNIE's own ``get_rope_index`` on each sample alone); ``mm_token_type_ids`` and
+``moe_mm_token_type_ids`` (which tokens go to the vision experts: image tokens and their start/end markers) are per
+token and packed like ``input_ids``; ``pixel_values`` rows are patches split by ``image_grid_thw``; the vision
+tower runs per image on its own ``cu_seqlens`` (never the text kwargs). The router picks experts per token from that
+token's hidden state (its expert group chosen by ``moe_mm_token_type_ids``), so a packed row's expert outputs equal
+each sample's alone. The processor cannot encode samples of different lengths in one call (``encode_alone``: one
+call per sample). Videos (timestamps drawn into the frames) and the router load-balancing loss are not proven
+(refused).
+"""
+
+from . import FamilySpec, register_family
+
+ERNIE4_5_VL_MOE = register_family(FamilySpec(
+    name="ernie4_5_vl_moe", model_types=("ernie4_5_vl_moe",), proof="tests/test_families_round3b.py",
+    positions="mrope", rope_index_model="Ernie4_5_VLMoeModel",
+    token_keys=("input_ids", "labels", "mm_token_type_ids", "moe_mm_token_type_ids"),
+    media_tokens=("<|IMAGE_START|>", "<|IMAGE_END|>", "<|VIDEO_START|>", "<|VIDEO_END|>"), encode_alone=True,
+))

@@ -1,0 +1,17 @@
+"""Qianfan-OCR (InternVL layout: dynamic tiles per image, Qwen3 text): features placed by image-token id, 1-D
+positions per sample.
+
+Rules (proven in tests/test_families_round3b.py): as InternVL (vlm_pack/models/internvl.py), the vision tower, pixel
+shuffle and projector run per tile, ``masked_scatter`` fills ``<IMG_CONTEXT>`` tokens in order; ``pixel_values`` has
+one row per tile, split per sample in proportion to its ``<IMG_CONTEXT>`` tokens (``image_seq_length`` per tile).
+The language model is a proven text family (Qwen3 in the checkpoints). The processor left-pads a batch by default;
+the collator encodes unpadded.
+"""
+
+from . import FamilySpec, register_family, text_backbone
+
+QIANFAN_OCR = register_family(FamilySpec(
+    name="qianfan_ocr", model_types=("qianfan_ocr",), proof="tests/test_families_round3b.py",
+    vision_rows={"pixel_values": "image_token"}, media_tokens=("<img>", "</img>"),
+    extra_checks=(text_backbone("qwen3", "qwen2", "llama"),),
+))

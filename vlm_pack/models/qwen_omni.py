@@ -1,0 +1,27 @@
+"""Qwen2.5-Omni and Qwen3-Omni-MoE thinkers (the text-generating half of the Omni models), image and text inputs:
+time-aligned mRoPE from the model's own ``get_rope_index``, on each sample alone.
+
+Rules (proven in tests/test_families_round3b.py): positions are ``[4, 1, T]`` (row 0 a per-sample text arange,
+rows 1-3 temporal/height/width from the thinker's own ``get_rope_index``, which reads the image / audio / video
+tokens from the ids and counts media across a batch's rows: the collator runs it on each sample alone,
+``rope_index_alone``);
+``pixel_values`` rows are patches split by ``image_grid_thw`` and the vision tower runs per image on its own
+``cu_seqlens``. Audio parts are refused by the collator (audio features are not packed per sample yet) and videos
+too (their positions interleave with the audio track's in time, ``use_audio_in_video``): neither is proven.
+The full Omni models (thinker + talker, ``qwen2_5_omni`` / ``qwen3_omni_moe``) are not registered: train the thinker.
+"""
+
+from . import FamilySpec, register_family
+
+_PROOF = "tests/test_families_round3b.py"
+
+QWEN2_5_OMNI_THINKER = register_family(FamilySpec(
+    name="qwen2_5_omni_thinker", model_types=("qwen2_5_omni_thinker",), proof=_PROOF,
+    positions="mrope", rope_index_model="Qwen2_5OmniThinkerForConditionalGeneration", rope_index_alone=True,
+    media_tokens=("<|vision_bos|>", "<|vision_eos|>", "<|audio_bos|>", "<|audio_eos|>"),
+))
+QWEN3_OMNI_MOE_THINKER = register_family(FamilySpec(
+    name="qwen3_omni_moe_thinker", model_types=("qwen3_omni_moe_thinker",), proof=_PROOF,
+    positions="mrope", rope_index_model="Qwen3OmniMoeThinkerForConditionalGeneration", rope_index_alone=True,
+    media_tokens=("<|vision_bos|>", "<|vision_eos|>", "<|audio_bos|>", "<|audio_eos|>"),
+))
