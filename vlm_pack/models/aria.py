@@ -14,5 +14,6 @@ from . import FamilySpec, register_family
 
 ARIA = register_family(FamilySpec(
     name="aria", model_types=("aria",), proof="tests/test_families_round3b.py",
+    proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[aria]"},
     vision_rows={"pixel_values": "image", "pixel_mask": "image"},
 ))
