@@ -160,7 +160,7 @@ def test_omni_audio_and_video_are_refused(family):
         collator([audio])
     video = {"messages": [{"role": "user", "content": [{"type": "video", "video": np.zeros((2, 28, 28, 3), np.uint8)}]},
                           *chat]}
-    with pytest.raises(ValueError, match=f"video packing is not proven for the {family} family"):
+    with pytest.raises(ValueError, match=f"a video with a {family} model: video inputs .* is not proven for this family"):
         collator([video])
 
 

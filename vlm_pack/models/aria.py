@@ -14,6 +14,9 @@ from . import FamilySpec, register_family
 
 ARIA = register_family(FamilySpec(
     name="aria", model_types=("aria",), proof="tests/test_families_round3b.py",
-    proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[aria]"},
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[aria]",
+        "context_parallel": "tests/test_families_round3b.py::test_edge_batch_equals_each_sample_alone[aria]",
+    },
     vision_rows={"pixel_values": "image", "pixel_mask": "image"},
 ))

@@ -16,7 +16,10 @@ from . import FamilySpec, register_family
 
 ERNIE4_5_VL_MOE = register_family(FamilySpec(
     name="ernie4_5_vl_moe", model_types=("ernie4_5_vl_moe",), proof="tests/test_families_round3b.py",
-    proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[ernie4_5_vl_moe]"},
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[ernie4_5_vl_moe]",
+        "context_parallel": "tests/test_families_round3b.py::test_edge_batch_equals_each_sample_alone[ernie4_5_vl_moe]",
+    },
     positions="mrope", rope_index_model="Ernie4_5_VLMoeModel",
     token_keys=("input_ids", "labels", "mm_token_type_ids", "moe_mm_token_type_ids"),
     media_tokens=("<|IMAGE_START|>", "<|IMAGE_END|>", "<|VIDEO_START|>", "<|VIDEO_END|>"), encode_alone=True,

@@ -27,7 +27,10 @@ def _static_dynamic_rope(config: Any) -> str | None:
 
 HUNYUAN_VL = register_family(FamilySpec(
     name="hunyuan_vl", model_types=("hunyuan_vl",), proof="tests/test_families_round3b.py",
-    proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[hunyuan_vl]"},
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[hunyuan_vl]",
+        "context_parallel": "tests/test_families_round3b.py::test_edge_batch_equals_each_sample_alone[hunyuan_vl]",
+    },
     positions="mrope", rope_index_model="HunYuanVLModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
     rope_types=STATIC_ROPE_TYPES | {"dynamic"}, extra_checks=(_static_dynamic_rope,), mrope_text_row=False,
     rope_index_alone=True,

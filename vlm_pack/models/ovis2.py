@@ -43,7 +43,10 @@ def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str,
 
 OVIS2 = register_family(FamilySpec(
     name="ovis2", model_types=("ovis2",), proof="tests/test_families_round3b.py",
-    proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[ovis2]"},
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[ovis2]",
+        "context_parallel": "tests/test_families_round3b.py::test_edge_batch_equals_each_sample_alone[ovis2]",
+    },
     vision_rows={"pixel_values": "image_token"}, image_token="<IMG_ATOM>", media_tokens=("<IMG_ATOM>", *_INDICATORS),
     extra_checks=(text_backbone("qwen2", "qwen3", "llama"),), image_text=_image_text,
 ))

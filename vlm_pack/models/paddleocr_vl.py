@@ -24,7 +24,10 @@ def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str,
 
 PADDLEOCR_VL = register_family(FamilySpec(
     name="paddleocr_vl", model_types=("paddleocr_vl",), proof="tests/test_families_round3b.py",
-    proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[paddleocr_vl]"},
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[paddleocr_vl]",
+        "context_parallel": "tests/test_families_round3b.py::test_edge_batch_equals_each_sample_alone[paddleocr_vl]",
+    },
     positions="mrope", rope_index_model="PaddleOCRVLModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
     media_tokens=("<|IMAGE_START|>", "<|IMAGE_END|>"), image_text=_image_text,
 ))

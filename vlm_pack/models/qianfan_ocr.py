@@ -12,7 +12,10 @@ from . import FamilySpec, register_family, text_backbone
 
 QIANFAN_OCR = register_family(FamilySpec(
     name="qianfan_ocr", model_types=("qianfan_ocr",), proof="tests/test_families_round3b.py",
-    proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qianfan_ocr]"},
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qianfan_ocr]",
+        "context_parallel": "tests/test_families_round3b.py::test_edge_batch_equals_each_sample_alone[qianfan_ocr]",
+    },
     vision_rows={"pixel_values": "image_token"}, media_tokens=("<img>", "</img>"),
     extra_checks=(text_backbone("qwen3", "qwen2", "llama"),),
 ))

@@ -17,13 +17,19 @@ _PROOF = "tests/test_families_round3b.py"
 
 QWEN2_5_OMNI_THINKER = register_family(FamilySpec(
     name="qwen2_5_omni_thinker", model_types=("qwen2_5_omni_thinker",), proof=_PROOF,
-    proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen2_5_omni_thinker]"},
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen2_5_omni_thinker]",
+        "context_parallel": "tests/test_families_round3b.py::test_edge_batch_equals_each_sample_alone[qwen2_5_omni_thinker]",
+    },
     positions="mrope", rope_index_model="Qwen2_5OmniThinkerForConditionalGeneration", rope_index_alone=True,
     media_tokens=("<|vision_bos|>", "<|vision_eos|>", "<|audio_bos|>", "<|audio_eos|>"),
 ))
 QWEN3_OMNI_MOE_THINKER = register_family(FamilySpec(
     name="qwen3_omni_moe_thinker", model_types=("qwen3_omni_moe_thinker",), proof=_PROOF,
-    proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen3_omni_moe_thinker]"},
+    proven={
+        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen3_omni_moe_thinker]",
+        "context_parallel": "tests/test_families_round3b.py::test_edge_batch_equals_each_sample_alone[qwen3_omni_moe_thinker]",
+    },
     positions="mrope", rope_index_model="Qwen3OmniMoeThinkerForConditionalGeneration", rope_index_alone=True,
     media_tokens=("<|vision_bos|>", "<|vision_eos|>", "<|audio_bos|>", "<|audio_eos|>"),
 ))
