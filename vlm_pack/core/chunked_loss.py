@@ -1,0 +1,146 @@
+"""Cross entropy of a packed row from its final hidden states: the LM head runs in chunks, at target slots only.
+
+The logits of a packed row are ``T x V`` floats (T = 32,768 and Qwen's V = 151,936: 18.5 GiB in fp32) and the plain
+loss keeps two or three such tensors for the backward. Here the head is applied only where the next-token target is
+not ``-100`` (after the per-sample shift), ``chunk_tokens`` slots at a time, and each chunk's forward runs again
+in the backward (``torch.utils.checkpoint``) instead of being kept: at most a few ``chunk_tokens x V`` tensors exist
+at once. The per-token losses are the same numbers as ``F.cross_entropy`` on the full logits, so every reduction of
+:mod:`.loss` (token mean, per-sample mean, sums for distributed reduction) is exact.
+
+The head is any module (``nn.Linear``, a tied embedding's projection, a PEFT-wrapped head, one with a bias): it is
+called, never unpacked into a weight, so gradients reach whatever parameters it owns. :class:`LMHead` adds the
+post-projection transforms a family applies (Gemma's final logit softcapping, Cohere's logit scale).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .loss import Reduction, _check_cu, sample_mean, shift_packed_labels
+from .packing import IGNORE_INDEX, segment_ids
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "LMHead",
+    "chunk_tokens_for",
+    "hidden_cross_entropy",
+    "hidden_sample_sums",
+    "hidden_token_losses",
+    "row_targets",
+]
+
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+"""fp32 logits of one chunk (64 MiB: 110 slots at V = 151,936); the backward holds about three such tensors."""
+
+
+@dataclass(frozen=True)
+class LMHead:
+    """The output projection and what the family's forward does to its output before the loss.
+
+    ``module``: called on ``[n, H]`` hidden states, returns ``[n, V]`` logits. ``scale``: multiplied into the logits
+    (Cohere's ``logit_scale``). ``softcap``: ``tanh(logits / softcap) * softcap`` (Gemma's
+    ``final_logit_softcapping``), after the scale, in the order of transformers' forwards.
+    """
+
+    module: Callable[[torch.Tensor], torch.Tensor]
+    scale: float | None = None
+    softcap: float | None = None
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.module(hidden)
+        if self.scale is not None:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Output width, read from the module (``out_features`` or its weight); None when it shows neither."""
+        width = getattr(self.module, "out_features", None)
+        if width is None and isinstance(getattr(self.module, "weight", None), torch.Tensor):
+            width = self.module.weight.shape[0]
+        return None if width is None else int(width)
+
+
+def chunk_tokens_for(vocab_size: int | None, chunk_bytes: int | None = None) -> int:
+    """Slots per chunk so that one chunk's fp32 logits take about ``chunk_bytes`` (None: :data:`DEFAULT_CHUNK_BYTES`;
+    at least 16 slots)."""
+    if not vocab_size:
+        return 1024
+    return max(16, (DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // (4 * vocab_size))
+
+
+def row_targets(labels: torch.Tensor, cu_seqlens_padded: torch.Tensor | None = None,
+                ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Next-token targets of ``labels`` (``[B, S]`` or ``[T]``): per sample when boundaries are given, else a
+    whole-row shift (exact on vlm_pack batches, whose sample starts are -100: Hugging Face's flattening rule)."""
+    if cu_seqlens_padded is not None:
+        return shift_packed_labels(labels, cu_seqlens_padded, ignore_index)
+    return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+
+
+def _chunk_losses(hidden: torch.Tensor, targets: torch.Tensor, head: LMHead) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), targets, reduction="none")
+
+
+def hidden_token_losses(hidden: torch.Tensor, head: LMHead, targets: torch.Tensor, *, chunk_tokens: int | None = None,
+                        ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(losses [n] fp32, slots [n])``: the cross entropy at every slot whose target is not ignored.
+
+    ``hidden``: ``[..., T, H]`` final hidden states (the head's input), ``targets``: already shifted, shaped like
+    ``hidden[..., 0]``; ``slots`` index the flattened row. With autograd on, each chunk is recomputed in the backward
+    (``torch.utils.checkpoint``); under ``no_grad`` it is simply computed. One host sync (the target count).
+    """
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1).to(flat_hidden.device)
+    if flat_hidden.shape[0] != flat_targets.numel():
+        raise ValueError(f"hidden states hold {flat_hidden.shape[0]} slots but targets {flat_targets.numel()}: pass "
+                         "the packed row's final hidden states with its labels")
+    slots = torch.nonzero(flat_targets != ignore_index).squeeze(1)
+    picked, wanted = flat_hidden.index_select(0, slots), flat_targets.index_select(0, slots).long()
+    size = chunk_tokens or chunk_tokens_for(head.vocab_size)
+    recompute = torch.is_grad_enabled() and (picked.requires_grad or any(
+        p.requires_grad for p in getattr(head.module, "parameters", lambda: ())()))
+    pieces = []
+    for start in range(0, slots.numel(), size):
+        h, t = picked[start:start + size], wanted[start:start + size]
+        pieces.append(checkpoint(_chunk_losses, h, t, head, use_reentrant=False) if recompute
+                      else _chunk_losses(h, t, head))
+    if not pieces:  # no target: an empty tensor still connected to the graph (backward() works on a masked batch)
+        return picked.sum(-1).float(), slots
+    return torch.cat(pieces), slots
+
+
+def hidden_sample_sums(losses: torch.Tensor, sample_of_slot: torch.Tensor, num_samples: int,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample ``(loss sums [N], target counts [N])`` of :func:`hidden_token_losses`' output, given the sample
+    index of each scored slot (ids ``>= num_samples``, fill past the last boundary, are dropped)."""
+    bucket = sample_of_slot.to(losses.device).clamp(max=num_samples)
+    sums = losses.new_zeros(num_samples + 1).index_add(0, bucket, losses)[:num_samples]
+    counts = losses.new_zeros(num_samples + 1).index_add(0, bucket, torch.ones_like(losses))[:num_samples]
+    return sums, counts
+
+
+def hidden_cross_entropy(hidden: torch.Tensor, head: LMHead, labels: torch.Tensor,
+                         cu_seqlens_padded: torch.Tensor | None = None, *, reduction: Reduction = "token",
+                         chunk_tokens: int | None = None, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """:func:`~vlm_pack.core.loss.packed_cross_entropy` from hidden states (``[1, T, H]`` or ``[T, H]``) and the
+    head, never holding the ``T x V`` logits. Same labels (aligned with the tokens), reductions and results."""
+    targets = row_targets(labels, cu_seqlens_padded, ignore_index)
+    losses, slots = hidden_token_losses(hidden, head, targets, chunk_tokens=chunk_tokens, ignore_index=ignore_index)
+    if reduction == "token":
+        return losses.sum() / max(slots.numel(), 1)
+    if reduction == "none":
+        return losses.new_zeros(targets.numel()).index_put((slots,), losses).view(labels.shape)
+    if reduction == "sample":
+        if cu_seqlens_padded is None:
+            raise ValueError("reduction='sample' needs cu_seqlens_padded (the samples of the row)")
+        cu = _check_cu(cu_seqlens_padded)
+        return sample_mean(*hidden_sample_sums(losses, segment_ids(cu, slots), cu.numel() - 1))
+    raise ValueError(f"reduction must be 'token', 'sample' or 'none'; got {reduction!r}")
