@@ -22,8 +22,10 @@ hook then builds the output. Other calls run unchanged:
   in any mode (the sequence-parallel trainer uses it);
 * evaluation forwards with labels of a model that :class:`~vlm_pack.PackedEvaluation` watches: ``logits`` becomes
   ``[B, T, 2]`` per-slot scores (argmax id, cross entropy of the next label), the loss their token mean;
-* left alone: TRL's ``fused_lm_head=True`` calls and a forward that Liger's kernels replaced (each computes its own
-  loss without the logits), calls with ``logits_to_keep`` and no labels, evaluation without ``PackedEvaluation``.
+* left alone: TRL's ``fused_lm_head=True`` calls and a forward that Liger's kernels (``use_liger_kernel`` /
+  ``liger_kernel_config``) or Cut Cross-Entropy's ``cce_patch`` replaced (:func:`fused_peer`: each computes its own
+  loss without the logits, exact on packed rows since sample starts are -100; a PEFT adapter on the head, which
+  they would leave untrained, is refused), calls with ``logits_to_keep`` and no labels, evaluation without ``PackedEvaluation``.
 
 Family rules, by name: Gemma 3 / 4's ``final_logit_softcapping`` and Cohere 2's ``logit_scale`` are applied in each
 chunk (:data:`LOGIT_TRANSFORMS`); a loss owner whose forward transforms its logits in a way not listed is refused
@@ -54,6 +56,8 @@ __all__ = [
     "HEAD_INPUT_KWARG",
     "LOGIT_TRANSFORMS",
     "DeferredLogits",
+    "FUSED_PEERS",
+    "fused_peer",
     "install_hidden_loss",
     "loss_owner",
     "score_slots_in_evaluation",
@@ -166,12 +170,19 @@ def _logit_transform(owner: torch.nn.Module) -> dict[str, float | None]:
     return {}
 
 
-def _replaced_forward(owner: torch.nn.Module) -> str | None:
-    """The module of a forward set on the instance by another library (Liger's kernels), None when stock."""
+FUSED_PEERS = {"liger_kernel": "Liger's fused linear cross entropy", "cut_cross_entropy": "Cut Cross-Entropy"}
+"""Libraries whose patched forward computes the loss without the logits; vlm_pack then leaves the loss to them."""
+
+
+def fused_peer(owner: torch.nn.Module) -> str | None:
+    """The peer (:data:`FUSED_PEERS`) whose forward replaced ``owner``'s on the instance, None when stock.
+
+    Their losses shift the labels over the whole row, so they are exact on vlm_pack's rows (every sample start is
+    -100) and honour ``num_items_in_batch``; they multiply hidden states by ``lm_head.weight`` directly, so a PEFT
+    adapter on the head would not be trained: refused by :func:`_arm`."""
     forward = owner.__dict__.get("forward")
-    function = getattr(forward, "__func__", forward)
-    module = getattr(function, "__module__", None) or ""
-    return module if module.startswith("liger_kernel") else None
+    module = getattr(getattr(forward, "__func__", forward), "__module__", None) or ""
+    return next((name for library, name in FUSED_PEERS.items() if module.split(".")[0] == library), None)
 
 
 def _arm(owner: torch.nn.Module, args: tuple, kwargs: dict):
@@ -179,7 +190,14 @@ def _arm(owner: torch.nn.Module, args: tuple, kwargs: dict):
     labels = kwargs.get("labels")
     keep = kwargs.get("logits_to_keep")
     score = labels is not None and not owner.training and getattr(owner, "_vlm_pack_score_slots", False)
-    if kwargs.get("fused_lm_head") or _replaced_forward(owner) is not None:
+    peer = fused_peer(owner)
+    if peer is not None and type(owner.get_output_embeddings()).__module__.startswith("peft.tuners"):
+        raise ValueError(
+            f"{peer} computes the loss from lm_head.weight, but {type(owner).__name__}'s head is a "
+            f"{type(owner.get_output_embeddings()).__name__} (a PEFT adapter?): the adapter would not be trained. "
+            "Leave the head out of the adapter, or turn the peer's fused loss off (vlm_pack's chunked loss handles it)"
+        )
+    if kwargs.get("fused_lm_head") or peer is not None:
         mode = None
     elif labels is not None and (owner.training or score):
         mode = "loss"
