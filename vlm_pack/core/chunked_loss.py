@@ -25,6 +25,7 @@ from .loss import Reduction, _check_cu, sample_mean, shift_packed_labels
 from .packing import IGNORE_INDEX, segment_ids
 
 __all__ = [
+    "ACCELERATOR_CHUNK_BYTES",
     "DEFAULT_CHUNK_BYTES",
     "LMHead",
     "chunk_tokens_for",
@@ -35,7 +36,10 @@ __all__ = [
 ]
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
-"""fp32 logits of one chunk (64 MiB: 110 slots at V = 151,936); the backward holds about three such tensors."""
+"""fp32 logits of one chunk on CPU (64 MiB: 110 slots at V = 151,936); the backward holds about five such tensors."""
+
+ACCELERATOR_CHUNK_BYTES = 1024 * 2**20
+"""The same on a GPU (1 GiB: 1,765 slots at V = 151,936), where small matrix products would leave it idle."""
 
 
 @dataclass(frozen=True)
@@ -68,12 +72,16 @@ class LMHead:
         return None if width is None else int(width)
 
 
-def chunk_tokens_for(vocab_size: int | None, chunk_bytes: int | None = None) -> int:
-    """Slots per chunk so that one chunk's fp32 logits take about ``chunk_bytes`` (None: :data:`DEFAULT_CHUNK_BYTES`;
-    at least 16 slots)."""
+def chunk_tokens_for(vocab_size: int | None, chunk_bytes: int | None = None,
+                     device: torch.device | None = None) -> int:
+    """Slots per chunk so that one chunk's fp32 logits take about ``chunk_bytes`` (None: :data:`DEFAULT_CHUNK_BYTES`
+    on CPU, :data:`ACCELERATOR_CHUNK_BYTES` elsewhere; at least 16 slots)."""
     if not vocab_size:
         return 1024
-    return max(16, (DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // (4 * vocab_size))
+    if chunk_bytes is None:
+        on_cpu = device is None or torch.device(device).type == "cpu"
+        chunk_bytes = DEFAULT_CHUNK_BYTES if on_cpu else ACCELERATOR_CHUNK_BYTES
+    return max(16, chunk_bytes // (4 * vocab_size))
 
 
 def row_targets(labels: torch.Tensor, cu_seqlens_padded: torch.Tensor | None = None,
@@ -104,7 +112,7 @@ def hidden_token_losses(hidden: torch.Tensor, head: LMHead, targets: torch.Tenso
                          "the packed row's final hidden states with its labels")
     slots = torch.nonzero(flat_targets != ignore_index).squeeze(1)
     picked, wanted = flat_hidden.index_select(0, slots), flat_targets.index_select(0, slots).long()
-    size = chunk_tokens or chunk_tokens_for(head.vocab_size)
+    size = chunk_tokens or chunk_tokens_for(head.vocab_size, device=flat_hidden.device)
     recompute = torch.is_grad_enabled() and (picked.requires_grad or any(
         p.requires_grad for p in getattr(head.module, "parameters", lambda: ())()))
     pieces = []

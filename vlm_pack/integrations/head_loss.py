@@ -231,7 +231,7 @@ def slot_scores(hidden: torch.Tensor, head: LMHead, labels: torch.Tensor, chunk_
     flat = hidden.reshape(-1, hidden.shape[-1])
     targets = row_targets(labels).reshape(-1).to(flat.device)
     scores = torch.zeros(flat.shape[0], 2, dtype=torch.float32, device=flat.device)
-    size = chunk_tokens or chunk_tokens_for(head.vocab_size)
+    size = chunk_tokens or chunk_tokens_for(head.vocab_size, device=flat.device)
     with torch.no_grad():
         for start in range(0, flat.shape[0], size):
             logits = head(flat[start:start + size]).float()
