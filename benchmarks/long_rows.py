@@ -22,7 +22,7 @@ minus the RSS before the first step (model, optimizer-free, batch already built)
 after the first (a warm-up that still counts for the peak). TRL's fused head (``sft``, ``dpo``, ``grpo``) scores
 rows in 32,768-token chunks, every slot on CPU, so at these lengths it holds about two ``T x V`` tensors: those
 paths run up to ``--fused-max``. Lengths
-are the outer loop and the paths alternate within each length (interleaved), so load drifts hit all paths alike.
+are the outer loop and each full-logits run follows its chunked twin (interleaved), so load drifts hit both alike.
 Run: ``python benchmarks/long_rows.py``; writes ``benchmarks/results/long_rows_cpu.md``.
 """
 
@@ -151,6 +151,7 @@ def main() -> None:
     parser.add_argument("--long-steps", type=int, default=2, help="steps at T >= 16384")
     parser.add_argument("--full-max", type=int, default=4096, help="longest row for the full-logits runs")
     parser.add_argument("--fused-max", type=int, default=4096, help="longest row for TRL's fused-head paths")
+    parser.add_argument("--sp-max", type=int, default=32768, help="longest row for the SP = 2 path")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--path")
     parser.add_argument("--length", type=int)
@@ -161,17 +162,28 @@ def main() -> None:
         worker(args.path, args.length, args.loss, args.steps, args.output)
         return
     results, loads = {}, []
-    for length in args.lengths:
+    for path, length, loss in plan(args):
         steps = args.steps if length < 16384 else args.long_steps
-        configs = [(path, "chunked") for path in args.paths if path not in FUSED_PATHS or length <= args.fused_max]
-        for path in FULL_PATHS:  # interleaved: each full-logits run right after its chunked twin
-            if path in args.paths and length <= args.full_max:
-                configs.insert(configs.index((path, "chunked")) + 1, (path, "full"))
-        for path, loss in configs:
-            loads.append(os.getloadavg()[0])
-            results[path, length, loss] = launch(path, length, loss, steps)
-            print(f"T={length} {path} {loss}: {results[path, length, loss]}", flush=True)
-    write(results, args, loads)
+        loads.append(os.getloadavg()[0])
+        results[path, length, loss] = launch(path, length, loss, steps)
+        print(f"T={length} {path} {loss}: {results[path, length, loss]}", flush=True)
+        write(results, args, loads)  # after every configuration: a stopped run keeps what it measured
+
+
+def plan(args) -> list[tuple[str, int, str]]:
+    """The acceptance paths first (each full-logits run right after its chunked twin: interleaved), then SP = 2,
+    then TRL's fused-head paths, each over the lengths in order."""
+    configs = []
+    for length in args.lengths:
+        for path in (p for p in FULL_PATHS if p in args.paths):
+            configs.append((path, length, "chunked"))
+            if length <= args.full_max:
+                configs.append((path, length, "full"))
+    if "sp2" in args.paths:
+        configs += [("sp2", length, "chunked") for length in args.lengths if length <= args.sp_max]
+    for length in args.lengths:
+        configs += [(path, length, "chunked") for path in FUSED_PATHS if path in args.paths and length <= args.fused_max]
+    return configs
 
 
 def write(results: dict, args, loads: list[float]) -> None:
@@ -211,6 +223,10 @@ def write(results: dict, args, loads: list[float]) -> None:
             lines.append(f"| {path} | " + " | ".join(cell(path, t, "chunked") if (path, t, "chunked") in results
                                                      else f"not run (~{2 * logits_bytes(t) / GiB:.1f} GiB)"
                                                      for t in lengths) + " |")
+            continue
+        if path == "sp2":
+            lines.append("| sp2 (per rank) | " + " | ".join(cell(path, t, "chunked") if (path, t, "chunked") in results
+                                                           else "not run (time)" for t in lengths) + " |")
             continue
         lines.append(f"| {path} | " + " | ".join(cell(path, t, "chunked") for t in lengths) + " |")
         if path in FULL_PATHS:

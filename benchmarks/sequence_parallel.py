@@ -59,7 +59,7 @@ def worker(length: int, sp: int, steps: int, output: str) -> None:
     import torch.nn.functional as F
 
     from vlm_pack import enable_packing
-    from vlm_pack.core.chunked_loss import hidden_token_losses
+    from vlm_pack.core.chunked_loss import hidden_weighted_loss
     from vlm_pack.integrations.head_loss import HEAD_INPUT_KWARG
     from vlm_pack.sequence_parallel.batch import SP_KEY, ulysses_batch
     from vlm_pack.sequence_parallel.model import SP_ATTN_IMPLEMENTATION, SequenceShard, prepare_model
@@ -99,10 +99,9 @@ def worker(length: int, sp: int, steps: int, output: str) -> None:
     for _ in range(steps):
         start = time.perf_counter()
         deferred = model(**inputs, use_cache=False, **{HEAD_INPUT_KWARG: True}).logits  # as UlyssesTrainer asks
-        losses, _ = hidden_token_losses(deferred.hidden, deferred.head, targets)
-        loss = losses.sum()
+        loss = hidden_weighted_loss(deferred.hidden, deferred.head, targets)
         loss.backward()
-        del deferred, losses, loss
+        del deferred, loss
         model.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

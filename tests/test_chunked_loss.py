@@ -4,9 +4,10 @@ never allocates the ``T x V`` logits.
 Reference: each sample ALONE through a stock ``sdpa`` model, plain shifted cross entropy, summed over the samples and
 divided by their label tokens. The packed side is an ``enable_packing`` model with small chunks (7 slots), so every
 row spans several chunks whose edges fall inside samples. Heads covered: a plain head, a head with a bias, tied
-embeddings, a PEFT LoRA on ``lm_head``, Cohere 2's ``logit_scale`` (Gemma's softcapping and the router aux loss run
+embeddings, a head module that is not a plain ``nn.Linear`` (the recomputing path), a PEFT LoRA on ``lm_head``,
+Cohere 2's ``logit_scale`` (Gemma's softcapping and the router aux loss run
 through every family in tests/test_trainer.py and tests/test_router_loss.py). Corruptions (chunk targets off by one
-slot, a labelled sample start) must break the comparison; a recording dispatch mode proves no tensor of ``T x V``
+slot at every chunk edge, on both paths; a labelled sample start) must break the comparison; a recording dispatch mode proves no tensor of ``T x V``
 elements exists in a training step, through ``model(**batch)`` and through ``Trainer(compute_loss_func=...)``.
 """
 
@@ -21,7 +22,7 @@ from transformers import Cohere2Config, LlamaConfig, Trainer
 import vlm_pack
 import vlm_pack.core.chunked_loss as chunked_loss
 from vlm_pack.core.batch import METADATA_KEY
-from vlm_pack.core.chunked_loss import LMHead, hidden_cross_entropy
+from vlm_pack.core.chunked_loss import LMHead, hidden_cross_entropy, hidden_weighted_loss
 from vlm_pack.core.loss import packed_cross_entropy
 from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.integrations.head_loss import DeferredLogits
@@ -99,7 +100,25 @@ HEADS = {
     "bias": lambda: _with_head_bias(tiny()),
     "tied": lambda: tiny(tie_word_embeddings=True),
     "cohere_logit_scale": lambda: tiny(Cohere2Config, logit_scale=0.37, layer_types=["full_attention"]),
+    "module_head": lambda: _wrapped_head(tiny()),
 }
+
+
+class _Projection(torch.nn.Module):
+    """A head that is not a plain ``nn.Linear`` (as a PEFT or quantised head): the recomputing path."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, hidden):
+        return self.linear(hidden)
+
+
+def _wrapped_head(model):
+    model.lm_head = _Projection(model.lm_head)
+    model.config.tie_word_embeddings = False
+    return model
 
 
 def _with_head_bias(model):
@@ -147,14 +166,18 @@ def test_corruptions_are_caught(monkeypatch):
     loss_error, errors = check(HEADS["plain"], corrupt=label_a_start)
     assert loss_error > 1e-3 and max(errors.values()) > 100 * GRAD_REL_L2
 
-    original = chunked_loss._chunk_losses
-    monkeypatch.setattr(chunked_loss, "_chunk_losses", lambda h, t, head: original(h, t.roll(1), head))
-    loss_error, errors = check(HEADS["plain"])
+    original = chunked_loss.chunk_bounds  # each chunk one slot too long: the next chunk's first target counted twice
+    monkeypatch.setattr(chunked_loss, "chunk_bounds", lambda count, size: [
+        (start, min(end + 1, count)) for start, end in original(count, size)])
+    loss_error, errors = check(HEADS["plain"])  # the fused path: a wrong loss and wrong gradients
     assert loss_error > 1e-3 and max(errors.values()) > 100 * GRAD_REL_L2
+    with pytest.raises(RuntimeError, match="size of tensor"):  # the recomputing path: more losses than targets
+        check(HEADS["module_head"])
 
 
 def test_core_reductions_equal_packed_cross_entropy():
-    """hidden_cross_entropy == packed_cross_entropy on the full logits: token, sample, none; softcap and scale."""
+    """hidden_cross_entropy == packed_cross_entropy on the full logits: token, sample, none; softcap and scale; and
+    hidden_weighted_loss (both paths) == the weighted sum of the full per-token losses."""
     torch.manual_seed(0)
     head_module = torch.nn.Linear(16, VOCAB)
     hidden = torch.randn(1, 79, 16, requires_grad=True)
@@ -168,6 +191,17 @@ def test_core_reductions_equal_packed_cross_entropy():
             got = hidden_cross_entropy(hidden, head, labels, cu, reduction=reduction, chunk_tokens=CHUNK)
             got_grads = torch.autograd.grad(got.sum(), [hidden, head_module.weight, head_module.bias])
             assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+            for g, w in zip(got_grads, want_grads):
+                assert (g - w).norm() <= GRAD_REL_L2 * w.norm()
+        weights = torch.rand(1, 79, generator=torch.Generator().manual_seed(2))
+        want = (packed_cross_entropy(head(hidden), labels, cu, reduction="none") * weights).sum()
+        want_grads = torch.autograd.grad(want, [hidden, head_module.weight, head_module.bias])
+        targets = chunked_loss.row_targets(labels, cu)
+        for module in (head_module, _Projection(head_module)):
+            got = hidden_weighted_loss(hidden, LMHead(module, head.scale, head.softcap), targets, weights,
+                                       chunk_tokens=CHUNK)
+            got_grads = torch.autograd.grad(got, [hidden, head_module.weight, head_module.bias])
+            assert abs(got.item() - want.item()) <= 1e-6 * abs(want.item())
             for g, w in zip(got_grads, want_grads):
                 assert (g - w).norm() <= GRAD_REL_L2 * w.norm()
 

@@ -130,8 +130,8 @@ def test_peer_fused_loss_on_packed_rows_equals_each_sample_alone(peer, fake_lige
     items = two_windows()
     _, want = reference(tiny(), items)
     chunked = []
-    original = chunked_loss.hidden_token_losses
-    monkeypatch.setattr("vlm_pack.integrations.head_loss.hidden_token_losses",
+    original = chunked_loss.hidden_weighted_loss
+    monkeypatch.setattr("vlm_pack.integrations.head_loss.hidden_weighted_loss",
                         lambda *a, **k: chunked.append(1) or original(*a, **k))
     model = enable_packing(tiny(), loss_chunk_tokens=CHUNK)
     CALLS.clear()

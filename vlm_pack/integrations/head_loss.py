@@ -1,8 +1,8 @@
 """The loss of an ``enable_packing`` model from its final hidden states: a long packed row never holds ``T x V`` logits.
 
 A training forward with ``labels`` (what ``Trainer(model=enable_packing(model))`` calls) computes its loss with
-:func:`~vlm_pack.core.chunked_loss.hidden_token_losses`: the LM head runs in chunks, at target slots only, and each
-chunk is recomputed in the backward. The rule is the model's own loss (Hugging Face's ``ForCausalLMLoss``): targets
+:func:`~vlm_pack.core.chunked_loss.hidden_weighted_loss`: the LM head runs in chunks, at target slots only, the
+gradients formed chunk by chunk (a plain ``nn.Linear`` head) or each chunk recomputed in the backward (any other). The rule is the model's own loss (Hugging Face's ``ForCausalLMLoss``): targets
 are the labels shifted over the whole row (exact on vlm_pack batches, whose sample starts are -100), the sum is
 divided by Trainer's ``num_items_in_batch`` when the forward gets it, else by the target count; a mixture-of-experts
 router loss is added with the model's coefficient, as the model does. ``logits`` then is a :class:`DeferredLogits`:
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 import transformers
 
 from ..core.batch import METADATA_KEY
-from ..core.chunked_loss import LMHead, chunk_tokens_for, hidden_token_losses, row_targets
+from ..core.chunked_loss import LMHead, agreed_chunk_count, chunk_tokens_for, hidden_weighted_loss, row_targets
 from ..core.packing import IGNORE_INDEX
 from ..models import text_config
 
@@ -232,12 +232,15 @@ def slot_scores(hidden: torch.Tensor, head: LMHead, labels: torch.Tensor, chunk_
     targets = row_targets(labels).reshape(-1).to(flat.device)
     scores = torch.zeros(flat.shape[0], 2, dtype=torch.float32, device=flat.device)
     size = chunk_tokens or chunk_tokens_for(head.vocab_size, device=flat.device)
+    starts = range(0, flat.shape[0], size)
     with torch.no_grad():
-        for start in range(0, flat.shape[0], size):
+        for start in starts:
             logits = head(flat[start:start + size]).float()
             scores[start:start + size, 0] = logits.argmax(-1).float()
             scores[start:start + size, 1] = F.cross_entropy(logits, targets[start:start + size],
                                                             ignore_index=IGNORE_INDEX, reduction="none")
+        for _ in range(agreed_chunk_count(len(starts), flat.device) - len(starts)):
+            head(flat[:0])  # as many head calls as the other ranks (ZeRO-3 gathers its weight on each)
     return scores.view(*labels.shape, 2)
 
 
@@ -262,13 +265,11 @@ def _finish(owner: torch.nn.Module, args: tuple, kwargs: dict, output: Any):
         targets = row_targets(call.labels)
         if call.score:
             logits = slot_scores(call.hidden, head, call.labels, chunk)
-            total, count = logits[..., 1].sum(), (targets != IGNORE_INDEX).sum()
+            total = logits[..., 1].sum()
         else:
-            losses, slots = hidden_token_losses(call.hidden, head, targets, chunk_tokens=chunk)
-            total, count = losses.sum(), slots.numel()
-        if call.num_items is not None:
-            count = call.num_items
-        loss = total / (count.to(total.device) if torch.is_tensor(count) else max(count, 1))
+            total = hidden_weighted_loss(call.hidden, head, targets, chunk_tokens=chunk)
+        count = (targets != IGNORE_INDEX).sum().clamp(min=1) if call.num_items is None else call.num_items
+        loss = total / (count.to(total.device) if torch.is_tensor(count) else count)
         aux = output.get("aux_loss")
         if aux is not None:
             coefficient = getattr(owner, "router_aux_loss_coef", None)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from transformers import TrainerCallback
 
-from ..core.chunked_loss import hidden_sample_sums, hidden_token_losses, row_targets
+from ..core.chunked_loss import hidden_weighted_loss, row_targets
 from ..core.loss import per_sample_loss_sums
 from ..core.packing import IGNORE_INDEX, segment_ids
 from .head_loss import DeferredLogits
@@ -53,8 +53,7 @@ def compute_loss_func(outputs: Any, labels: torch.Tensor, num_items_in_batch: to
     logits = _logits(outputs)
     targets = row_targets(labels)  # a whole-row shift: exact because every sample start is -100
     if isinstance(logits, DeferredLogits):  # an enable_packing model: the head in chunks, never T x V
-        losses, _ = hidden_token_losses(logits.hidden, logits.head, targets, chunk_tokens=logits.chunk_tokens)
-        total = losses.sum()
+        total = hidden_weighted_loss(logits.hidden, logits.head, targets, chunk_tokens=logits.chunk_tokens)
     else:
         targets = targets.to(logits.device)
         total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
@@ -121,12 +120,16 @@ class SampleMeanLoss(TrainerCallback):
         else:  # an ordinary padded batch: each row is one sample
             cu = torch.arange(labels.shape[0] + 1, device=device) * labels.shape[-1]
         num = cu.numel() - 1
-        if deferred:  # an enable_packing model: the head in chunks, never T x V
-            losses, slots = hidden_token_losses(logits.hidden, logits.head, targets, chunk_tokens=logits.chunk_tokens)
-            sums, counts = hidden_sample_sums(losses, segment_ids(cu, slots), num)
+        seg = segment_ids(cu, targets.numel())
+        if deferred:  # an enable_packing model: the head in chunks, never T x V; weights 1 / tokens of the sample
+            counted = (targets.reshape(-1) != IGNORE_INDEX).float()
+            counts = counted.new_zeros(num + 1).index_add(0, seg.clamp(max=num), counted)[:num]
+            weights = F.pad(1 / counts.clamp(min=1), (0, 1))[seg.clamp(max=num)] * counted
+            total = hidden_weighted_loss(logits.hidden, logits.head, targets, weights,
+                                         chunk_tokens=logits.chunk_tokens)
         else:
-            seg = segment_ids(cu, targets.numel())
             sums, counts = per_sample_loss_sums(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), seg, num)
+            total = (sums / counts.clamp(min=1)).sum()  # samples without label tokens (e.g. a fill segment) add 0
         with_labels = int((counts > 0).sum())  # one host sync per micro-batch
         if with_labels != self._per_device:
             raise ValueError(
@@ -134,5 +137,4 @@ class SampleMeanLoss(TrainerCallback):
                 f"per_device_train_batch_size={self._per_device}; the per-sample mean over the window is then not "
                 "exact. Drop samples without labels and use dataloader_drop_last=True."
             )
-        means = sums / counts.clamp(min=1)  # samples without label tokens (e.g. a fill segment) add 0
-        return means.sum() / self._samples_per_step
+        return total / self._samples_per_step

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import Trainer
 
-from ..core.chunked_loss import hidden_token_losses
+from ..core.chunked_loss import hidden_weighted_loss
 from ..core.packing import IGNORE_INDEX
 from ..integrations.head_loss import HEAD_INPUT_KWARG, DeferredLogits
 from .model import SP_ATTN_IMPLEMENTATION
@@ -137,8 +137,7 @@ class UlyssesTrainer(Trainer):
         outputs = model(**inputs, use_cache=False, **{HEAD_INPUT_KWARG: True})
         logits = outputs.logits
         if isinstance(logits, DeferredLogits):  # this rank's slice through the head in chunks, never T/R x V
-            losses, _ = hidden_token_losses(logits.hidden, logits.head, targets, chunk_tokens=logits.chunk_tokens)
-            total = losses.sum()
+            total = hidden_weighted_loss(logits.hidden, logits.head, targets, chunk_tokens=logits.chunk_tokens)
         else:
             total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                     targets.reshape(-1).to(logits.device), ignore_index=IGNORE_INDEX, reduction="sum")
