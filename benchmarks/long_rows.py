@@ -157,7 +157,14 @@ def main() -> None:
     parser.add_argument("--length", type=int)
     parser.add_argument("--loss")
     parser.add_argument("--output")
+    parser.add_argument("--render", help="rewrite the table from a results JSON of an earlier run (same arguments)")
     args = parser.parse_args()
+    if args.render:
+        saved = json.loads(Path(args.render).read_text())
+        results = {tuple(int(x) if x.isdigit() else x for x in key.split("|")): value
+                   for key, value in saved["results"].items()}
+        write(results, args, saved["loads"])
+        return
     if args.worker:
         worker(args.path, args.length, args.loss, args.steps, args.output)
         return
@@ -198,9 +205,10 @@ def write(results: dict, args, loads: list[float]) -> None:
         f"Tiny Qwen2 (hidden 64, 2 layers) with Qwen's vocabulary, one packed row of samples of {SAMPLE} tokens (every "
         "slot a target but the sample starts), fp32, 1 thread, forward + backward as each trainer runs it per "
         "micro-batch (benchmarks/long_rows.py docstring). Peak = peak RSS during the steps minus RSS before them "
-        "(fresh process per configuration); time = median step (the first step included: "
-        f"{args.steps} steps, {args.long_steps} at T >= 16384). `chunked` = vlm_pack's default loss from hidden "
-        "states; `full` = `enable_packing(model, chunked_loss=False)` (the model's own loss over T x V logits), run up "
+        f"(fresh process per configuration); time = median of the steps after a warm-up step ({args.steps} steps; "
+        f"{args.long_steps} at T >= 16384, where a single step is timed with its warm-up). `chunked` = vlm_pack's "
+        "default loss from hidden states; `full` = `enable_packing(model, chunked_loss=False)` (the model's own loss "
+        "over T x V logits), run up "
         f"to T = {args.full_max}. {platform.machine()}, torch {torch.__version__}, transformers "
         f"{transformers.__version__}, TRL {trl.__version__}. Load average (1 min) during the runs: "
         f"{min(loads):.1f}-{max(loads):.1f} on 2 shared cores (other jobs running): times are indicative.",
@@ -260,8 +268,8 @@ def write(results: dict, args, loads: list[float]) -> None:
                          f"{'met' if ratio <= 1.25 else 'NOT met'}).")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "long_rows_cpu.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "long_rows_cpu.json").write_text(json.dumps({f"{p}|{t}|{l}": v for (p, t, l), v in results.items()},
-                                                           indent=1))
+    saved = {"results": {f"{p}|{t}|{l}": v for (p, t, l), v in results.items()}, "loads": loads}
+    (RESULTS / "long_rows_cpu.json").write_text(json.dumps(saved, indent=1))
     print("\n".join(lines))
 
 

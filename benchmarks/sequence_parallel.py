@@ -1,9 +1,10 @@
 """Sequence parallelism (DeepSpeed Ulysses, SP = 2) vs one process: per-rank peak memory and step time vs row length.
 
 One packed row of ``L`` tokens (samples of 1024 tokens, a tiny Llama: hidden 64, 2 layers, Qwen's real vocabulary
-of 151,936, so the LM head is the cost real checkpoints pay) runs forward + backward, the loss computed as
-``UlyssesTrainer`` does: from the hidden states of the rank's slice, the LM head applied in chunks at target slots
-(``vlm_pack.core.chunked_loss``; the ``T x V`` logits of a 32k row alone are 18.5 GiB):
+of 151,936, so the LM head is the cost real checkpoints pay) runs forward + backward, the loss computed from the
+hidden states of the rank's slice, the LM head applied in chunks at target slots (``vlm_pack.core.chunked_loss``;
+the ``T x V`` logits of a 32k row alone are 18.5 GiB). No engine here: under ZeRO-3 ``UlyssesTrainer`` still scores
+its slice over full logits (``vlm_pack.integrations.head_loss.zero3_partitioned``).
 
 * SP = 1: ``enable_packing(model)`` on the whole row in one process (vlm_pack's ordinary path);
 * SP = 2: two processes (gloo, one thread each), ``vlm_pack.sequence_parallel.prepare_model`` + DeepSpeed's
@@ -98,7 +99,7 @@ def worker(length: int, sp: int, steps: int, output: str) -> None:
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        deferred = model(**inputs, use_cache=False, **{HEAD_INPUT_KWARG: True}).logits  # as UlyssesTrainer asks
+        deferred = model(**inputs, use_cache=False, **{HEAD_INPUT_KWARG: True}).logits
         loss = hidden_weighted_loss(deferred.hidden, deferred.head, targets)
         loss.backward()
         del deferred, loss

@@ -25,7 +25,8 @@ hook then builds the output. Other calls run unchanged:
 * left alone: TRL's ``fused_lm_head=True`` calls and a forward that Liger's kernels (``use_liger_kernel`` /
   ``liger_kernel_config``) or Cut Cross-Entropy's ``cce_patch`` replaced (:func:`fused_peer`: each computes its own
   loss without the logits, exact on packed rows since sample starts are -100; a PEFT adapter on the head, which
-  they would leave untrained, is refused), calls with ``logits_to_keep`` and no labels, evaluation without ``PackedEvaluation``.
+  they would leave untrained, is refused), a head whose weight DeepSpeed ZeRO-3 partitions (:func:`zero3_partitioned`:
+  ``UlyssesTrainer`` and ZeRO-3 data parallelism keep the full logits for now), calls with ``logits_to_keep`` and no labels, evaluation without ``PackedEvaluation``.
 
 Family rules, by name: Gemma 3 / 4's ``final_logit_softcapping`` and Cohere 2's ``logit_scale`` are applied in each
 chunk (:data:`LOGIT_TRANSFORMS`); a loss owner whose forward transforms its logits in a way not listed is refused
@@ -62,6 +63,7 @@ __all__ = [
     "loss_owner",
     "score_slots_in_evaluation",
     "slot_scores",
+    "zero3_partitioned",
 ]
 
 HEAD_INPUT_KWARG = "vlm_pack_head_input"
@@ -185,6 +187,13 @@ def fused_peer(owner: torch.nn.Module) -> str | None:
     return next((name for library, name in FUSED_PEERS.items() if module.split(".")[0] == library), None)
 
 
+def zero3_partitioned(owner: torch.nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions the head's weight (``ds_id``). Chunked calls of such a head gather its
+    weight once per call and per recompute, collectives every rank must match; not proven here (the SP run hung),
+    so these heads keep the model's own loss over full logits."""
+    return hasattr(getattr(owner.get_output_embeddings(), "weight", None), "ds_id")
+
+
 def _arm(owner: torch.nn.Module, args: tuple, kwargs: dict):
     asked = bool(kwargs.pop(HEAD_INPUT_KWARG, False))
     labels = kwargs.get("labels")
@@ -197,7 +206,7 @@ def _arm(owner: torch.nn.Module, args: tuple, kwargs: dict):
             f"{type(owner.get_output_embeddings()).__name__} (a PEFT adapter?): the adapter would not be trained. "
             "Leave the head out of the adapter, or turn the peer's fused loss off (vlm_pack's chunked loss handles it)"
         )
-    if kwargs.get("fused_lm_head") or peer is not None:
+    if kwargs.get("fused_lm_head") or peer is not None or zero3_partitioned(owner):
         mode = None
     elif labels is not None and (owner.training or score):
         mode = "loss"
