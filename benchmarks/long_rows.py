@@ -129,6 +129,28 @@ def worker(path: str, length: int, loss: str, steps: int, output: str) -> None:
     Path(output).write_text(json.dumps({"peak_mb": peak - before, "step_s": timed[len(timed) // 2], "times": times}))
 
 
+def paired_worker(path: str, length: int, rounds: int, output: str) -> None:
+    """Step-time ratio chunked / full in ONE process: both models built, their steps alternating (the order
+    swapped every round), after one warm-up step each; on a busy machine this pairs each step with a neighbour."""
+    import torch
+
+    torch.set_num_threads(1)
+    batch = sequence_parallel.packed_row(length)
+    batch["vlm_pack"] = {"cu_seqlens_padded": batch["cu_seq_lens_q"]}
+    models = {loss: build(path, loss) for loss in ("chunked", "full")}
+    times: dict[str, list[float]] = {"chunked": [], "full": []}
+    for round_ in range(rounds + 1):
+        for loss in ("chunked", "full") if round_ % 2 == 0 else ("full", "chunked"):
+            model, reference = models[loss]
+            start = time.perf_counter()
+            step(path, model, reference, batch)
+            model.zero_grad(set_to_none=True)
+            if round_:  # round 0 warms both up
+                times[loss].append(time.perf_counter() - start)
+    ratios = sorted(c / f for c, f in zip(times["chunked"], times["full"]))
+    Path(output).write_text(json.dumps({"ratios": ratios, "median": ratios[len(ratios) // 2], **times}))
+
+
 def launch(path: str, length: int, loss: str, steps: int) -> dict:
     if path == "sp2":
         return sequence_parallel.launch(length, 2, steps)
@@ -158,6 +180,9 @@ def main() -> None:
     parser.add_argument("--loss")
     parser.add_argument("--output")
     parser.add_argument("--render", help="rewrite the table from a results JSON of an earlier run (same arguments)")
+    parser.add_argument("--paired", type=int, default=0,
+                        help="instead: ROUNDS of chunked / full steps alternating in one process per path, at "
+                             "the first length (the step-time ratio on a busy machine)")
     args = parser.parse_args()
     if args.render:
         saved = json.loads(Path(args.render).read_text())
@@ -166,7 +191,13 @@ def main() -> None:
         write(results, args, saved["loads"])
         return
     if args.worker:
-        worker(args.path, args.length, args.loss, args.steps, args.output)
+        if args.paired:
+            paired_worker(args.path, args.length, args.paired, args.output)
+        else:
+            worker(args.path, args.length, args.loss, args.steps, args.output)
+        return
+    if args.paired:
+        paired(args)
         return
     results, loads = {}, []
     for path, length, loss in plan(args):
@@ -175,6 +206,39 @@ def main() -> None:
         results[path, length, loss] = launch(path, length, loss, steps)
         print(f"T={length} {path} {loss}: {results[path, length, loss]}", flush=True)
         write(results, args, loads)  # after every configuration: a stopped run keeps what it measured
+
+
+def paired(args) -> None:
+    """Run :func:`paired_worker` for the full-logits paths; write ``long_rows_paired_cpu.md``."""
+    length, lines = args.lengths[0], []
+    load = os.getloadavg()[0]
+    for path in (p for p in FULL_PATHS if p in args.paths):
+        with tempfile.TemporaryDirectory() as scratch:
+            output = os.path.join(scratch, "paired.json")
+            command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--paired", str(args.paired),
+                       "--path", path, "--length", str(length), "--output", output]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+            done = subprocess.run(command, env=env, capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"paired {path} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+            got = json.loads(Path(output).read_text())
+        print(path, got, flush=True)
+        lines.append(f"| {path} | **{got['median']:.2f}x** | {', '.join(f'{r:.2f}' for r in got['ratios'])} | "
+                     f"{sum(got['chunked']) / len(got['chunked']):.1f} / {sum(got['full']) / len(got['full']):.1f} |")
+    header = [
+        f"# Long rows: chunked vs full-logits step time, paired in one process (T = {length}, V = {VOCAB:,}, CPU)",
+        "",
+        f"`python benchmarks/long_rows.py --lengths {length} --paired {args.paired}`: per path, one process builds "
+        "both models (vlm_pack's chunked loss and `chunked_loss=False`), warms each up with one step, then "
+        f"alternates their steps for {args.paired} rounds (order swapped every round); ratio = chunked / full per "
+        f"round. Load average (1 min) at the start: {load:.1f} on 2 shared cores (other jobs running).",
+        "",
+        "| path | median ratio | per round | mean step chunked / full (s) |",
+        "|---|---|---|---|",
+    ]
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "long_rows_paired_cpu.md").write_text("\n".join(header + lines) + "\n")
+    print("\n".join(header + lines))
 
 
 def plan(args) -> list[tuple[str, int, str]]:
