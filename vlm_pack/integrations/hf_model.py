@@ -321,8 +321,6 @@ def enable_packing(model, name: str = ATTN_IMPLEMENTATION, *, allow_unproven: bo
         _install_image_blocks(model, rule)
     if family.prepare_model is not None:
         family.prepare_model(model)
-    if chunked_loss:
-        install_hidden_loss(model, loss_chunk_tokens)
     if family.router_loss_mask:  # the router aux loss over the real slots only (vlm_pack.integrations.router_loss)
         install_router_loss_mask(model)
     if family.loss_honours_num_items:
@@ -335,4 +333,6 @@ def enable_packing(model, name: str = ATTN_IMPLEMENTATION, *, allow_unproven: bo
             "vlm_pack: the %s family's own loss ignores Trainer's num_items_in_batch; under gradient accumulation "
             "pass compute_loss_func=vlm_pack.compute_loss_func to Trainer for the exact token mean", family.name
         )
+    if chunked_loss:  # last: its pre-hook takes the labels out of the call, after the hooks above have read them
+        install_hidden_loss(model, loss_chunk_tokens)
     return model
