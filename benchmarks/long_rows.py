@@ -277,6 +277,11 @@ def write(results: dict, args, loads: list[float]) -> None:
         f"{transformers.__version__}, TRL {trl.__version__}. Load average (1 min) during the runs: "
         f"{min(loads):.1f}-{max(loads):.1f} on 2 shared cores (other jobs running): times are indicative.",
         "",
+        f"Command: `python benchmarks/long_rows.py --lengths {' '.join(map(str, lengths))} --steps {args.steps} "
+        f"--long-steps {args.long_steps} --full-max {args.full_max} --fused-max {args.fused_max} --sp-max "
+        f"{args.sp_max}` (the defaults add T = 8192 and 16384 and more steps; cut here to fit the shared machine's "
+        "time and its 24 GiB).",
+        "",
         "## Peak memory over baseline (MiB), and as a multiple of the row's logits (T x V fp32)",
         "",
         "| path | " + " | ".join(f"T={t}" for t in lengths) + " |",
@@ -328,8 +333,9 @@ def write(results: dict, args, loads: list[float]) -> None:
                          f"{'met' if peak < 6 else 'NOT met'}).")
         if (path, 2048, "full") in results:
             ratio = results[path, 2048, "chunked"]["step_s"] / results[path, 2048, "full"]["step_s"]
-            lines.append(f"- {path} at T = 2048: chunked step **{ratio:.2f}x** the full-logits step (<= 1.25x: "
-                         f"{'met' if ratio <= 1.25 else 'NOT met'}).")
+            lines.append(f"- {path} at T = 2048: chunked step {ratio:.2f}x the full-logits step in separate processes "
+                         "(swings with the load; the acceptance figure, <= 1.25x, is the paired one in "
+                         "[long_rows_paired_cpu.md](long_rows_paired_cpu.md)).")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "long_rows_cpu.md").write_text("\n".join(lines) + "\n")
     saved = {"results": {f"{p}|{t}|{l}": v for (p, t, l), v in results.items()}, "loads": loads}
