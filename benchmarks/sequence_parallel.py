@@ -1,7 +1,10 @@
 """Sequence parallelism (DeepSpeed Ulysses, SP = 2) vs one process: per-rank peak memory and step time vs row length.
 
-One packed row of ``L`` tokens (samples of 1024 tokens, a tiny Llama: hidden 64, 2 layers, vocabulary 5000, so the
-per-token activations and logits dominate the memory) runs forward + backward:
+One packed row of ``L`` tokens (samples of 1024 tokens, a tiny Llama: hidden 64, 2 layers, Qwen's real vocabulary
+of 151,936, so the LM head is the cost real checkpoints pay) runs forward + backward, the loss computed from the
+hidden states of the rank's slice, the LM head applied in chunks at target slots (``vlm_pack.core.chunked_loss``;
+the ``T x V`` logits of a 32k row alone are 18.5 GiB). No engine here: under ZeRO-3 ``UlyssesTrainer`` still scores
+its slice over full logits (``vlm_pack.integrations.head_loss.zero3_partitioned``).
 
 * SP = 1: ``enable_packing(model)`` on the whole row in one process (vlm_pack's ordinary path);
 * SP = 2: two processes (gloo, one thread each), ``vlm_pack.sequence_parallel.prepare_model`` + DeepSpeed's
@@ -31,7 +34,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SAMPLE = 1024
-VOCAB = 5000
+VOCAB = 151_936  # Qwen2 / Qwen2.5 / Qwen3 checkpoints' vocabulary
 
 
 def rss_mb() -> float:
@@ -57,6 +60,8 @@ def worker(length: int, sp: int, steps: int, output: str) -> None:
     import torch.nn.functional as F
 
     from vlm_pack import enable_packing
+    from vlm_pack.core.chunked_loss import hidden_weighted_loss
+    from vlm_pack.integrations.head_loss import HEAD_INPUT_KWARG
     from vlm_pack.sequence_parallel.batch import SP_KEY, ulysses_batch
     from vlm_pack.sequence_parallel.model import SP_ATTN_IMPLEMENTATION, SequenceShard, prepare_model
     from vlm_pack.testing.tiny_models import tiny_model
@@ -94,11 +99,10 @@ def worker(length: int, sp: int, steps: int, output: str) -> None:
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        logits = model(**inputs, use_cache=False).logits
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1), ignore_index=-100,
-                               reduction="sum")
+        deferred = model(**inputs, use_cache=False, **{HEAD_INPUT_KWARG: True}).logits
+        loss = hidden_weighted_loss(deferred.hidden, deferred.head, targets)
         loss.backward()
-        del logits, loss
+        del deferred, loss
         model.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -145,7 +149,7 @@ def main() -> None:
         "# Sequence parallelism (DeepSpeed Ulysses) on CPU: per-rank peak memory and step time",
         "",
         f"Tiny Llama (hidden 64, 2 layers, vocabulary {VOCAB}), one packed row of samples of {SAMPLE} tokens, forward "
-        f"+ backward, median of {args.steps} steps, 1 thread per rank, gloo. Peak = peak RSS during the steps minus "
+        f"+ backward, loss from hidden states with the LM head in chunks (as UlyssesTrainer), median of {args.steps} steps, 1 thread per rank, gloo. Peak = peak RSS during the steps minus "
         f"RSS before them, the larger rank for SP = 2. {platform.machine()}, torch {torch.__version__}, transformers "
         f"{transformers.__version__}. `python benchmarks/sequence_parallel.py`.",
         "",

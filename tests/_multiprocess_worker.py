@@ -6,7 +6,8 @@ Each case trains (Trainer + DDP / DeepSpeed, or torch FSDP2 directly) and rank 0
 the relative L2 error of the step-1 gradient (or weight update / learning rate, under ZeRO) against each sample
 of the global batch run ALONE through the stock sdpa model with the token mean over both ranks and the whole
 accumulation window (tests/test_trainer.py's references), the engine that actually ran, warnings logged, and
-the samples each rank consumed. References are built after training, split between the ranks.
+the samples each rank consumed. References are built after training, split between the ranks. The packed side's
+chunked loss (vlm_pack.core.chunked_loss) runs with 16 target slots per chunk, so every row spans several chunks.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import Trainer  # noqa: E402
 
 import test_trainer as ref  # noqa: E402  (the single-process references: each sample alone, stock sdpa)
+import vlm_pack.core.chunked_loss  # noqa: E402
 import vlm_pack.integrations.token_mean  # noqa: E402
 from vlm_pack import VLMPackingCollator  # noqa: E402
 from vlm_pack.integrations.hf_model import enable_packing  # noqa: E402
@@ -557,6 +559,7 @@ CASES = {
 def main() -> None:
     output, names = sys.argv[1], sys.argv[2:]
     torch.set_num_threads(1)
+    vlm_pack.core.chunked_loss.DEFAULT_CHUNK_BYTES = 0  # 16 target slots per chunk: every row spans several
     dist.init_process_group("gloo")
     results, pending = {}, {}
     for name in names:

@@ -18,6 +18,7 @@ import functools
 import pytest
 import torch
 
+import vlm_pack.core.chunked_loss
 from vlm_pack.core.batch import METADATA_KEY, model_inputs
 from vlm_pack.data.collator import VLMPackingCollator
 from vlm_pack.integrations.hf_model import enable_packing
@@ -40,6 +41,12 @@ FAMILIES = {
     "qwen3_next": (2, {"tensor_parallel_size": 4, "sequence_parallel": True}),
 }
 MEASURED: dict[str, dict[str, float]] = {}
+
+
+@pytest.fixture(autouse=True)
+def small_loss_chunks(monkeypatch):
+    """16 slots per chunk of the chunked loss / slot scores (its floor), so every packed row spans several chunks."""
+    monkeypatch.setattr(vlm_pack.core.chunked_loss, "DEFAULT_CHUNK_BYTES", 0)
 
 
 @dataclasses.dataclass

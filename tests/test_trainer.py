@@ -5,6 +5,8 @@ steps, SGD, no clipping) equal the unpacked reference: each sample forwarded ALO
 loss = sum of plain shifted CE over all samples of the window / all label tokens. The same for every registered
 family, for the offline packs (``PackedSFTDataset``, ``PackedDataset``) and for TRL (VLM collator and packs).
 Corruptions (the ``accepts_loss_kwargs`` fix undone, the -100 first labels dropped) must break the comparison.
+The packed side computes its loss from hidden states in chunks of 16 target slots (vlm_pack.core.chunked_loss,
+the default of ``enable_packing``), so every row spans several chunks.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from trl import SFTConfig, SFTTrainer
 
 import vlm_pack
+import vlm_pack.core.chunked_loss
 import vlm_pack.models
 import vlm_pack.offline.dataset
 from vlm_pack.core.batch import model_inputs
@@ -33,6 +36,12 @@ from vlm_pack.testing.tiny_families import TINY_VLM_FAMILIES, tiny_vlm, tiny_vlm
 from vlm_pack.testing.tiny_models import TINY_FAMILIES, offline_gemma3_processor, qwen_tokenizer, tiny_config, tiny_model
 
 from tolerance import GRAD_REL_L2
+
+@pytest.fixture(autouse=True)
+def small_loss_chunks(monkeypatch):
+    """16 target slots per chunk of the chunked loss (its floor), so every packed row spans several chunks."""
+    monkeypatch.setattr(vlm_pack.core.chunked_loss, "DEFAULT_CHUNK_BYTES", 0)
+
 
 VLM_FAMILIES = tuple(f for f in TINY_FAMILIES if hasattr(tiny_config(f), "vision_config"))
 

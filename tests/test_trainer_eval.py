@@ -16,11 +16,19 @@ import torch.nn.functional as F
 from transformers import AutoConfig, Trainer, TrainingArguments
 
 import vlm_pack
+import vlm_pack.core.chunked_loss
 from vlm_pack.core.batch import model_inputs
 from vlm_pack.data.collator import VLMPackingCollator
 from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
 from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.testing.tiny_models import tiny_model
+
+
+@pytest.fixture(autouse=True)
+def small_loss_chunks(monkeypatch):
+    """16 slots per chunk of the chunked loss / slot scores (its floor), so every packed row spans several chunks."""
+    monkeypatch.setattr(vlm_pack.core.chunked_loss, "DEFAULT_CHUNK_BYTES", 0)
+
 
 TOLERANCE = 1e-4  # relative, on fp32 losses; per-token losses: absolute
 

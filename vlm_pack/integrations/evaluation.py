@@ -9,7 +9,9 @@ not the token mean over the evaluation set. :class:`PackedEvaluation` plugs into
     Trainer(..., preprocess_logits_for_metrics=evaluation.preprocess_logits_for_metrics,
             compute_metrics=evaluation.compute_metrics)
 
-Per micro-batch, ``preprocess_logits_for_metrics`` turns the logits into three small per-slot arrays (what
+With an ``enable_packing`` model the forward itself scores every slot in chunks (argmax id and the next label's
+cross entropy, ``[B, T, 2]``: :func:`~vlm_pack.integrations.head_loss.slot_scores`), so evaluation never holds
+``T x V`` logits either. Per micro-batch, ``preprocess_logits_for_metrics`` turns the logits into three small per-slot arrays (what
 ``predict()`` then returns as ``predictions``): the predicted token of every slot, the cross entropy of its label,
 and the slot's sample index (from the ``cu_seq_lens_q`` of that forward, read by a forward pre-hook; -1 off any
 sample). :func:`split_predictions` cuts them, with the labels, into one :class:`SamplePrediction` per sample.
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 
 from ..core.batch import METADATA_KEY
 from ..core.packing import IGNORE_INDEX, segment_ids
+from .head_loss import score_slots_in_evaluation
 
 __all__ = ["PackedEvaluation", "SamplePrediction", "split_predictions"]
 
@@ -64,12 +67,14 @@ class PackedEvaluation:
                  metrics: Callable[[list[SamplePrediction]], Mapping[str, float]] | None = None):
         self.metrics = metrics
         self._rows: dict[str, Any] = {}
+        self._scores = score_slots_in_evaluation(model)  # an enable_packing model scores slots in chunks
         self._hook = model.register_forward_pre_hook(self._record, with_kwargs=True)
 
     def _record(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         meta = kwargs.get(METADATA_KEY) or {}
         self._rows = {"cu": kwargs.get("cu_seq_lens_q"), "lengths": meta.get("seq_lengths"),
-                      "mask": kwargs.get("attention_mask")}
+                      "mask": kwargs.get("attention_mask"),
+                      "scored": self._scores and not module.training}
 
     def _sample_ids(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
         """``[B, T]`` sample index of every slot of the last forward's batch (-1: alignment, fill, padding)."""
@@ -101,9 +106,16 @@ class PackedEvaluation:
         start = torch.ones_like(ids, dtype=torch.bool)
         start[:, 1:] = ids[:, 1:] != ids[:, :-1]
         targets = labels.masked_fill(start | (ids < 0), IGNORE_INDEX)
-        previous = logits[:, :-1].float()
-        predicted = F.pad(previous.argmax(-1), (1, 0), value=IGNORE_INDEX).masked_fill(start, IGNORE_INDEX)
-        losses = F.cross_entropy(previous.transpose(1, 2), targets[:, 1:], ignore_index=IGNORE_INDEX, reduction="none")
+        if self._rows.get("scored") and logits.dim() == 3 and logits.shape[-1] == 2:  # [B, T, 2] slot scores of the chunked head: argmax id, next label's loss
+            previous = logits[:, :-1]
+            argmax = previous[..., 0].long()
+            losses = previous[..., 1].masked_fill(targets[:, 1:] == IGNORE_INDEX, 0.0)
+        else:
+            previous = logits[:, :-1].float()
+            argmax = previous.argmax(-1)
+            losses = F.cross_entropy(previous.transpose(1, 2), targets[:, 1:], ignore_index=IGNORE_INDEX,
+                                     reduction="none")
+        predicted = F.pad(argmax, (1, 0), value=IGNORE_INDEX).masked_fill(start, IGNORE_INDEX)
         return predicted, F.pad(losses, (1, 0)), ids
 
     def compute_metrics(self, eval_pred: Any) -> dict[str, float]:

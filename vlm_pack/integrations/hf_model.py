@@ -38,6 +38,7 @@ from ..attention.varlen import dense_attention, varlen_attention
 from ..core.packing import chunk_boundaries
 from ..models import ImageBlockRule, get_family
 from ..attention.shared_prefix import SHARED_PREFIX_KWARG, gather_shared_keys
+from .head_loss import install_hidden_loss
 from .router_loss import install_router_loss_mask
 from .token_mean import install_token_mean_check
 
@@ -337,7 +338,8 @@ def register_attention(name: str = ATTN_IMPLEMENTATION) -> str:
     return name
 
 
-def enable_packing(model, name: str = ATTN_IMPLEMENTATION, *, allow_unproven: bool = False):
+def enable_packing(model, name: str = ATTN_IMPLEMENTATION, *, allow_unproven: bool = False, chunked_loss: bool = True,
+                   loss_chunk_tokens: int | None = None):
     """Switch ``model`` (and its sub-models, e.g. a vision tower) to packed attention in place; returns it.
 
     The model's family must be in the registry (``vlm_pack.models``) with every feature of its config covered,
@@ -353,6 +355,11 @@ def enable_packing(model, name: str = ATTN_IMPLEMENTATION, *, allow_unproven: bo
     fix (:func:`packed_forward_hook`). Never pass an ``attention_mask`` with a packed row. Mixture-of-experts
     families with ``output_router_logits``: the router load-balancing loss of a packed row is that of the padded
     micro-batch, alignment slots excluded (:mod:`vlm_pack.integrations.router_loss`).
+
+    ``chunked_loss`` (default on): a training forward with labels computes its loss from the final hidden states,
+    the LM head applied in chunks of ``loss_chunk_tokens`` target slots (None: 64 MiB of fp32 logits per chunk) and
+    recomputed in the backward, so a long row never holds its ``T x V`` logits; ``logits`` are computed only when
+    used (:mod:`vlm_pack.integrations.head_loss`). ``chunked_loss=False`` keeps the model's own loss.
     """
     family = get_family(model.config, allow_unproven=allow_unproven)
     register_attention(name)
@@ -375,4 +382,6 @@ def enable_packing(model, name: str = ATTN_IMPLEMENTATION, *, allow_unproven: bo
             "vlm_pack: the %s family's own loss ignores Trainer's num_items_in_batch; under gradient accumulation "
             "pass compute_loss_func=vlm_pack.compute_loss_func to Trainer for the exact token mean", family.name
         )
+    if chunked_loss:  # last: its pre-hook takes the labels out of the call, after the hooks above have read them
+        install_hidden_loss(model, loss_chunk_tokens)
     return model

@@ -12,6 +12,9 @@ families whose loss honours ``num_items_in_batch`` (``FamilySpec.loss_honours_nu
 Two callables for ``Trainer(compute_loss_func=...)``, Trainer's official custom-loss hook (it receives
 ``(outputs, labels, num_items_in_batch)``):
 
+With an ``enable_packing`` model both score the head in chunks from the hidden states (``logits`` arrive as
+:class:`~vlm_pack.integrations.head_loss.DeferredLogits`), never holding the ``T x V`` logits.
+
 * :func:`compute_loss_func`: the token mean over the accumulation window, for any model (also one whose own loss
   ignores ``num_items_in_batch``);
 * :class:`SampleMeanLoss`: mean within each sample, then over the samples of the window. It reads the sample
@@ -27,8 +30,10 @@ import torch
 import torch.nn.functional as F
 from transformers import TrainerCallback
 
+from ..core.chunked_loss import hidden_weighted_loss, row_targets
 from ..core.loss import per_sample_loss_sums
 from ..core.packing import IGNORE_INDEX, segment_ids
+from .head_loss import DeferredLogits
 from .token_mean import check_global_token_count
 
 __all__ = ["SampleMeanLoss", "compute_loss_func"]
@@ -36,11 +41,6 @@ __all__ = ["SampleMeanLoss", "compute_loss_func"]
 
 def _logits(outputs: Any) -> torch.Tensor:
     return outputs["logits"] if isinstance(outputs, dict) else outputs.logits
-
-
-def _row_targets(labels: torch.Tensor) -> torch.Tensor:
-    """Next-token targets of every row (``[B, S]``): a whole-row shift, exact because sample starts are -100."""
-    return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def compute_loss_func(outputs: Any, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None,
@@ -51,9 +51,13 @@ def compute_loss_func(outputs: Any, labels: torch.Tensor, num_items_in_batch: to
     losses add up to the token mean of the whole window; without it, the micro-batch's own token mean.
     """
     logits = _logits(outputs)
-    targets = _row_targets(labels).to(logits.device)
-    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                            ignore_index=IGNORE_INDEX, reduction="sum")
+    targets = row_targets(labels)  # a whole-row shift: exact because every sample start is -100
+    if isinstance(logits, DeferredLogits):  # an enable_packing model: the head in chunks, never T x V
+        total = hidden_weighted_loss(logits.hidden, logits.head, targets, chunk_tokens=logits.chunk_tokens)
+    else:
+        targets = targets.to(logits.device)
+        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                                ignore_index=IGNORE_INDEX, reduction="sum")
     if num_items_in_batch is None:
         num_items_in_batch = (targets != IGNORE_INDEX).sum().clamp(min=1)
     else:
@@ -108,14 +112,24 @@ class SampleMeanLoss(TrainerCallback):
                 "SampleMeanLoss needs Trainer's arguments: pass the same object as callbacks=[loss] too"
             )
         logits = _logits(outputs)
-        targets = _row_targets(labels).to(logits.device)
+        deferred = isinstance(logits, DeferredLogits)
+        device = logits.hidden.device if deferred else logits.device
+        targets = row_targets(labels).to(device)
         if self._cu_seqlens is not None and labels.shape[0] == 1:
-            cu = self._cu_seqlens.to(logits.device)
+            cu = self._cu_seqlens.to(device)
         else:  # an ordinary padded batch: each row is one sample
-            cu = torch.arange(labels.shape[0] + 1, device=logits.device) * labels.shape[-1]
+            cu = torch.arange(labels.shape[0] + 1, device=device) * labels.shape[-1]
         num = cu.numel() - 1
         seg = segment_ids(cu, targets.numel())
-        sums, counts = per_sample_loss_sums(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), seg, num)
+        if deferred:  # an enable_packing model: the head in chunks, never T x V; weights 1 / tokens of the sample
+            counted = (targets.reshape(-1) != IGNORE_INDEX).float()
+            counts = counted.new_zeros(num + 1).index_add(0, seg.clamp(max=num), counted)[:num]
+            weights = F.pad(1 / counts.clamp(min=1), (0, 1))[seg.clamp(max=num)] * counted
+            total = hidden_weighted_loss(logits.hidden, logits.head, targets, weights,
+                                         chunk_tokens=logits.chunk_tokens)
+        else:
+            sums, counts = per_sample_loss_sums(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), seg, num)
+            total = (sums / counts.clamp(min=1)).sum()  # samples without label tokens (e.g. a fill segment) add 0
         with_labels = int((counts > 0).sum())  # one host sync per micro-batch
         if with_labels != self._per_device:
             raise ValueError(
@@ -123,5 +137,4 @@ class SampleMeanLoss(TrainerCallback):
                 f"per_device_train_batch_size={self._per_device}; the per-sample mean over the window is then not "
                 "exact. Drop samples without labels and use dataloader_drop_last=True."
             )
-        means = sums / counts.clamp(min=1)  # samples without label tokens (e.g. a fill segment) add 0
-        return means.sum() / self._samples_per_step
+        return total / self._samples_per_step

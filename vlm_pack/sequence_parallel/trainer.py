@@ -6,7 +6,8 @@ parallel groups: a mean of per-pack means, not the token mean of the step (and i
 ``compute_loss_func`` / ``num_items_in_batch``). Here the step's label tokens are counted once over every
 micro-batch of the window on every rank (each rank holds its slice of ``shift_labels``, so the sum over all
 processes counts every target once), and each rank's loss is ``its summed token CE * R / count``, where R is the
-number of ranks the ZeRO-3 engine averages gradients over. After the engine's reduction the gradient is that of
+number of ranks the ZeRO-3 engine averages gradients over. The summed CE comes from this rank's hidden states, the
+LM head applied in chunks at its target slots (vlm_pack.core.chunked_loss): no rank holds its slice's logits. After the engine's reduction the gradient is that of
 ``sum of all token losses of the step / all its label tokens``.
 
 Refused at construction, with the reason: no Ulysses ``parallelism_config``; torch / accelerate context
@@ -29,7 +30,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import Trainer
 
+from ..core.chunked_loss import hidden_weighted_loss
 from ..core.packing import IGNORE_INDEX
+from ..integrations.head_loss import HEAD_INPUT_KWARG, DeferredLogits
 from .model import SP_ATTN_IMPLEMENTATION
 
 __all__ = ["UlyssesTrainer", "check_ulysses_arguments"]
@@ -141,9 +144,12 @@ class UlyssesTrainer(Trainer):
             raise ValueError("UlyssesTrainer got no token count for the step (its get_batch_samples was bypassed)")
         targets = inputs.pop("shift_labels")
         inputs.pop("labels", None)
-        outputs = model(**inputs, use_cache=False)
+        outputs = model(**inputs, use_cache=False, **{HEAD_INPUT_KWARG: True})
         logits = outputs.logits
-        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1).to(logits.device),
-                                ignore_index=IGNORE_INDEX, reduction="sum")
+        if isinstance(logits, DeferredLogits):  # this rank's slice through the head in chunks, never T/R x V
+            total = hidden_weighted_loss(logits.hidden, logits.head, targets, chunk_tokens=logits.chunk_tokens)
+        else:
+            total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                    targets.reshape(-1).to(logits.device), ignore_index=IGNORE_INDEX, reduction="sum")
         loss = total * self._averaging_ranks() / num_items_in_batch.to(total.device).clamp(min=1)
         return (loss, outputs) if return_outputs else loss
