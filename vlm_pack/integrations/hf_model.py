@@ -166,14 +166,31 @@ def packed_forward_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
     return None
 
 
+# The text row's varlen kwargs (transformers' names): the boundaries of the packed TEXT row, never of a vision tower's.
+_TEXT_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _drop_text_varlen_kwargs(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of an encoder sub-model (a vision tower): the text row's ``cu_seq_lens_*`` /
+    ``max_length_*`` are dropped. transformers < 5.19 hands them from ``get_image_features`` to the tower
+    (``vlm_pack.core.versions.GAPS``), whose attention would then split image patches at text boundaries; the tower
+    derives its own boundaries from the image grid."""
+    if not any(key in kwargs for key in _TEXT_VARLEN_KWARGS):
+        return None
+    return args, {key: value for key, value in kwargs.items() if key not in _TEXT_VARLEN_KWARGS}
+
+
 def _install_forward_hooks(model: torch.nn.Module) -> None:
-    """``packed_forward_hook`` on every sub-model whose forward takes ``use_cache`` (once per module): the top one
-    runs first; inner ones still run when a wrapper calls the top model's ``.forward`` directly."""
+    """On every sub-model (once per module): ``packed_forward_hook`` where the forward takes ``use_cache`` (the top
+    one runs first; inner ones still run when a wrapper calls the top model's ``.forward`` directly), else (an
+    encoder: vision tower) ``_drop_text_varlen_kwargs``."""
     for module in model.modules():
         if getattr(module, "_vlm_pack_forward_hook", None) is not None:
             continue
-        if isinstance(module, transformers.PreTrainedModel) and "use_cache" in inspect.signature(module.forward).parameters:
-            module._vlm_pack_forward_hook = module.register_forward_pre_hook(packed_forward_hook, with_kwargs=True)
+        if isinstance(module, transformers.PreTrainedModel):
+            decoder = "use_cache" in inspect.signature(module.forward).parameters
+            hook = packed_forward_hook if decoder else _drop_text_varlen_kwargs
+            module._vlm_pack_forward_hook = module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def packing_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
@@ -277,7 +294,10 @@ def packing_attention_forward(
 
 
 def register_attention(name: str = ATTN_IMPLEMENTATION) -> str:
-    """Register the packing attention and its mask function with transformers under ``name``; returns it."""
+    """Register the packing attention and its mask function with transformers under ``name``; returns it.
+
+    A model switched to ``name`` by hand gets the attention only: :func:`enable_packing` also checks the family and
+    hooks the model (e.g. keeps the text row's boundaries out of a VLM's vision tower on transformers < 5.19)."""
     if "flash" in name.lower():
         raise ValueError(
             f"attention implementation name {name!r} contains 'flash': transformers would then demand flash-attn "

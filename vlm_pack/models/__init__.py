@@ -120,7 +120,12 @@ class FamilySpec:
     ``mask_before_expansion``: the processor's ``apply_chat_template`` reports the assistant mask of the text
     BEFORE it expands each image placeholder (Idefics2's ``__call__`` returns no replacement offsets), so that mask
     is off by the expansion; the collator carries the mask of the unexpanded tokens through the expansion instead
-    (``vlm_pack.data.chat.carry_assistant_mask``). ``expand_text``: ``(processor, rendered texts) -> token ids`` of
+    (``vlm_pack.data.chat.carry_assistant_mask``). ``expansion_writes_text``: the processor's image expansion writes
+    text tokens around or between its image runs (Idefics3 / SmolVLM row breaks, Aya Vision tile labels, Gemma 3's
+    blank lines), so that mask cannot be carried through it; transformers < 5.23 does not shift the processor's own
+    mask for expanded placeholders (``vlm_pack.core.versions.GAPS``), so there the collator refuses such a family,
+    naming the release needed.
+    ``expand_text``: ``(processor, rendered texts) -> token ids`` of
     each text with its image placeholders expanded by the processor's own text rule, for token-budget planning of
     families whose expansion needs no image size but rewrites the text around it (Idefics2 merges the markers of
     adjacent images and puts a space after an image); it replaces ``image_text`` and the image-token count.
@@ -154,6 +159,7 @@ class FamilySpec:
     media_tokens: tuple[str, ...] = ()
     media_spans: tuple[tuple[str, str], ...] = ()
     mask_before_expansion: bool = False
+    expansion_writes_text: bool = False
     expand_text: Callable[[Any, list[str]], list[list[int]]] | None = None
     router_loss_mask: bool = False
     video_runs: Literal["video", "frame"] = "video"

@@ -63,5 +63,5 @@ GEMMA3 = register_family(FamilySpec(
     media_tokens=("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
     context_parallel_refusal=IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL,
     extra_checks=(_causal_only,),
-    image_text=_image_text,
+    image_text=_image_text, expansion_writes_text=True,  # "\n\n" before and after each image
 ))

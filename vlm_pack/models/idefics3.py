@@ -23,6 +23,7 @@ _PROOF = "tests/test_vlm_families.py"
 
 IDEFICS3 = register_family(FamilySpec(
     name="idefics3", model_types=("idefics3",), proof=_PROOF, vision_rows=_ROWS, extra_checks=_TEXT, media_tokens=_MEDIA,
+    expansion_writes_text=True,  # a line break after each row of tiles
 ))
 
 
@@ -42,5 +43,5 @@ def _smolvlm_image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tu
 
 SMOLVLM = register_family(FamilySpec(
     name="smolvlm", model_types=("smolvlm",), proof=_PROOF, vision_rows=_ROWS, extra_checks=_TEXT, media_tokens=_MEDIA,
-    image_text=_smolvlm_image_text,
+    image_text=_smolvlm_image_text, expansion_writes_text=True,  # a line break after each row of tiles
 ))
