@@ -86,3 +86,32 @@ def test_gaps_lie_inside_the_supported_range_and_follow_the_installed_release(mo
             has.cache_clear()
             assert has(name) is expected, (name, release)
     has.cache_clear()
+
+
+def test_families_and_features_proven_on_later_releases_are_refused_naming_it(monkeypatch):
+    """transformers 5.17 (the GPU image): the families whose proof fails there, and the packed router loss, are
+    refused with UnsupportedVersionError naming the release they are proven from; 5.24 passes them."""
+    from types import SimpleNamespace
+
+    from vlm_pack.models import UnsupportedVersionError, get_family, registered_families, version_problems
+
+    families = registered_families()
+    late = sorted(name for name, spec in families.items() if spec.min_transformers is not None)
+    assert late == ["glm4v_moe", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_next", "vipllava"]
+    router = SimpleNamespace(output_router_logits=True)
+    for release, refused in (("5.17.0", True), ("5.24.0", False)):
+        monkeypatch.setattr(versions, "installed", lambda package, r=release: Version(r))
+        has.cache_clear()
+        for name in late:
+            problems = version_problems(families[name], SimpleNamespace())
+            assert bool(problems) is refused and (not refused or "'transformers>=5.24'" in problems[0]), problems
+        problems = version_problems(families["qwen3_vl_moe"], router)
+        assert bool(problems) is refused and (not refused or "output_router_logits=False" in problems[0])
+        assert not version_problems(families["qwen2_vl"], router)  # no router: nothing to refuse
+    monkeypatch.setattr(versions, "installed", lambda package: Version("5.17.0"))
+    has.cache_clear()
+    from vlm_pack.testing.tiny_models import tiny_config
+
+    with pytest.raises(UnsupportedVersionError, match=r"qwen3_5 family is proven exact from transformers 5\.24"):
+        get_family(tiny_config("qwen3_5"))
+    has.cache_clear()

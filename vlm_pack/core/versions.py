@@ -16,7 +16,7 @@ from importlib import metadata
 
 from packaging.version import Version
 
-__all__ = ["GAPS", "MINIMUM", "Gap", "check_supported", "has", "installed"]
+__all__ = ["GAPS", "MINIMUM", "Gap", "at_least", "check_supported", "has", "installed"]
 
 MINIMUM: dict[str, str] = {"torch": "2.11", "transformers": "5.17"}
 """The oldest release of each package vlm_pack runs on (pyproject.toml's floors)."""
@@ -54,6 +54,11 @@ GAPS: dict[str, Gap] = {
         "Qwen2VLProcessor._get_num_multimodal_tokens(video_sizes=...) calls get_number_of_video_patches, which its "
         "video processor does not have (AttributeError)",
         "token-budget planning refuses to count such a processor's videos, naming the release"),
+    "router_loss_mask": Gap(
+        "transformers", "5.24",
+        "the router load-balancing loss of a packed row is not the padded micro-batch's (tests/test_router_loss.py "
+        "fails on transformers 5.17; no release between is measured)",
+        "output_router_logits=True is refused there (vlm_pack.models.check_config)"),
     "torch_varlen_gqa": Gap(
         "torch", "2.12",
         "torch.nn.attention.varlen.varlen_attn has no enable_gqa (grouped-query attention)",
@@ -75,12 +80,16 @@ def _release(version: Version | str) -> tuple[int, ...]:
     return Version(str(version)).release
 
 
+def at_least(package: str, release: str) -> bool:
+    """True when the installed ``package`` is ``release`` or later (or not installed: nothing to refuse)."""
+    version = installed(package)
+    return version is None or _release(version) >= _release(release)
+
+
 @lru_cache(maxsize=None)
 def has(gap: str) -> bool:
     """True when the installed release of ``GAPS[gap].package`` has the behaviour (vlm_pack need not cover it)."""
-    spec = GAPS[gap]
-    version = installed(spec.package)
-    return version is None or _release(version) >= _release(spec.since)
+    return at_least(GAPS[gap].package, GAPS[gap].since)
 
 
 def check_supported(versions: dict[str, Version | None] | None = None) -> None:

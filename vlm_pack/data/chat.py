@@ -36,6 +36,7 @@ from .chat_template import (
 )
 from ..core.packing import IGNORE_INDEX
 from ..core.versions import GAPS, has
+from ..models import UnsupportedVersionError
 
 __all__ = [
     "CHATML_TEMPLATE",
@@ -411,7 +412,7 @@ def encode_conversations(
                                                      unlabelled_ids, tools)
         except ValueError as error:  # e.g. Qwen3-VL's timestamps between a video's frames
             since = GAPS["processor_mask_shift"].since
-            raise ValueError(f"{error}; transformers >= {since} shifts the processor's own mask for expanded "
+            raise UnsupportedVersionError(f"{error}; transformers >= {since} shifts the processor's own mask for expanded "
                              f"placeholders: pip install -U 'transformers>={since}'") from error
     images, videos = ([media_parts(c, kind) for c in conversations] for kind in ("image", "video"))
     samples: list[dict[str, torch.Tensor]] = [{} for _ in conversations]

@@ -31,6 +31,7 @@ LLAVA_NEXT_VIDEO = register_family(FamilySpec(
 ))
 VIPLLAVA = register_family(FamilySpec(
     name="vipllava", model_types=("vipllava",), proof=_PROOF, vision_rows={"pixel_values": "image"}, extra_checks=_TEXT,
+    min_transformers="5.24",  # transformers 5.17: IndexError in its multi-layer vision feature selection
 ))
 
 
