@@ -34,7 +34,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..attention.varlen import dense_attention, varlen_attention
-from ..models import ImageBlockRule, get_family
+from ..models import ImageBlockRule, get_family, text_config
 from ..attention.shared_prefix import SHARED_PREFIX_KWARG, gather_shared_keys
 from .router_loss import install_router_loss_mask
 from .token_mean import install_token_mean_check
@@ -181,16 +181,21 @@ def _drop_text_varlen_kwargs(module: torch.nn.Module, args: tuple, kwargs: dict)
 
 
 def _install_forward_hooks(model: torch.nn.Module) -> None:
-    """On every sub-model (once per module): ``packed_forward_hook`` where the forward takes ``use_cache`` (the top
-    one runs first; inner ones still run when a wrapper calls the top model's ``.forward`` directly), else (an
-    encoder: vision tower) ``_drop_text_varlen_kwargs``."""
+    """On sub-models (once per module): ``packed_forward_hook`` on every one whose forward takes ``use_cache`` (the
+    top one runs first; inner ones still run when a wrapper calls the top model's ``.forward`` directly);
+    ``_drop_text_varlen_kwargs`` on every encoder, a sub-model with a config of its own (neither the model's nor its
+    language model's: a vision tower)."""
+    own_configs = (model.config, text_config(model.config))
     for module in model.modules():
         if getattr(module, "_vlm_pack_forward_hook", None) is not None:
             continue
-        if isinstance(module, transformers.PreTrainedModel):
-            decoder = "use_cache" in inspect.signature(module.forward).parameters
-            hook = packed_forward_hook if decoder else _drop_text_varlen_kwargs
-            module._vlm_pack_forward_hook = module.register_forward_pre_hook(hook, with_kwargs=True)
+        if not isinstance(module, transformers.PreTrainedModel):
+            continue
+        if "use_cache" in inspect.signature(module.forward).parameters:
+            module._vlm_pack_forward_hook = module.register_forward_pre_hook(packed_forward_hook, with_kwargs=True)
+        elif all(module.config is not config for config in own_configs):
+            module._vlm_pack_forward_hook = module.register_forward_pre_hook(_drop_text_varlen_kwargs,
+                                                                             with_kwargs=True)
 
 
 def packing_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
