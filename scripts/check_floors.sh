@@ -18,8 +18,8 @@ venv="${VLM_PACK_FLOOR_VENV:-.venv-floor}"
 [[ -x "$venv/bin/python" ]] || "${PYTHON:-python3}" -m venv "$venv"
 pip=("$venv/bin/python" -m pip install -q -c scripts/floor_constraints.txt)
 "${pip[@]}" setuptools wheel torch torchvision
-# The project's requirements (dependencies + the test / examples / hf extras), not the project itself: the checkout
-# is imported through PYTHONPATH, so nothing is copied or upgraded. deepspeed is source-only: it is built against
+# The project's requirements (dependencies + the test / examples / hf extras), pinned by the floor constraints so
+# nothing upgrades; the checkout is imported through PYTHONPATH. deepspeed is source-only: it is built against
 # the torch above (an isolated build would fetch another torch), with none of its C++ ops.
 "$venv/bin/python" - > "$venv/floor_requirements.txt" <<'PY'
 import tomllib
@@ -28,6 +28,8 @@ extras = project["optional-dependencies"]
 print("\n".join(dict.fromkeys(project["dependencies"] + extras["test"] + extras["examples"] + extras["hf"])))
 PY
 DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation -r "$venv/floor_requirements.txt"
+# The vlm-pack command the docs' bash blocks run: an editable install without dependencies (PYTHONPATH still wins).
+"${pip[@]}" --no-build-isolation --no-deps -e .
 "$venv/bin/python" -m pip freeze > "$venv/floor_freeze.txt"
 grep -iE '^(torch|torchvision|transformers|accelerate|trl|datasets|numpy|numba|peft|deepspeed|megatron-core|megatron_core)==' \
     "$venv/floor_freeze.txt"

@@ -444,8 +444,9 @@ class FakeKernels:
         if "enable_gqa" not in a:  # torch 2.11: one key/value head per query head
             assert a["query"].shape[1] == a["key"].shape[1] == a["value"].shape[1], "heads differ without enable_gqa"
         self.calls.append(("torch_varlen", dict(q=a["query"], k=a["key"], v=a["value"], cu_q=a["cu_seq_q"],
-                                                cu_k=a["cu_seq_k"], max_q=a["max_q"], max_k=a["max_k"], scale=a["scale"],
-                                                window=tuple(a["window_size"]), enable_gqa=a.get("enable_gqa"))))
+                                                cu_k=a["cu_seq_k"], max_q=a["max_q"], max_k=a["max_k"],
+                                                scale=a["scale"], window=tuple(a["window_size"]),
+                                                enable_gqa=a.get("enable_gqa"))))
         return emulate(a["query"], a["key"], a["value"], a["cu_seq_q"], a["cu_seq_k"], a["window_size"], a["scale"])
 
     def dot_product_attention_class(self):

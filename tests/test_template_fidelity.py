@@ -364,16 +364,24 @@ def _training_template(processor) -> str:
     return official_template(f"{name}_training")
 
 
-def _answer_span(processor, chat: list[dict], length: int) -> torch.Tensor:
+def _answer_span(processor, chat: list[dict], length: int, newline: bool = False) -> torch.Tensor:
     """Mask of the answer (its text and <|im_end|>) among the ``length`` tokens of ``chat`` (one user turn, then the
     answer; ChatML) encoded by the processor: from the end of the processor's own tokens of the prompt
-    (add_generation_prompt) to the end of its tokens of the chat without the template's final newline. Independent
+    (add_generation_prompt) to the end of its tokens of the chat without the template's final newline (with it:
+    ``newline``, as TRL's training variants label it). Independent
     of any assistant mask: the processor expands images in the text alone."""
     prompt = processor.apply_chat_template(chat[:1], add_generation_prompt=True, tokenize=False)
     full = processor.apply_chat_template(chat, tokenize=False)
     assert full.endswith("<|im_end|>\n")
-    start, end = (len(processor(text=[text])["input_ids"][0]) for text in (prompt, full[:-1]))
-    assert len(processor(text=[full])["input_ids"][0]) == length
+    images = [load_image(part["image"], "answer") for message in chat if isinstance(message["content"], list)
+              for part in message["content"] if part["type"] == "image"]
+
+    def count(text: str) -> int:  # the processor expands the text's images (given, as transformers 5.17 needs)
+        kwargs = {"images": images} if images and text != prompt else {}
+        return len(processor(text=[text], **kwargs)["input_ids"][0])
+
+    start, end = count(prompt), count(full if newline else full[:-1])
+    assert count(full) == length
     return (torch.arange(length) >= start) & (torch.arange(length) < end)
 
 
@@ -426,7 +434,9 @@ def test_image_inside_an_assistant_turn_is_never_a_target(name):
     media = torch.tensor(processor.tokenizer.convert_tokens_to_ids(MEDIA_TOKENS[name]))
     assistant = torch.as_tensor(out["assistant_masks"][0]).bool()
     if family.mask_before_expansion or not has("processor_mask_shift"):  # the processor's mask is off by the expansion
-        assistant = _answer_span(processor, chat, len(ids))
+        # TRL's training variants (the official templates) label the newline after the end-of-turn token too
+        trl_variant = _training_template(processor) != processor.chat_template
+        assistant = _answer_span(processor, chat, len(ids), newline=trl_variant)
     inside = torch.isin(ids, media).nonzero()
     labelled = assistant.nonzero()
     assert len(inside) and labelled.min() < inside.min() and inside.max() < labelled.max()  # inside the answer

@@ -47,7 +47,8 @@ def floor_pins() -> dict[str, Version]:
 def test_every_declared_floor_is_the_version_the_floor_check_runs():
     floors, pins = declared_floors(), floor_pins()
     # flash-linear-attention (extra "fla") is a CUDA/Triton kernel: never installed by the floor check
-    untested = {name: floor for name, floor in floors.items() if name != "flash-linear-attention" and pins.get(name) != floor}
+    untested = {name: floor for name, floor in floors.items()
+                if name != "flash-linear-attention" and pins.get(name) != floor}
     assert not untested, f"floors not pinned in scripts/floor_constraints.txt (or pinned elsewhere): {untested}"
     assert pins.keys() <= floors.keys(), f"pins without a pyproject.toml floor: {pins.keys() - floors.keys()}"
     for package, minimum in MINIMUM.items():
