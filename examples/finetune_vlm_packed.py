@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from vlm_pack.data.collator import VLMPackingCollator
 from vlm_pack.cli.demo import demo_examples
-from vlm_pack.integrations.hf_model import ATTN_IMPLEMENTATION, enable_packing, register_attention
+from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.offline.recipe import Recipe
 from vlm_pack.testing.tiny_models import offline_qwen2vl_processor, tiny_model
 from vlm_pack.integrations.torch_loop import train
@@ -30,8 +30,7 @@ def load_model_and_processor(recipe: Recipe):
         processor = AutoProcessor.from_pretrained(recipe.model.checkpoint)
         model = AutoModelForImageTextToText.from_pretrained(recipe.model.checkpoint, dtype=torch.bfloat16)
         return enable_packing(model), processor
-    register_attention()
-    return tiny_model(recipe.model.family, attn_implementation=ATTN_IMPLEMENTATION, seed=recipe.train.seed), \
+    return enable_packing(tiny_model(recipe.model.family, attn_implementation="sdpa", seed=recipe.train.seed)), \
         offline_qwen2vl_processor()
 
 

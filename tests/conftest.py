@@ -27,6 +27,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
         sys.modules["torch"].set_num_threads(1)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A family or feature that vlm_pack refuses on this transformers (``UnsupportedVersionError``: proven only on
+    later releases, vlm_pack.core.versions) is a skip naming the release, not a failure: the floor check
+    (scripts/check_floors.sh) lists them. Each refusal itself is asserted by a test of its own."""
+    outcome = yield
+    report = outcome.get_result()
+    models = sys.modules.get("vlm_pack.models")
+    if report.failed and call.excinfo is not None and models is not None and call.excinfo.errisinstance(
+            models.UnsupportedVersionError):
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {call.excinfo.value}")
+
+
 @pytest.fixture(scope="session")
 def processor():
     """The offline Qwen2-VL processor (real Qwen tokenizer + image processor); built once, never mutated."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import sys
 import types
+from functools import lru_cache
 
 import numpy as np
 import pytest
@@ -385,11 +386,20 @@ def emulate(q, k, v, cu_q, cu_k, window, scale):
     return reference(q, k, v, cu_q, cu_k, causal=False, window=tuple(window), scale=scale).to(q.dtype)
 
 
+def torch_2_11_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                           window_size=(-1, -1)):
+    """torch 2.11.0's ``torch.nn.attention.varlen.varlen_attn`` signature (no ``enable_gqa``), for binding only."""
+    raise AssertionError("a signature, never called")
+
+
 class FakeKernels:
     """Installs recording stand-ins for flash-attn, torch's varlen_attn and TransformerEngine, with the real
-    keyword names (a renamed argument fails to bind), and makes them look available on a CUDA machine."""
+    keyword names (a renamed argument fails to bind), and makes them look available on a CUDA machine.
 
-    def __init__(self, monkeypatch):
+    ``varlen_signature``: the varlen_attn signature to bind to (default: this torch's); the wrapper's probe of
+    ``enable_gqa`` reads it, as it reads the real function's."""
+
+    def __init__(self, monkeypatch, varlen_signature: inspect.Signature | None = None):
         self.calls: list[tuple[str, dict]] = []
         fake_machine(monkeypatch, cuda=True, installed={"flash_attn", "transformer_engine"})
         flash = types.ModuleType("flash_attn")
@@ -402,8 +412,15 @@ class FakeKernels:
         monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te_pytorch)
         import torch.nn.attention.varlen as torch_varlen
 
-        self.real_varlen_signature = inspect.signature(torch_varlen.varlen_attn)
-        monkeypatch.setattr(torch_varlen, "varlen_attn", self.varlen_attn)
+        self.varlen_signature = varlen_signature or inspect.signature(torch_varlen.varlen_attn)
+
+        def varlen_attn(*args, **kwargs):
+            return self.varlen_attn(*args, **kwargs)
+
+        varlen_attn.__signature__ = self.varlen_signature
+        monkeypatch.setattr(torch_varlen, "varlen_attn", varlen_attn)
+        # A probe cache of this test's own (the fake's signature must not outlive it).
+        monkeypatch.setattr(attention, "_torch_varlen_gqa", lru_cache(attention._torch_varlen_gqa.__wrapped__))
         attention._te_module.cache_clear()
 
     def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -421,12 +438,15 @@ class FakeKernels:
         return emulate(q, k, v, cu_seqlens_q, cu_seqlens_k, (left, 0 if causal else right), softmax_scale)
 
     def varlen_attn(self, *args, **kwargs):
-        bound = self.real_varlen_signature.bind(*args, **kwargs)  # the call must fit torch's real signature
+        bound = self.varlen_signature.bind(*args, **kwargs)  # the call must fit torch's real signature
         bound.apply_defaults()
         a = bound.arguments
+        if "enable_gqa" not in a:  # torch 2.11: one key/value head per query head
+            assert a["query"].shape[1] == a["key"].shape[1] == a["value"].shape[1], "heads differ without enable_gqa"
         self.calls.append(("torch_varlen", dict(q=a["query"], k=a["key"], v=a["value"], cu_q=a["cu_seq_q"],
-                                                cu_k=a["cu_seq_k"], max_q=a["max_q"], max_k=a["max_k"], scale=a["scale"],
-                                                window=tuple(a["window_size"]), enable_gqa=a["enable_gqa"])))
+                                                cu_k=a["cu_seq_k"], max_q=a["max_q"], max_k=a["max_k"],
+                                                scale=a["scale"], window=tuple(a["window_size"]),
+                                                enable_gqa=a.get("enable_gqa"))))
         return emulate(a["query"], a["key"], a["value"], a["cu_seq_q"], a["cu_seq_k"], a["window_size"], a["scale"])
 
     def dot_product_attention_class(self):
@@ -492,11 +512,13 @@ def test_gpu_kernels_get_int32_boundaries_int_lengths_and_the_window(monkeypatch
     assert type(call["max_q"]) is int and type(call["max_k"]) is int and call["max_q"] == call["max_k"] == 5
     assert call["window"] == FLASH_WINDOWS[(causal, window)]
     assert call["scale"] == scale
-    assert all(call[x].dtype == torch.bfloat16 for x in "qkv") and call["k"].shape[1] == 2  # no upcast, no KV repeat
+    assert all(call[x].dtype == torch.bfloat16 for x in "qkv")  # no upcast
+    native_gqa = backend != "torch_varlen" or "enable_gqa" in kernels.varlen_signature.parameters
+    assert call["k"].shape[1] == call["v"].shape[1] == (2 if native_gqa else 4)  # KV repeated on torch 2.11 only
     if backend == "flash_attn":
         assert call["causal"] is causal and call["dropout_p"] == 0.0 and call["deterministic"] is False
     if backend == "torch_varlen":
-        assert call["enable_gqa"] is True
+        assert call["enable_gqa"] is (True if native_gqa else None)
     if backend == "transformer_engine":
         assert call["qkv_format"] == call["init"]["qkv_format"] == "thd"
         assert call["init"]["heads"] == 4 and call["init"]["kv_heads"] == 2 and call["init"]["head_dim"] == 8
@@ -505,6 +527,46 @@ def test_gpu_kernels_get_int32_boundaries_int_lengths_and_the_window(monkeypatch
     expected = emulate(q, k, v, cu, cu, FLASH_WINDOWS[(causal, window)], scale)
     assert out.shape == q.shape and torch.equal(out, expected)
     attention._te_module.cache_clear()
+
+
+TORCH_2_11_CASES = [(causal, window, hkv) for causal, window in FLASH_WINDOWS for hkv in (1, 2, 4)]
+
+
+@pytest.mark.parametrize("causal,window,hkv", TORCH_2_11_CASES,
+                         ids=[f"{'causal' if c else 'full'}-{w}-kv{h}" for c, w, h in TORCH_2_11_CASES])
+def test_torch_2_11_varlen_attn_gets_repeated_key_value_heads(monkeypatch, causal, window, hkv):
+    """torch 2.11's varlen_attn has no enable_gqa: the wrapper repeats each KV head for its query group (query head
+    h reads KV head h // group) and the result is the reference's, forward and backward."""
+    kernels = FakeKernels(monkeypatch, inspect.signature(torch_2_11_varlen_attn))
+    assert available_backends()["torch_varlen"].available
+    cu = cu_of([3, 6, 1, 4])
+    q, k, v = (x.bfloat16().requires_grad_() for x in random_qkv(14, 14, 4, hkv, 8, seed=hkv))
+    out = varlen_attention(q, k, v, cu, cu, 6, 6, causal=causal, window=window, backend="torch_varlen")
+    ((name, call),) = kernels.calls
+    assert name == "torch_varlen" and call["enable_gqa"] is None and call["k"].shape[1] == call["v"].shape[1] == 4
+    assert call["window"] == FLASH_WINDOWS[(causal, window)]
+    expected = reference(q.detach().double(), k.detach().double(), v.detach().double(), cu, cu, causal=causal,
+                         window=window)
+    # bf16 inputs, fp64 math inside the fake: the only error is the bf16 rounding of the output
+    torch.testing.assert_close(out.double(), expected, atol=2 ** -8 * expected.abs().max().item(), rtol=0)
+    out.double().mul(expected).sum().backward()  # gradients flow back through the repeat to the KV heads
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    reference(q64, k64, v64, cu, cu, causal=causal, window=window).mul(expected).sum().backward()
+    for got, want in ((k.grad, k64.grad), (v.grad, v64.grad)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, atol=2 ** -7 * want.abs().max().item(), rtol=0)
+
+
+def test_torch_varlen_repeat_is_what_a_wrong_grouping_would_fail(monkeypatch):
+    """Corruption check: KV heads tiled (h % Hkv) instead of grouped (h // group) must not pass for the reference."""
+    FakeKernels(monkeypatch, inspect.signature(torch_2_11_varlen_attn))
+    cu = cu_of([5, 4])
+    q, k, v = (x.bfloat16() for x in random_qkv(9, 9, 4, 2, 8, seed=3))
+    expected = reference(q.double(), k.double(), v.double(), cu, cu, causal=True)
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", lambda x, n, dim: x.repeat(*[n if d == dim else 1
+                                                                                        for d in range(x.dim())]))
+    out = varlen_attention(q, k, v, cu, cu, 5, 5, backend="torch_varlen")
+    assert (out.double() - expected).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("installed,torch_varlen,expected", [
@@ -609,7 +671,7 @@ def test_flash_attn_namespace_without_the_kernel_is_unavailable(tmp_path, monkey
 
 
 def test_torch_varlen_without_the_keywords_used_is_unavailable(monkeypatch):
-    """torch 2.10/2.11's varlen_attn has no scale / window_size / enable_gqa: calling it would raise TypeError."""
+    """torch 2.10's varlen_attn has no scale / window_size: calling it would raise TypeError."""
     import torch.nn.attention.varlen as torch_varlen
 
     def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None):
@@ -619,7 +681,7 @@ def test_torch_varlen_without_the_keywords_used_is_unavailable(monkeypatch):
     attention._torch_varlen_error.cache_clear()
     try:
         status = available_backends()["torch_varlen"]
-        assert not status.available and "scale" in status.reason and "2.12" in status.reason
+        assert not status.available and "scale" in status.reason and "2.11" in status.reason
     finally:
         attention._torch_varlen_error.cache_clear()
 

@@ -23,8 +23,10 @@ from skimage import data
 
 import vlm_pack.attention.varlen as attention
 import vlm_pack.integrations.hf_model as hf
+import vlm_pack.data.collator as collator_module
 from vlm_pack.attention.varlen import available_backends, document_block_mask, varlen_attention
 from vlm_pack.data.collator import VLMPackingCollator, model_inputs
+from vlm_pack.core.versions import has
 from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.models import ImageBlockRule, UnsupportedModelError, get_family
 from vlm_pack.testing.tiny_models import offline_gemma3_processor, tiny_config, tiny_model
@@ -52,9 +54,16 @@ def _examples() -> list[dict]:
     ]
 
 
+BEFORE_MASK_SHIFT = ("transformers < 5.23 does not shift the assistant mask for expanded images and Gemma 3's "
+                     "expansion writes text, so the collator refuses Gemma 3 there "
+                     "(test_collator_refuses_gemma3_where_transformers_does_not_shift_the_mask)")
+
+
 @pytest.fixture(scope="module")
 def setup():
     """Processor, stock sdpa model, packed model (same weights), the packed batch and each sample alone."""
+    if not has("processor_mask_shift"):
+        pytest.skip(BEFORE_MASK_SHIFT)
     processor = offline_gemma3_processor()
     stock = tiny_model("gemma3", attn_implementation="sdpa", layers=LAYERS)
     packed = enable_packing(tiny_model("gemma3", attn_implementation="sdpa", layers=LAYERS))
@@ -377,3 +386,11 @@ def test_context_parallel_is_refused(setup):
     processor, _, packed, _, _ = setup
     with pytest.raises(ValueError, match="context_parallel_size=2 with a gemma3 model: bidirectional image blocks"):
         VLMPackingCollator(processor, max_length=256, model_config=packed.config, context_parallel_size=2)
+
+
+def test_collator_refuses_gemma3_where_transformers_does_not_shift_the_mask(monkeypatch):
+    """Gemma 3's processor writes blank lines around each image, so the collator cannot carry the unexpanded chat's
+    assistant mask through the expansion; before transformers 5.23 (no shifted mask) it refuses at construction."""
+    monkeypatch.setattr(collator_module, "has", lambda gap: gap != "processor_mask_shift" and has(gap))
+    with pytest.raises(ValueError, match=r"gemma3 processor writes text .* pip install -U 'transformers>=5\.23'"):
+        VLMPackingCollator(offline_gemma3_processor(), max_length=256, model_config=tiny_config("gemma3"))

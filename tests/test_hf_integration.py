@@ -218,7 +218,8 @@ def vlm_samples(config, seed=0):
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_vlm_packed_text_and_vision_equal_per_sample(family):
     """Text layers take the varlen path (cu_seq_lens from the forward kwargs, causal); the vision tower calls
-    the same implementation once per image, non-causal, without boundaries, and takes the dense path.
+    the same implementation once per image, non-causal, without boundaries (enable_packing keeps the text row's
+    out of it, which transformers < 5.19 hands it), and takes the dense path.
 
     Run in float64: the comparison is then exact up to ~1e-12 (fp32 differs by ~2e-5 only through rounding of
     these tiny models' large activations)."""
@@ -233,8 +234,8 @@ def test_vlm_packed_text_and_vision_equal_per_sample(family):
                       kwargs.get("is_causal", getattr(module, "is_causal", True))))
         return packing_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
-    AttentionInterface.register(spy_name, spy)
-    model = tiny_model(family, attn_implementation=spy_name).double()
+    model = enable_packing(tiny_model(family, attn_implementation="sdpa").double(), spy_name)
+    AttentionInterface.register(spy_name, spy)  # enable_packing registered packing_attention_forward under the name
     assert model.config.vision_config._attn_implementation == spy_name
     data = vlm_samples(model.config)
     per_sample, positions = [], []

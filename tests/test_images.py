@@ -103,11 +103,12 @@ def test_eight_bit_integers_grey_and_bool_keep_their_values():
 
 
 def test_alpha_is_composited_onto_white_like_transformers():
-    from transformers.image_transforms import convert_to_rgb
-
+    """transformers' convert_to_rgb rule (5.24: alpha composited onto white with PIL; 5.17 still drops alpha, so
+    the reference is the rule written out, the same on every release)."""
     rng = np.random.default_rng(0)
     rgba = rng.integers(0, 256, size=(5, 7, 4), dtype=np.uint8)
-    reference = np.asarray(convert_to_rgb(Image.fromarray(rgba), return_numpy=True)).astype(np.int64)
+    white = Image.new("RGBA", (7, 5), (255, 255, 255, 255))
+    reference = np.asarray(Image.alpha_composite(white, Image.fromarray(rgba)).convert("RGB")).astype(np.int64)
     np.testing.assert_array_equal(rgb(load_image(rgba, "s")), reference)
     np.testing.assert_array_equal(rgb(load_image(png_bytes(Image.fromarray(rgba)), "s")), reference)
     # fully transparent pixels are white, not the colour hidden under alpha 0

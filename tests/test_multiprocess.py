@@ -24,8 +24,12 @@ import pytest
 from filelock import FileLock
 from tolerance import GRAD_REL_L2
 
+from vlm_pack.core.versions import has
+
 DDP_CASES = ("ddp_vlm", "ddp_packed_dataset", "ddp_packed_sft", "ddp_token_budget")
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+# Ulysses through Trainer is refused before transformers 5.24 (vlm_pack.core.versions GAPS; tests/test_versions.py)
+HAS_ULYSSES = HAS_DEEPSPEED and has("ulysses_trainer")
 SP_CASES = ("sp_text", "sp_token_budget", "sp_video", "sp_qwen3_vl",
             *(f"sp_{family}" for family in ("qwen2", "qwen3", "mistral", "glm4v", "internvl", "llava_onevision",
                                             "mistral3", "idefics3")))
@@ -35,7 +39,7 @@ SP_CORRUPTIONS = ("sp_positions_not_restarted", "sp_loss_per_rank_mean", "sp_vis
 # parallelism (ZeRO-3, DeepSpeed's SP groups) after them.
 STREAM_CASES = ("stream_2_files", "stream_error")
 CASES = (*DDP_CASES, "ddp_per_rank_mean", "fsdp2", "sampler", *STREAM_CASES,
-         *(("zero2", "zero3", *SP_CASES, *SP_CORRUPTIONS) if HAS_DEEPSPEED else ()))
+         *(("zero2", "zero3") if HAS_DEEPSPEED else ()), *((*SP_CASES, *SP_CORRUPTIONS) if HAS_ULYSSES else ()))
 pytestmark = pytest.mark.slow  # multi-process (CI runs slow tests too)
 LAUNCH_TIMEOUT_S = 900  # generous: two processes import torch + transformers and train on a loaded 2-core box
 
@@ -110,7 +114,7 @@ def test_balanced_sampler_in_trainer_covers_every_sample_once_and_resumes(result
         assert rank["resumed"] == rank["full"][12:]
 
 
-@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (the test extra installs it)")
+@pytest.mark.skipif(not HAS_ULYSSES, reason="deepspeed is not installed, or transformers < 5.24 (Ulysses refused)")
 @pytest.mark.parametrize("case", SP_CASES)
 def test_ulysses_sequence_parallel_equals_each_sample_alone(results, case):
     """SP = 2 (DeepSpeed Ulysses through UlyssesTrainer + ParallelismConfig, ZeRO-3): Llama, Qwen2, Qwen3 and
@@ -127,7 +131,7 @@ def test_ulysses_sequence_parallel_equals_each_sample_alone(results, case):
     assert got["error"] < GRAD_REL_L2, got
 
 
-@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (the test extra installs it)")
+@pytest.mark.skipif(not HAS_ULYSSES, reason="deepspeed is not installed, or transformers < 5.24 (Ulysses refused)")
 def test_ulysses_corruptions_are_caught(results):
     """Planted bugs: the row's boundaries dropped with positions counting on (samples attend to each other:
     1.3 measured), each rank's own token mean (0.24 measured), the vision tower under the Ulysses wrapper

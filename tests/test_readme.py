@@ -85,6 +85,9 @@ def test_block_runs_as_written(chain, tmp_path, monkeypatch):
         if block.lang == "bash":
             run = subprocess.run(["bash", "-e", "-c", block.code], cwd=tmp_path, env=env, capture_output=True,
                                  text=True, timeout=600)
+            refused = re.search(r"UnsupportedVersionError: (.*)", run.stderr)
+            if run.returncode != 0 and refused:  # proven only on later releases (as tests/conftest.py skips them)
+                pytest.skip(f"{block}: {refused.group(1)}")
             assert run.returncode == 0, f"{block} exited {run.returncode}:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
         else:
             exec(compile(block.code, str(block), "exec"), namespace)

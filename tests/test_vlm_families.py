@@ -564,3 +564,38 @@ def test_collator_stats_count_every_familys_images(family):
     want = sum(int((setup.collator([e])["input_ids"] == image_id).sum()) for e in examples[:3])  # each alone
     assert stats.image_tokens == want > 0
     assert setup.collator(text_chat_examples(2, seed=2))["vlm_pack"]["stats"].image_tokens == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_labels_carried_through_the_expansion_equal_the_processors_shifted_mask(family, monkeypatch):
+    """transformers < 5.23 does not shift the assistant mask for expanded image placeholders; there the collator
+    carries the tokenizer's mask of the unexpanded chat through the expansion (vlm_pack.core.versions GAPS). Where
+    transformers shifts it (5.23+), both give the same labels, for every family, on the edge batch: its image
+    inside an assistant turn puts labelled tokens after an expansion, where an unshifted mask would be off.
+    Families whose expansion writes text (``FamilySpec.expansion_writes_text``) cannot be carried: refused there."""
+    import vlm_pack.data.chat as chat
+    from vlm_pack.core.versions import has
+
+    if not has("processor_mask_shift"):
+        pytest.skip("this transformers does not shift the mask: the carried mask is the collator's only one")
+    import vlm_pack.data.collator as collator_module
+
+    setup = setup_for(family)
+    collator = setup.collator
+    if collator.family.mask_before_expansion:
+        pytest.skip(f"the {family} processor's mask is never shifted: the collator always carries it")
+    shifted = collator(edge_examples())
+    before_5_23 = lambda gap: gap != "processor_mask_shift" and has(gap)  # noqa: E731
+    monkeypatch.setattr(chat, "has", before_5_23)
+    if collator.family.expansion_writes_text:  # the carry must fail (the flag is true), so the collator refuses
+        with pytest.raises(ValueError, match="cannot be carried"):
+            collator(edge_examples())
+        monkeypatch.setattr(collator_module, "has", before_5_23)
+        with pytest.raises(ValueError, match=r"transformers>=5\.23"):
+            VLMPackingCollator(setup.processor, max_length=2048, model_config=setup.packed.config)
+        return
+    carried = collator(edge_examples())
+    assert torch.equal(carried["input_ids"], shifted["input_ids"])
+    assert torch.equal(carried["labels"], shifted["labels"])
+    media = torch.isin(shifted["input_ids"], torch.tensor(sorted(collator.unlabelled_ids)))
+    assert ((shifted["labels"] != -100) & (media.long().cumsum(-1) > 0)).any()  # labels after an expansion

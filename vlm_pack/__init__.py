@@ -7,7 +7,10 @@ Every name loads on first use: ``import vlm_pack`` stays cheap, and the torch-fr
 
 __version__ = "0.1.0"
 
+from .core.versions import check_supported
 from .lazy_exports import lazy_getattr
+
+check_supported()  # torch / transformers older than the supported range: a clear ImportError naming the release
 
 _LAZY = {
     "PackedSequenceSpecs": "core.config",

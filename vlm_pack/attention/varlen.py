@@ -64,8 +64,9 @@ class BackendStatus(NamedTuple):
 # What each CUDA kernel's import must provide: (module, attribute) the wrapper calls.
 _KERNEL_IMPORTS = {"flash_attn": ("flash_attn", "flash_attn_varlen_func"),
                    "transformer_engine": ("transformer_engine.pytorch", "DotProductAttention")}
-# torch.nn.attention.varlen.varlen_attn keywords the wrapper passes (torch 2.12+; older builds raise TypeError).
-_TORCH_VARLEN_KEYWORDS = ("scale", "window_size", "enable_gqa")
+# torch.nn.attention.varlen.varlen_attn keywords the wrapper needs (torch 2.11+; 2.10 has neither). ``enable_gqa``
+# (torch 2.12+) is passed where it exists; before, the wrapper repeats the key/value heads itself.
+_TORCH_VARLEN_KEYWORDS = ("scale", "window_size")
 
 
 @lru_cache(maxsize=None)
@@ -90,12 +91,20 @@ def _torch_varlen_error() -> str | None:
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return f"torch {torch.__version__} has no torch.nn.attention.varlen (torch >= 2.12 has it)"
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (torch >= 2.11 has it)"
     missing = [k for k in _TORCH_VARLEN_KEYWORDS if k not in inspect.signature(varlen_attn).parameters]
     if missing:
-        return (f"torch {torch.__version__}'s varlen_attn lacks the keyword(s) {missing} (torch >= 2.12 has them); "
+        return (f"torch {torch.__version__}'s varlen_attn lacks the keyword(s) {missing} (torch >= 2.11 has them); "
                 "upgrade torch or use another backend")
     return None
+
+
+@lru_cache(maxsize=None)
+def _torch_varlen_gqa() -> bool:
+    """True when this torch's ``varlen_attn`` takes ``enable_gqa`` (torch 2.12+)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 @lru_cache(maxsize=None)
@@ -567,12 +576,22 @@ def _flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window) -> tor
 
 
 def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window) -> torch.Tensor:
-    """torch.nn.attention.varlen.varlen_attn (FlashAttention-2 / cuDNN inside torch; fp16/bf16, CUDA)."""
+    """torch.nn.attention.varlen.varlen_attn (FlashAttention-2 / cuDNN inside torch; fp16/bf16, CUDA).
+
+    Grouped-query attention: ``enable_gqa`` where this torch has it (2.12+); on torch 2.11 the key/value heads are
+    repeated to the query heads (query head ``h`` reads KV head ``h // group``, as ``repeat_interleave`` lays out).
+    """
     from torch.nn.attention.varlen import varlen_attn
 
     _require_half("torch_varlen", q)
-    return varlen_attn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, scale=scale,
-                       window_size=_effective_window(causal, window), enable_gqa=q.shape[1] != k.shape[1])
+    gqa = q.shape[1] != k.shape[1]
+    keywords = {"scale": scale, "window_size": _effective_window(causal, window)}
+    if _torch_varlen_gqa():
+        keywords["enable_gqa"] = gqa
+    elif gqa:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return varlen_attn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, **keywords)
 
 
 @lru_cache(maxsize=32)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from ..core.versions import GAPS, has, installed
 from ..data.chat import example_tools, image_size, normalize_example, template_messages
 from ..data.chat_template import locate_turns
 from ..models import require_proven
@@ -66,7 +67,15 @@ class _VisionTokenCounter:
         for kind in ("image", "video"):
             wanted = [size for size in missing if (len(size) == 3) == (kind == "video")]
             if wanted:
-                data = self._count(**{f"{kind}_sizes": [list(size) for size in wanted]})
+                try:
+                    data = self._count(**{f"{kind}_sizes": [list(size) for size in wanted]})
+                except AttributeError as error:
+                    if kind == "image" or has("video_token_count"):
+                        raise
+                    since = GAPS["video_token_count"].since
+                    raise ValueError(f"{self._name} cannot count video tokens on transformers "
+                                     f"{installed('transformers')} ({error}): token-budget planning of videos needs "
+                                     f"pip install -U 'transformers>={since}'") from error
                 self._cache.update(zip(wanted, (int(c) for c in data[f"num_{kind}_tokens"])))
         return [self._cache[size] for size in sizes]
 

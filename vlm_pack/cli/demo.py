@@ -117,11 +117,10 @@ def run_demo(steps: int = 8, micro_batch_size: int = 4, seed: int = 0, lr: float
     # Imported here, not at module level: `vlm-pack --help` / `prepare` must not pay for loading transformers.
     from ..core.batch import packing_metadata
     from ..data.collator import VLMPackingCollator
-    from ..integrations.hf_model import ATTN_IMPLEMENTATION, register_attention
+    from ..integrations.hf_model import enable_packing
     from ..testing.tiny_models import offline_qwen2vl_processor, tiny_model
     from ..integrations.torch_loop import train_step
 
-    register_attention()
     # The full 151k Qwen vocabulary, as real checkpoints have: the LM head weighs what it weighs in real training.
     processor = offline_qwen2vl_processor(full_vocabulary=True)
     examples = demo_examples(steps * micro_batch_size, seed)
@@ -130,8 +129,9 @@ def run_demo(steps: int = 8, micro_batch_size: int = 4, seed: int = 0, lr: float
     runs = {}
     for name in LAYOUTS:
         packed = name == "packed"
-        model = tiny_model("qwen2_vl", attn_implementation=ATTN_IMPLEMENTATION if packed else "sdpa", seed=seed,
-                           full_vocabulary=True)
+        model = tiny_model("qwen2_vl", attn_implementation="sdpa", seed=seed, full_vocabulary=True)
+        if packed:
+            model = enable_packing(model)
         model.train()
         collator = VLMPackingCollator(processor, max_length=4096, pack_sequences_in_batch=packed,
                                       model_config=model.config)

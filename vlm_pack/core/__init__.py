@@ -3,8 +3,9 @@
 Packing a micro-batch into one row (``packing``), the batch a collator returns (``batch``), per-sample loss and
 label shifting (``loss``), mRoPE positions per sample (``rope_index``), Megatron-Core metadata
 (``packed_seq_params``), the zigzag context-parallel split (``context_parallel``), rank balancing and loss
-reduction across ranks (``distributed``) and the typed configuration (``config``).
+reduction across ranks (``distributed``), the typed configuration (``config``) and the supported torch /
+transformers releases (``versions``).
 
-Imports: torch, numpy and the standard library only; nothing from another vlm_pack layer. Every other layer
+Imports: torch, numpy, packaging and the standard library only; nothing from another vlm_pack layer. Every other layer
 builds on this one (core <- attention <- models <- data <- integrations <- paths <- cli).
 """

@@ -35,6 +35,8 @@ from .chat_template import (
     resolve_chat_template,
 )
 from ..core.packing import IGNORE_INDEX
+from ..core.versions import GAPS, has
+from ..models import UnsupportedVersionError
 
 __all__ = [
     "CHATML_TEMPLATE",
@@ -388,7 +390,9 @@ def encode_conversations(
     processor fails, the error names the first sample it fails on. ``mask_before_expansion``: the family's
     ``FamilySpec.mask_before_expansion`` (the processor's assistant mask is that of the unexpanded text): the mask
     is then carried from the template's own tokens (each placeholder one token) onto the expanded ones
-    (:func:`carry_assistant_mask`). ``tools``: each conversation's chat-level tools (:func:`example_tools`).
+    (:func:`carry_assistant_mask`); so it is for every processor on transformers < 5.23, which does not shift the
+    mask for expanded placeholders (``vlm_pack.core.versions.GAPS``). ``tools``: each conversation's chat-level
+    tools (:func:`example_tools`).
     ``encode_alone``: the family's ``FamilySpec.encode_alone`` (its processor cannot encode samples of different
     lengths in one call): one call per sample, the outputs joined as one call's would be. ``image_token_id``: the
     token each image expands into, whose count splits ``"image_token"`` vision rows (default: the processor's
@@ -410,6 +414,14 @@ def encode_conversations(
     if mask_before_expansion:
         out["assistant_masks"] = _expanded_masks(processor, rendered, chat_template, out["input_ids"], unlabelled_ids,
                                                  tools)
+    elif hasattr(processor, "image_processor") and not has("processor_mask_shift"):
+        try:
+            out["assistant_masks"] = _expanded_masks(processor, rendered, chat_template, out["input_ids"],
+                                                     unlabelled_ids, tools)
+        except ValueError as error:  # e.g. Qwen3-VL's timestamps between a video's frames
+            since = GAPS["processor_mask_shift"].since
+            raise UnsupportedVersionError(f"{error}; transformers >= {since} shifts the processor's own mask for expanded "
+                             f"placeholders: pip install -U 'transformers>={since}'") from error
     images, videos = ([media_parts(c, kind) for c in conversations] for kind in ("image", "video"))
     samples: list[dict[str, torch.Tensor]] = [{} for _ in conversations]
     # Per-image tensors some processors return as a list (Gemma 3's pixel_values): one row per image.
@@ -533,7 +545,9 @@ def _apply_template(
     # return_tensors stays "auto" (no global override; SmolVLM's own default would clash).
     images = hasattr(processor, "image_processor")
     per_kind = {"images_kwargs": {"return_tensors": "pt"}, "text_kwargs": {"return_tensors": None, "padding": False}}
-    tensors = {"processor_kwargs": per_kind, "return_tensors": "auto"} if images else {}
+    tensors = {"processor_kwargs": per_kind} if images else {}
+    if images and has("chat_template_auto_tensors"):  # older releases forward nothing when it is left out
+        tensors["return_tensors"] = "auto"
     return render_with_assistant_masks(processor, conversations, chat_template, tools, **tensors)
 
 

@@ -33,8 +33,9 @@ from ..core.batch import METADATA_KEY, mask_first_labels, model_inputs
 from .chat import encode_conversations, example_tools, media_parts, normalize_example, resolve_chat_template
 from ..core.config import PackingConfig
 from ..core.packing import IGNORE_INDEX, PackedBatch, pack_batch_sequences, pack_sequences, pad_multiple
-from ..models import FamilySpec, get_family, require_proven
+from ..models import FamilySpec, UnsupportedVersionError, get_family, require_proven
 from ..core.rope_index import MRopeIndex
+from ..core.versions import GAPS, has, installed
 
 __all__ = ["CollatorStats", "TOKEN_ALIGNED_KEYS", "VLMPackingCollator", "model_inputs"]
 
@@ -144,6 +145,14 @@ class VLMPackingCollator:
             raise ValueError(
                 "the collator got a multimodal processor but no model_config: pass model_config=model.config, so "
                 "positions and per-token keys follow the model's family (e.g. mRoPE computed per sample)"
+            )
+        if (self.has_images and self.family.expansion_writes_text and not self.family.mask_before_expansion
+                and not has("processor_mask_shift")):
+            since = GAPS["processor_mask_shift"].since
+            raise UnsupportedVersionError(
+                f"the {self.family.name} processor writes text inside its image expansion, so its assistant mask (the "
+                f"labels) is right only from transformers {since} on, which shifts it for expanded placeholders "
+                f"(found transformers {installed('transformers')}); pip install -U 'transformers>={since}'"
             )
         self.image_token_id = _image_token_id(processor, self.family)
         self.unlabelled_ids = _media_token_ids(processor, self.family)

@@ -36,7 +36,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..attention.cross import CROSS_ATTENTION_FLAG, CROSS_KEYS_KWARG, segment_cross_attention
 from ..attention.varlen import dense_attention, varlen_attention
 from ..core.packing import chunk_boundaries
-from ..models import ImageBlockRule, get_family
+from ..models import ImageBlockRule, get_family, text_config
 from ..attention.shared_prefix import SHARED_PREFIX_KWARG, gather_shared_keys
 from .head_loss import install_hidden_loss
 from .router_loss import install_router_loss_mask
@@ -171,14 +171,36 @@ def packed_forward_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
     return None
 
 
+# The text row's varlen kwargs (transformers' names): the boundaries of the packed TEXT row, never of a vision tower's.
+_TEXT_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _drop_text_varlen_kwargs(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of an encoder sub-model (a vision tower): the text row's ``cu_seq_lens_*`` /
+    ``max_length_*`` are dropped. transformers < 5.19 hands them from ``get_image_features`` to the tower
+    (``vlm_pack.core.versions.GAPS``), whose attention would then split image patches at text boundaries; the tower
+    derives its own boundaries from the image grid."""
+    if not any(key in kwargs for key in _TEXT_VARLEN_KWARGS):
+        return None
+    return args, {key: value for key, value in kwargs.items() if key not in _TEXT_VARLEN_KWARGS}
+
+
 def _install_forward_hooks(model: torch.nn.Module) -> None:
-    """``packed_forward_hook`` on every sub-model whose forward takes ``use_cache`` (once per module): the top one
-    runs first; inner ones still run when a wrapper calls the top model's ``.forward`` directly."""
+    """On sub-models (once per module): ``packed_forward_hook`` on every one whose forward takes ``use_cache`` (the
+    top one runs first; inner ones still run when a wrapper calls the top model's ``.forward`` directly);
+    ``_drop_text_varlen_kwargs`` on every encoder, a sub-model with a config of its own (neither the model's nor its
+    language model's: a vision tower)."""
+    own_configs = (model.config, text_config(model.config))
     for module in model.modules():
         if getattr(module, "_vlm_pack_forward_hook", None) is not None:
             continue
-        if isinstance(module, transformers.PreTrainedModel) and "use_cache" in inspect.signature(module.forward).parameters:
+        if not isinstance(module, transformers.PreTrainedModel):
+            continue
+        if "use_cache" in inspect.signature(module.forward).parameters:
             module._vlm_pack_forward_hook = module.register_forward_pre_hook(packed_forward_hook, with_kwargs=True)
+        elif all(module.config is not config for config in own_configs):
+            module._vlm_pack_forward_hook = module.register_forward_pre_hook(_drop_text_varlen_kwargs,
+                                                                             with_kwargs=True)
 
 
 def packing_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
@@ -327,7 +349,10 @@ def packing_attention_forward(
 
 
 def register_attention(name: str = ATTN_IMPLEMENTATION) -> str:
-    """Register the packing attention and its mask function with transformers under ``name``; returns it."""
+    """Register the packing attention and its mask function with transformers under ``name``; returns it.
+
+    A model switched to ``name`` by hand gets the attention only: :func:`enable_packing` also checks the family and
+    hooks the model (e.g. keeps the text row's boundaries out of a VLM's vision tower on transformers < 5.19)."""
     if "flash" in name.lower():
         raise ValueError(
             f"attention implementation name {name!r} contains 'flash': transformers would then demand flash-attn "

@@ -30,6 +30,8 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from ..core.versions import GAPS, at_least, has, installed
+
 __all__ = [
     "PATHS",
     "PATH_TITLES",
@@ -37,6 +39,7 @@ __all__ = [
     "ImageBlockRule",
     "TrainingPath",
     "UnsupportedModelError",
+    "UnsupportedVersionError",
     "check_config",
     "families_proven",
     "get_family",
@@ -46,6 +49,7 @@ __all__ = [
     "require_proven",
     "text_backbone",
     "text_config",
+    "version_problems",
 ]
 
 TrainingPath = Literal["sft", "video", "audio", "budget", "dpo", "dpo_shared_prompt", "reward", "rl",
@@ -89,6 +93,10 @@ IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL = (
 
 class UnsupportedModelError(ValueError):
     """A model (family or config feature) that vlm_pack has not proven exact under packing."""
+
+
+class UnsupportedVersionError(UnsupportedModelError):
+    """A family or feature proven exact only on later releases of transformers than the installed one."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +159,12 @@ class FamilySpec:
     ``mask_before_expansion``: the processor's ``apply_chat_template`` reports the assistant mask of the text
     BEFORE it expands each image placeholder (Idefics2's ``__call__`` returns no replacement offsets), so that mask
     is off by the expansion; the collator carries the mask of the unexpanded tokens through the expansion instead
-    (``vlm_pack.data.chat.carry_assistant_mask``). ``expand_text``: ``(processor, rendered texts) -> token ids`` of
+    (``vlm_pack.data.chat.carry_assistant_mask``). ``expansion_writes_text``: the processor's image expansion writes
+    text tokens around or between its image runs (Idefics3 / SmolVLM row breaks, Aya Vision tile labels, Gemma 3's
+    blank lines), so that mask cannot be carried through it; transformers < 5.23 does not shift the processor's own
+    mask for expanded placeholders (``vlm_pack.core.versions.GAPS``), so there the collator refuses such a family,
+    naming the release needed.
+    ``expand_text``: ``(processor, rendered texts) -> token ids`` of
     each text with its image placeholders expanded by the processor's own text rule, for token-budget planning of
     families whose expansion needs no image size but rewrites the text around it (Idefics2 merges the markers of
     adjacent images and puts a space after an image); it replaces ``image_text`` and the image-token count.
@@ -159,7 +172,9 @@ class FamilySpec:
     ``load_balancing_loss_func`` (which excludes padding from the router load-balancing loss) and to its inner
     model. ``enable_packing`` then passes a packed row's real-slot mask there (``vlm_pack.integrations.router_loss``),
     so ``output_router_logits=True`` gives the padded micro-batch's aux loss; without it the flag is refused.
-    ``video_runs``: how the family's processor writes a video's tokens, which the model's rope index relies on:
+    ``min_transformers``: the oldest transformers release the family is proven on, where it is later than the
+    supported range's floor (``vlm_pack.core.versions.MINIMUM``): older releases are refused with
+    :class:`UnsupportedVersionError` naming it. ``video_runs``: how the family's processor writes a video's tokens, which the model's rope index relies on:
     ``"video"`` one run per video (Qwen2-VL), ``"frame"`` one run per temporal patch, each after its timestamp text
     (Qwen3-VL, whose ``get_rope_index`` splits ``video_grid_thw`` per frame). The collator checks every video
     sample against it (a processor of another family would misplace the frames' positions).
@@ -201,8 +216,10 @@ class FamilySpec:
     media_tokens: tuple[str, ...] = ()
     media_spans: tuple[tuple[str, str], ...] = ()
     mask_before_expansion: bool = False
+    expansion_writes_text: bool = False
     expand_text: Callable[[Any, list[str]], list[list[int]]] | None = None
     router_loss_mask: bool = False
+    min_transformers: str | None = None
     video_runs: Literal["video", "frame"] = "video"
     encode_alone: bool = False
     mrope_text_row: bool = True
@@ -291,6 +308,24 @@ def check_config(spec: FamilySpec, config: Any) -> list[str]:
     return problems
 
 
+def version_problems(spec: FamilySpec, config: Any) -> list[str]:
+    """What ``config`` needs a later transformers for than the installed one (each naming the release)."""
+    found = installed("transformers")
+    problems = []
+    if spec.min_transformers is not None and not at_least("transformers", spec.min_transformers):
+        problems.append(f"the {spec.name} family is proven exact from transformers {spec.min_transformers} on, not "
+                        f"on {found} ({spec.proof} fails there): pip install -U "
+                        f"'transformers>={spec.min_transformers}'")
+    router = getattr(text_config(config), "output_router_logits", False) or getattr(config, "output_router_logits",
+                                                                                   False)
+    if router and spec.router_loss_mask and not has("router_loss_mask"):
+        since = GAPS["router_loss_mask"].since
+        problems.append(f"output_router_logits=True: the packed router load-balancing loss is proven from "
+                        f"transformers {since} on, not on {found}: pip install -U 'transformers>={since}' or set "
+                        "output_router_logits=False")
+    return problems
+
+
 def text_backbone(*model_types: str) -> Callable[[Any], str | None]:
     """An ``extra_checks`` entry for composite VLMs: the language model must be one of ``model_types`` (each a
     registered, proven text family) and pass that family's own checks (e.g. sliding windows, rope scaling)."""
@@ -336,6 +371,12 @@ def get_family(config: Any, *, allow_unproven: bool = False) -> FamilySpec:
         warnings.warn(message, stacklevel=2)
         return FamilySpec(name=f"unproven:{model_type}", model_types=(model_type,), proof="none",
                           layer_kinds=frozenset({"full_attention", "sliding_attention"}), loss_honours_num_items=False)
+    too_old = version_problems(spec, config)
+    if too_old:
+        message = f"{spec.name} model: {'; '.join(too_old)}"
+        if not allow_unproven:
+            raise UnsupportedVersionError(message)
+        warnings.warn(message, stacklevel=2)
     problems = check_config(spec, config)
     if problems:
         message = (

@@ -37,7 +37,7 @@ AYA_VISION = register_family(FamilySpec(
     name="aya_vision", model_types=("aya_vision",), proof=_PROOF, layer_kinds=_LAYER_KINDS,
     vision_rows={"pixel_values": "image_token"}, media_tokens=_MEDIA,
     media_spans=(("<|START_OF_IMG|>", "<|END_OF_IMG|>"),),  # its "TILE_n" tile labels are plain text in between
-    image_text=_aya_image_text,
+    image_text=_aya_image_text, expansion_writes_text=True,  # the tile labels
     extra_checks=(text_backbone("cohere2"),),
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[aya_vision]",

@@ -63,7 +63,7 @@ GEMMA3 = register_family(FamilySpec(
     media_tokens=("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
     context_parallel_refusal=IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL,
     extra_checks=(_causal_only,),
-    image_text=_image_text,
+    image_text=_image_text, expansion_writes_text=True,  # "\n\n" before and after each image
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[gemma3]",
         "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[gemma3-packed]",

@@ -14,6 +14,7 @@ from . import FamilySpec, register_family
 
 GRANITE4_VISION = register_family(FamilySpec(
     name="granite4_vision", model_types=("granite4_vision",), proof="tests/test_families_round3a.py",
+    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
     proven={"budget": "tests/test_families_round3a.py::test_planned_length_equals_the_real_processor[granite4_vision]"},
     vision_rows={"pixel_values": "image", "image_sizes": "image"},
 ))

@@ -23,6 +23,7 @@ _PROOF = "tests/test_vlm_families.py"
 
 IDEFICS3 = register_family(FamilySpec(
     name="idefics3", model_types=("idefics3",), proof=_PROOF, vision_rows=_ROWS, extra_checks=_TEXT, media_tokens=_MEDIA,
+    expansion_writes_text=True,  # a line break after each row of tiles
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[idefics3]",
         "rl": "tests/test_rl_families.py::test_step_equals_trl[idefics3-packed]",
@@ -49,7 +50,7 @@ def _smolvlm_image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tu
 
 SMOLVLM = register_family(FamilySpec(
     name="smolvlm", model_types=("smolvlm",), proof=_PROOF, vision_rows=_ROWS, extra_checks=_TEXT, media_tokens=_MEDIA,
-    image_text=_smolvlm_image_text,
+    image_text=_smolvlm_image_text, expansion_writes_text=True,  # a line break after each row of tiles
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[smolvlm]",
         "context_parallel": "tests/test_vlm_families.py::test_context_parallel_alignment_equals_each_sample_alone[smolvlm]",

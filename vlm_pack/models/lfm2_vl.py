@@ -61,6 +61,7 @@ def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str,
 
 LFM2_VL = register_family(FamilySpec(
     name="lfm2_vl", model_types=("lfm2_vl", "lfm2"), proof="tests/test_families_round3b.py", layer_kinds=_LAYER_KINDS,
+    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
     proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[lfm2_vl]"},
     prepare_model=_short_conv, context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL, vision_rows=_ROWS,
     tile_tokens=_tile_tokens, image_text=_image_text, media_tokens=("<|image_start|>", "<|image_end|>", "<|img_thumbnail|>") + tuple(

@@ -100,6 +100,7 @@ def _chunk_size(config: Any) -> str | None:
 
 LLAMA4 = register_family(FamilySpec(
     name="llama4",
+    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
     proven={"budget": "tests/test_families_round3a.py::test_planned_length_equals_the_real_processor[llama4]"},
     model_types=("llama4", "llama4_text"),
     proof=_PROOF,

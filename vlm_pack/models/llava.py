@@ -45,6 +45,7 @@ LLAVA_NEXT_VIDEO = register_family(FamilySpec(
 ))
 VIPLLAVA = register_family(FamilySpec(
     name="vipllava", model_types=("vipllava",), proof=_PROOF, vision_rows={"pixel_values": "image"}, extra_checks=_TEXT,
+    min_transformers="5.24",  # transformers 5.17: IndexError in its multi-layer vision feature selection
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[vipllava]",
         "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[vipllava]",

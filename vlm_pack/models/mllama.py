@@ -108,6 +108,7 @@ def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str,
 
 MLLAMA = register_family(FamilySpec(
     name="mllama", model_types=("mllama",), proof=_PROOF, vision_rows=_ROWS, prepare_model=_prepare,
+    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
     proven={"budget": "tests/test_families_round3a.py::test_planned_length_equals_the_real_processor[mllama]"},
     image_text=_image_text,
     context_parallel_refusal="cross-attention segments are not split across context-parallel ranks; use "

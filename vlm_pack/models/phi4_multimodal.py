@@ -80,6 +80,7 @@ def _prepare(model: torch.nn.Module) -> None:
 
 PHI4_MULTIMODAL = register_family(FamilySpec(
     name="phi4_multimodal", model_types=("phi4_multimodal",), proof="tests/test_families_round3a.py",
+    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
     proven={"budget": "tests/test_families_round3a.py::test_planned_length_equals_the_real_processor[phi4_multimodal]"},
     vision_rows={"image_pixel_values": "image", "image_sizes": "image", "image_attention_mask": "image"},
     rope_types=STATIC_ROPE_TYPES | {"longrope"}, prepare_model=_prepare, image_text=_image_text,

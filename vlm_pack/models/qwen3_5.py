@@ -36,13 +36,15 @@ QWEN3_5 = register_family(FamilySpec(
     positions="mrope", rope_index_model="Qwen3_5Model", layer_kinds=_HYBRID,
     token_keys=("input_ids", "labels", "mm_token_type_ids"), media_tokens=("<|vision_start|>", "<|vision_end|>"),
     prepare_model=_deltanet("Qwen3_5GatedDeltaNet"), context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
+    min_transformers="5.24",  # transformers 5.17: the Gated DeltaNet boundary hooks are not reached
 ))
 QWEN3_5_TEXT = register_family(FamilySpec(
     name="qwen3_5_text", model_types=("qwen3_5_text",), proof=_PROOF, layer_kinds=_HYBRID,
     prepare_model=_deltanet("Qwen3_5GatedDeltaNet"), context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
+    min_transformers="5.24",
 ))
 QWEN3_NEXT = register_family(FamilySpec(
     name="qwen3_next", model_types=("qwen3_next",), proof=_PROOF, layer_kinds=_HYBRID,
     prepare_model=_deltanet("Qwen3NextGatedDeltaNet"), context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
-    router_loss_mask=True,
+    router_loss_mask=True, min_transformers="5.24",
 ))

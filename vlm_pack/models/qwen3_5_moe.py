@@ -32,7 +32,7 @@ QWEN3_5_MOE = register_family(FamilySpec(
     layer_kinds=frozenset({"full_attention", "linear_attention"}),
     token_keys=("input_ids", "labels", "mm_token_type_ids"),
     prepare_model=_restart_deltanet, context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
-    router_loss_mask=True,
+    router_loss_mask=True, min_transformers="5.24",  # transformers 5.17: Gated DeltaNet hooks not reached
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen3_5_moe]",
     },

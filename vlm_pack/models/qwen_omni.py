@@ -17,6 +17,7 @@ _PROOF = "tests/test_families_round3b.py"
 
 QWEN2_5_OMNI_THINKER = register_family(FamilySpec(
     name="qwen2_5_omni_thinker", model_types=("qwen2_5_omni_thinker",), proof=_PROOF,
+    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen2_5_omni_thinker]",
         "context_parallel": "tests/test_families_round3b.py::test_edge_batch_equals_each_sample_alone[qwen2_5_omni_thinker]",
@@ -26,6 +27,7 @@ QWEN2_5_OMNI_THINKER = register_family(FamilySpec(
 ))
 QWEN3_OMNI_MOE_THINKER = register_family(FamilySpec(
     name="qwen3_omni_moe_thinker", model_types=("qwen3_omni_moe_thinker",), proof=_PROOF,
+    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen3_omni_moe_thinker]",
         "context_parallel": "tests/test_families_round3b.py::test_edge_batch_equals_each_sample_alone[qwen3_omni_moe_thinker]",

@@ -33,7 +33,8 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..integrations.hf_model import ATTN_IMPLEMENTATION, enable_packing, register_attention
-from ..models import get_family, require_proven
+from ..core.versions import GAPS, has, installed
+from ..models import UnsupportedVersionError, get_family, require_proven
 from .batch import SP_KEY
 
 __all__ = ["SHARD_KWARG", "SP_ATTN_IMPLEMENTATION", "SequenceShard", "prepare_model",
@@ -130,6 +131,11 @@ def prepare_model(model, sp_size: int, *, shard_of: Callable[[], SequenceShard] 
     """
     if not isinstance(sp_size, int) or sp_size < 2:
         raise ValueError(f"sp_size must be an int >= 2 (1 needs no sequence parallelism); got {sp_size!r}")
+    if not has("ulysses_trainer"):
+        since = GAPS["ulysses_trainer"].since
+        raise UnsupportedVersionError(f"sequence parallelism (DeepSpeed Ulysses through Trainer) is proven exact from "
+                                      f"transformers {since} on, not on {installed('transformers')}: pip install -U "
+                                      f"'transformers>={since}'")
     require_proven(get_family(model.config), "sequence_parallel", f"prepare_model(sp_size={sp_size})",
                    allow_unproven=None)
     _check_heads(model.config, sp_size)
