@@ -98,7 +98,11 @@ def test_families_and_features_proven_on_later_releases_are_refused_naming_it(mo
 
     families = registered_families()
     late = sorted(name for name, spec in families.items() if spec.min_transformers is not None)
-    assert late == ["glm4v_moe", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_next", "vipllava"]
+    # the six whose floor run failed on 5.17, and every family registered after the floor run (round 3: its proof
+    # file tests/test_families_round3*.py never ran on the floor)
+    round3 = {name for name, spec in families.items() if "test_families_round3" in spec.proof}
+    floor_failures = {"glm4v_moe", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_next", "vipllava"}
+    assert round3 and set(late) == floor_failures | round3
     router = SimpleNamespace(output_router_logits=True)
     for release, refused in (("5.17.0", True), ("5.24.0", False)):
         monkeypatch.setattr(versions, "installed", lambda package, r=release: Version(r))
