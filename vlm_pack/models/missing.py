@@ -63,14 +63,6 @@ MISSING_RULES: dict[str, MissingRule] = {
         "pack and fine-tune that",
         "every sample of a packed row but the last would get no Yes / No output (the classifier reads logits[:, -1])",
     ),
-    "gemma3n": MissingRule(
-        "the composite Gemma 3n is not proven: its vision tower is timm's MobileNetV5 (the PyPI package timm, absent "
-        "from the proof environment, so the model cannot even be built there) and its audio tower (a conformer over "
-        "per-sample mel features) has no packed proof. Its text model (gemma3n_text: Gemma3nForCausalLM) is "
-        "registered and proven",
-        "untested: audio features and the timm tower's images could be placed or normalised across samples; nothing "
-        "here measures it",
-    ),
     "qwen2_5_omni": _OMNI,
     "qwen2_5_omni_thinker": _OMNI,
     "qwen3_omni_moe": _OMNI,
