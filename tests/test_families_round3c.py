@@ -45,7 +45,7 @@ def setup_for(family: str) -> Setup:
     return _SETUPS[family]
 
 
-FAMILIES = ["gemma3n"]
+FAMILIES = ["gemma3n", "fast_vlm"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -114,3 +114,108 @@ def test_gemma3n_sliding_window_and_audio_refusal(monkeypatch):
     config.text_config.layer_types = ["chunked_attention"] * len(config.text_config.layer_types)
     with pytest.raises(UnsupportedModelError, match="chunked_attention"):
         get_family(config)
+
+
+# ------------------------------------------------------------------ PaliGemma (prefix-LM)
+
+
+def _paligemma_examples(seed: int = 3) -> list[dict]:
+    """Single-turn photo Q&A (PaliGemma's format): 1-3 images of different sizes per sample."""
+    from vlm_pack.testing.data import photo_examples
+
+    return photo_examples(4, seed=seed, max_side=56)
+
+
+def test_paligemma_packed_equals_each_sample_alone():
+    """Logits, per-sample losses (the processor's own suffix labels), the model's own loss and gradients of a
+    packed micro-batch vs each sample alone through the stock model (its own prefix-LM mask and 1-indexed
+    positions); multi-image samples of different sizes."""
+    setup = setup_for("paligemma")
+    examples = _paligemma_examples()
+    assert max(sum(p["type"] == "image" for p in e["messages"][0]["content"]) for e in examples) > 1
+    result = compare(setup, examples)
+    print("paligemma", result)
+    assert_exact(result)
+
+
+@torch.no_grad()
+def test_paligemma_prefix_block_and_causal_answer_are_each_needed(monkeypatch):
+    """The prefix-LM rule has two halves, each caught: the text layers left non-causal (as PaliGemmaConfig sets
+    them: the answer would attend both ways) and the prefix made causal (no prefix block)."""
+    from vlm_pack.models import paligemma
+
+    setup = setup_for("paligemma")
+    examples = _paligemma_examples()
+    refs = references(setup, examples)
+    batch = setup.collator(examples)
+    assert_exact(errors(batch, packed_logits(setup.packed, batch), refs))
+    no_prefix = packed_logits(setup.packed, batch, token_type_ids=torch.ones_like(batch["token_type_ids"]))
+    assert refs[3].logits.is_far(logit_error(batch, no_prefix, refs))
+    layers = [m for m in setup.packed.model.language_model.modules() if hasattr(m, "is_causal")
+              and hasattr(m, "q_proj")]
+    assert layers and all(layer.is_causal for layer in layers)
+    for layer in layers:
+        monkeypatch.setattr(layer, "is_causal", False)
+    assert refs[3].logits.is_far(logit_error(batch, packed_logits(setup.packed, batch), refs))
+    assert paligemma.PREFIX_BLOCKS.block_types == (0,)
+
+
+def test_paligemma_planned_length_equals_the_real_processor():
+    """Token-budget plans count what the processor's prompt / suffix encoding writes, for images of many sizes and
+    several per sample."""
+    setup = setup_for("paligemma")
+    examples = [_images_example(group) for group in _GROUPS]
+    planned = measure_lengths(examples, setup.collator, progress=False)
+    assert planned.tokens.tolist() == _materialised_lengths(setup.collator, examples)
+    assert planned.images.tolist() == [len(group) for group in _GROUPS]
+    assert planned.image_tokens.tolist() == [4 * len(group) for group in _GROUPS]
+
+
+def test_paligemma_refusals():
+    """PaliGemma 2 (Gemma 2: attention-logit softcapping) is refused by name; so are samples PaliGemma's single-turn
+    format cannot hold (a system turn, two turns, no image, an image in the answer) and a chat template."""
+    from transformers import PaliGemmaConfig
+
+    from vlm_pack.testing.data import text_chat_examples
+
+    with pytest.raises(UnsupportedModelError, match=r"'gemma2' \(PaliGemma 2\): its attention-logit softcapping"):
+        get_family(PaliGemmaConfig(text_config={"model_type": "gemma2"}))
+    setup = setup_for("paligemma")
+    photo = _paligemma_examples()[0]
+    system = {"messages": [{"role": "system", "content": "Be brief."}, *photo["messages"]]}
+    twice = {"messages": photo["messages"] * 2}
+    in_answer = {"messages": [photo["messages"][0], {"role": "assistant", "content": photo["messages"][0]["content"]}]}
+    for example, message in ((system, r"sample 0: PaliGemma is a single-turn prefix-LM.*\['system', 'user'"),
+                             (twice, r"single-turn.*\['user', 'assistant', 'user', 'assistant'\]"),
+                             (text_chat_examples(1, seed=1, max_turns=1)[0], "at least one image"),
+                             (in_answer, "images in the user turn only")):
+        with pytest.raises(ValueError, match=message):
+            setup.collator([example])
+    with pytest.raises(ValueError, match="not by a chat template"):
+        VLMPackingCollator(setup.processor, max_length=64, model_config=setup.packed.config, chat_template="{{ x }}")
+    with pytest.raises(ValueError, match="prefix blocks|image blocks"):
+        VLMPackingCollator(setup.processor, max_length=64, model_config=setup.packed.config, context_parallel_size=2)
+
+
+# ------------------------------------------------------------------ FastVLM (BatchNorm tower)
+
+
+@torch.no_grad()
+def test_fast_vlm_training_batch_norm_is_refused_and_freeze_batch_norm_is_exact():
+    """A packed row through the tower with its BatchNorm layers in training mode is refused by name (they would mix
+    the samples' images: measured far from each sample alone); after freeze_batch_norm, model.train() keeps them on
+    their running statistics and the packed row is exact again."""
+    from vlm_pack.models.fast_vlm import freeze_batch_norm
+
+    setup = setup_for("fast_vlm")
+    examples = swap_examples()
+    refs = references(setup, examples)
+    batch = setup.collator(examples)
+    model = enable_packing(round3c_vlm("fast_vlm", setup.processor)).train()
+    with pytest.raises(ValueError, match="BatchNorm layers in training mode"):
+        packed_logits(model, batch)
+    mixed = packed_logits(setup.stock.train(), batch)  # what the refused row would compute (stock, batch stats)
+    setup.stock.eval()
+    assert refs[3].logits.is_far(logit_error(batch, mixed, refs))
+    freeze_batch_norm(model).train()
+    assert_exact(errors(batch, packed_logits(model, batch), refs))

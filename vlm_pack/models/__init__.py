@@ -135,6 +135,10 @@ class FamilySpec:
     ``row_token``: for ``"image_token"`` rows, the token the rows are proportional to where it is not the processor's
     image placeholder (Llama 4: one ``pixel_values`` row per tile of ``<|patch|>`` tokens, while its placeholder
     ``<|image|>`` is written once per image).
+    ``encode_sample``: ``(processor, normalised conversation, sample index) -> that sample's tensors`` (per-token keys
+    ``[1, L]`` with ``labels``, and its vision tensors), for families whose processor encodes one sample by its own
+    rule instead of a chat template (PaliGemma: prompt and suffix). The collator then encodes each sample alone with
+    it (no chat template), and token-budget planning counts what it returns for blank images of each size.
     """
 
     name: str
@@ -161,6 +165,7 @@ class FamilySpec:
     router_loss_mask: bool = False
     video_runs: Literal["video", "frame"] = "video"
     row_token: str | None = None
+    encode_sample: Callable[[Any, list[dict], int], dict[str, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         if (self.positions == "mrope") != (self.rope_index_model is not None):
@@ -297,7 +302,7 @@ def _load_builtin() -> None:
         return
     _loaded = True
     from . import (  # noqa: F401
-        aya_vision, deepseek_vl, gemma3, gemma3n, gemma4, glm4v, glm4v_moe, glm46v, glm_ocr, granite4_vision,
+        aya_vision, deepseek_vl, fast_vlm, gemma3, gemma3n, gemma4, glm4v, glm4v_moe, glm46v, glm_ocr, granite4_vision,
         granite_docling, idefics2, idefics3, internvl, lighton_ocr, llama, llama4, llava, llava_onevision, mistral,
-        mllama, phi4_multimodal, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
+        mllama, paligemma, phi4_multimodal, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
     )

@@ -20,11 +20,12 @@ __all__ = ["ROUND3C_FAMILIES", "round3c_processor", "round3c_vlm"]
 _HIDDEN = 64
 
 
-# ---------------------------------------------------------------- Gemma 3n (composite: timm MobileNetV5 + Gemma 3n text)
+# ---------------------------------------------------------------- Gemma 3n (timm MobileNetV5 + Gemma 3n text)
 
-# 48-px images; a 3-stage MobileNetV5 (er, uir, uir + mqa + uir blocks: a stage must end on a uir) whose multi-scale fusion adapter pools to 2x2:
-# 4 soft tokens per image. Token ids follow the checkpoint's layout: text ids, then the vision vocabulary
-# (<end_of_image>, <image_soft_token>), then the audio vocabulary (<end_of_audio>, <audio_soft_token>).
+# 48-px images; a 3-stage MobileNetV5 (er, uir, uir + mqa + uir blocks: a stage must end on a uir) whose
+# multi-scale fusion adapter pools to 2x2: 4 soft tokens per image. Token ids follow the checkpoint's layout: text
+# ids, then the vision vocabulary (<end_of_image>, <image_soft_token>), then the audio vocabulary (<end_of_audio>,
+# <audio_soft_token>).
 _GEMMA3N_IMAGE = 48
 _GEMMA3N_SOFT = 2
 _GEMMA3N_TOKENS = {"boi_token": "<start_of_image>", "boa_token": "<start_of_audio>", "sot_token": "<start_of_turn>",
@@ -84,6 +85,84 @@ def _gemma3n_model(processor, initializer_range: float, layers: int, attn: str) 
     return Gemma3nForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
+# ---------------------------------------------------------------- PaliGemma (SigLIP + Gemma, prefix-LM)
+
+# 28-px images of 14-px patches: 4 <image> tokens per image; a 2-layer Gemma (no chat template: the processor's own
+# prompt / suffix rule, vlm_pack.models.paligemma.encode_sample).
+_PALIGEMMA_IMAGE = 28
+
+
+def _paligemma_processor() -> ProcessorMixin:
+    from transformers import PaliGemmaProcessor, SiglipImageProcessor
+
+    from .tiny_models import qwen_tokenizer
+
+    tokenizer = qwen_tokenizer()
+    tokenizer.add_special_tokens({"bos_token": "<bos>"})
+    image_processor = SiglipImageProcessor(size={"height": _PALIGEMMA_IMAGE, "width": _PALIGEMMA_IMAGE})
+    image_processor.image_seq_length = (_PALIGEMMA_IMAGE // 14) ** 2
+    return PaliGemmaProcessor(image_processor=image_processor, tokenizer=tokenizer)
+
+
+def _paligemma_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    tokenizer = processor.tokenizer
+    config = PaliGemmaConfig(
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "image_size": _PALIGEMMA_IMAGE, "patch_size": 14, "projection_dim": _HIDDEN},
+        text_config={"model_type": "gemma", "vocab_size": len(tokenizer), "hidden_size": _HIDDEN,
+                     "intermediate_size": 2 * _HIDDEN, "num_hidden_layers": layers, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "head_dim": _HIDDEN // 4, "initializer_range": initializer_range,
+                     "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+                     "eos_token_id": None},
+        image_token_id=processor.image_token_id, projection_dim=_HIDDEN, pad_token_id=tokenizer.pad_token_id,
+    )
+    return PaliGemmaForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- FastVLM (timm FastViT-MCi + Qwen2)
+
+# 128-px images (CLIP resize + centre crop), a 5-stage FastViT-MCi of one block per stage (total stride 64): a 2x2
+# feature map, 4 <image> tokens per image; BatchNorm layers in the convolutional blocks (eval mode here).
+_FAST_VLM_IMAGE = 128
+
+
+def _fast_vlm_processor() -> ProcessorMixin:
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    from .tiny_families import _tokenizer, chatml_template
+
+    image_processor = CLIPImageProcessor(size={"shortest_edge": _FAST_VLM_IMAGE},
+                                         crop_size={"height": _FAST_VLM_IMAGE, "width": _FAST_VLM_IMAGE})
+    return LlavaProcessor(image_processor=image_processor, tokenizer=_tokenizer(["<image>"]), patch_size=64,
+                          vision_feature_select_strategy="full", num_additional_image_tokens=0,
+                          chat_template=chatml_template("<image>"))
+
+
+def _fast_vlm_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import FastVlmConfig, FastVlmForConditionalGeneration
+
+    from .tiny_families import _qwen2_text
+
+    config = FastVlmConfig(
+        vision_config={"model_type": "timm_wrapper", "architecture": "fastvit_mci3", "do_pooling": False,
+                       "hidden_size": _HIDDEN, "model_args": {"inference_mode": True, "layers": [1] * 5,
+                                                              "embed_dims": [8, 16, 16, 32, 32]}},
+        text_config=_qwen2_text(len(processor.tokenizer), initializer_range, layers),
+        image_token_index=processor.image_token_id, image_seq_length=(_FAST_VLM_IMAGE // 64) ** 2,
+    )
+    model = FastVlmForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+    with torch.no_grad():  # timm's init (layer scales 1e-5) makes the tiny tower's output ~1e-23 for every image
+        for parameter in model.model.vision_tower.parameters():
+            parameter.normal_(0.0, 0.3)
+        for module in model.model.vision_tower.modules():
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                module.running_mean.normal_(0.0, 0.5)
+                module.running_var.uniform_(0.5, 2.0)
+    return model
+
+
 @dataclass(frozen=True)
 class _Builder:
     processor: Callable[[], ProcessorMixin]
@@ -95,8 +174,20 @@ _BUILDERS = {
     "gemma3n": _Builder(
         _gemma3n_processor, _gemma3n_model,
         "Qwen tokenizer + Gemma 3n's image / audio / turn tokens in the checkpoint's id layout; Gemma 3's official "
-        "chat template as TRL ships it, images written as '<image_soft_token>' as Gemma 3n's template does; real SiglipImageProcessor (48 px) and "
-        "Gemma3nProcessor; a 3-stage timm MobileNetV5 (4 soft tokens per image); 4 text layers as gemma3n_text's",
+        "chat template as TRL ships it, images written as '<image_soft_token>' as Gemma 3n's template does; real "
+        "SiglipImageProcessor (48 px) and Gemma3nProcessor; a 3-stage timm MobileNetV5 (4 soft tokens per image); "
+        "4 text layers as gemma3n_text's",
+    ),
+    "paligemma": _Builder(
+        _paligemma_processor, _paligemma_model,
+        "Qwen tokenizer + '<bos>' and PaliGemma's '<image>' (added by the processor); no chat template: the "
+        "processor's own prompt / suffix encoding; real SiglipImageProcessor (28 px: 4 image tokens) and "
+        "PaliGemmaProcessor; a 2-layer Gemma",
+    ),
+    "fast_vlm": _Builder(
+        _fast_vlm_processor, _fast_vlm_model,
+        "Qwen tokenizer + '<image>' and ChatML (no official FastVLM template is installed); real CLIPImageProcessor "
+        "(128 px) and LlavaProcessor (as the FastVLM checkpoints); a one-block-per-stage timm FastViT-MCi",
     ),
 }
 ROUND3C_FAMILIES = tuple(_BUILDERS)
