@@ -45,7 +45,7 @@ def setup_for(family: str) -> Setup:
     return _SETUPS[family]
 
 
-FAMILIES = ["gemma3n", "fast_vlm"]
+FAMILIES = ["gemma3n", "fast_vlm", "perception_lm"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -219,3 +219,31 @@ def test_fast_vlm_training_batch_norm_is_refused_and_freeze_batch_norm_is_exact(
     assert refs[3].logits.is_far(logit_error(batch, mixed, refs))
     freeze_batch_norm(model).train()
     assert_exact(errors(batch, packed_logits(model, batch), refs))
+
+
+# ------------------------------------------------------------------ PerceptionLM (tile stacks)
+
+
+@torch.no_grad()
+def test_perception_lm_tile_stacks_of_different_lengths_are_flattened_per_tile():
+    """The processor cannot batch images whose tile counts differ (its own stack fails); the collator flattens each
+    image's tiles to rows (the edge batch holds images of different tile counts): exact, and the tile rows handed
+    over in reverse order are caught."""
+    from PIL import Image
+
+    setup = setup_for("perception_lm")
+    images = [[Image.new("RGB", (64, 32))], [Image.new("RGB", (32, 32))]]
+    with pytest.raises(Exception, match="stack expects each tensor to be equal size|equal size"):
+        setup.processor(images=images, text=["<|image|> a", "<|image|> b"], return_tensors="pt")
+    examples = edge_examples()
+    refs = references(setup, examples)
+    batch = setup.collator(examples)
+    tokens = int((batch["input_ids"] == setup.processor.image_token_id).sum())
+    assert batch["pixel_values"].shape[1] == 1 and batch["pixel_values"].shape[0] * 4 == tokens
+    pictures = [p["image"] for e in examples for m in e["messages"] if isinstance(m["content"], list)
+                for p in m["content"] if p["type"] == "image"]
+    tiles = [len(setup.processor.image_processor(p, return_tensors=None)["pixel_values"][0]) for p in pictures]
+    assert len(set(tiles)) > 1 and sum(tiles) == batch["pixel_values"].shape[0], tiles
+    assert_exact(errors(batch, packed_logits(setup.packed, batch), refs))
+    reordered = batch["pixel_values"].flip(0)
+    assert refs[3].logits.is_far(logit_error(batch, packed_logits(setup.packed, batch, pixel_values=reordered), refs))

@@ -421,7 +421,6 @@ def test_unproven_language_model_is_refused(family):
 
 @pytest.mark.parametrize(("config_class", "rule", "wrong"), [
     ("Qwen2_5OmniThinkerConfig", "the Omni thinker.s time-aligned mRoPE", "wrong position"),
-    ("PerceptionLMConfig", "PerceptionLM's pixel_values hold one stack of tiles per image", "different tile counts"),
     ("GotOcr2Config", "chats cannot be encoded for GOT-OCR2", "the processor rejects every chat batch"),
 ])
 def test_known_unproven_families_are_refused_with_the_missing_rule(config_class, rule, wrong):

@@ -246,7 +246,7 @@ class VLMPackingCollator:
                                            self.unlabelled_ids, self.unlabelled_spans,
                                            self.family is not None and self.family.mask_before_expansion,
                                            [example_tools(example, index) for index, example in enumerate(examples)],
-                                           self.row_token_id)
+                                           self.row_token_id, () if self.family is None else self.family.tile_stacks)
         if self.family is not None and self.rope_index is not None:
             for index, features in enumerate(encoded):
                 _check_video_runs(features, self.processor, self.family, self.rope_index.spatial_merge_size, index)

@@ -139,6 +139,10 @@ class FamilySpec:
     ``[1, L]`` with ``labels``, and its vision tensors), for families whose processor encodes one sample by its own
     rule instead of a chat template (PaliGemma: prompt and suffix). The collator then encodes each sample alone with
     it (no chat template), and token-budget planning counts what it returns for blank images of each size.
+    ``tile_stacks``: processor keys holding one stack of tiles per image (``[tiles, C, H, W]``), the stacks of
+    different lengths (PerceptionLM's ``pixel_values``, whose model flattens images x tiles): the collator asks the
+    image processor for them unstacked and flattens them to one row per tile (``[tiles, 1, C, H, W]``); declare their
+    rows ``"image_token"`` when every tile has the same number of image tokens.
     """
 
     name: str
@@ -166,6 +170,7 @@ class FamilySpec:
     video_runs: Literal["video", "frame"] = "video"
     row_token: str | None = None
     encode_sample: Callable[[Any, list[dict], int], dict[str, torch.Tensor]] | None = None
+    tile_stacks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.positions == "mrope") != (self.rope_index_model is not None):
@@ -304,5 +309,5 @@ def _load_builtin() -> None:
     from . import (  # noqa: F401
         aya_vision, deepseek_vl, fast_vlm, gemma3, gemma3n, gemma4, glm4v, glm4v_moe, glm46v, glm_ocr, granite4_vision,
         granite_docling, idefics2, idefics3, internvl, lighton_ocr, llama, llama4, llava, llava_onevision, mistral,
-        mllama, paligemma, phi4_multimodal, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
+        mllama, paligemma, perception_lm, phi4_multimodal, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
     )

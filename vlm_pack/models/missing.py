@@ -50,12 +50,4 @@ MISSING_RULES: dict[str, MissingRule] = {
     "qwen2_5_omni_thinker": _OMNI,
     "qwen3_omni_moe": _OMNI,
     "qwen3_omni_moe_thinker": _OMNI,
-    "perception_lm": MissingRule(
-        "PerceptionLM's pixel_values hold one stack of tiles per image (thumbnail + up to max_num_tiles crops, a "
-        "count that depends on the aspect ratio) and the model flattens images x tiles; vlm_pack has no rule "
-        "joining stacks of different lengths into one packed tensor (the processor itself cannot stack them)",
-        "collation fails (measured: the processor's 'stack expects each tensor to be equal size') as soon as two "
-        "images of a micro-batch have different tile counts; the timm Perception Encoder tower was not built here "
-        "(the PyPI package timm is missing)",
-    ),
 }
