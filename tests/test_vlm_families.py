@@ -434,10 +434,7 @@ def test_unproven_language_model_is_refused(family):
 
 
 @pytest.mark.parametrize(("config_class", "rule", "wrong"), [
-    ("PaliGemmaConfig", "chats cannot be encoded for PaliGemma", "attend both ways over each whole sample"),
     ("Qwen2_5OmniConfig", "the full Omni model .thinker . talker. is not proven", "wrong position"),
-    ("FastVlmConfig", "the vision tower must not mix images", "depend on the other samples' images"),
-    ("PerceptionLMConfig", "PerceptionLM's pixel_values hold one stack of tiles per image", "different tile counts"),
     ("GotOcr2Config", "chats cannot be encoded for GOT-OCR2", "the processor rejects every chat batch"),
 ])
 def test_known_unproven_families_are_refused_with_the_missing_rule(config_class, rule, wrong):
@@ -472,36 +469,6 @@ def test_got_ocr2_processor_rejects_chat_batches():
         for examples in (photo_examples(2, seed=2, max_side=56), text_chat_examples(2, seed=2)):
             with pytest.raises(ValueError, match="sample 0: the processor rejected it"):
                 collator(examples)
-
-
-def test_paligemma_processor_cannot_encode_chats():
-    """The measurement behind PaliGemma's missing rule: its processor (real class, Qwen tokenizer plus a BOS and
-    its <image> token, a ChatML template) fails on a chat batch of samples of different lengths, refuses a sample
-    without images, and labels a sample alone on the end of its assistant header (the BOS it writes after the last
-    image shifts the assistant mask), with every token typed as prefix. Its config leaves the text layers
-    non-causal (causality comes from the mask PaliGemmaModel builds, which a packed row drops)."""
-    from transformers import PaliGemmaConfig, PaliGemmaProcessor, SiglipImageProcessor
-
-    from vlm_pack.testing.tiny_families import chatml_template
-
-    tokenizer = qwen_tokenizer()
-    tokenizer.add_special_tokens({"bos_token": "<bos>"})
-    image_processor = SiglipImageProcessor(size={"height": 28, "width": 28})
-    image_processor.image_seq_length = 4
-    processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                   chat_template=chatml_template("<image>"))
-    with pytest.warns(UserWarning, match="chats cannot be encoded for PaliGemma"):
-        collator = VLMPackingCollator(processor, max_length=2048, model_config=PaliGemmaConfig(), allow_unproven=True)
-    photos = photo_examples(2, seed=2, max_side=56)
-    with pytest.raises(ValueError, match="inhomogeneous"):
-        collator(photos)
-    with pytest.raises(ValueError, match="sample 0: the processor rejected it: `images` are expected"):
-        collator(text_chat_examples(1, seed=2))
-    batch = collator(photos[:1])
-    labelled = batch["input_ids"][0][batch["labels"][0] != -100]
-    assert tokenizer.decode(labelled) == "istant\n" + photos[0]["messages"][-1]["content"] + "<|im_end|>"
-    assert not batch["token_type_ids"].any()
-    assert PaliGemmaConfig().text_config.use_bidirectional_attention
 
 
 def test_mistral3_with_an_unproven_language_model_is_refused():

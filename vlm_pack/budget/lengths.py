@@ -134,6 +134,8 @@ def _vision_size(part: dict, where: str) -> tuple[int, ...]:
 
 def _measure_chunk(collator: Any, examples: Sequence[Any], first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, image tokens, images) of one batch of examples whose first has dataset index ``first``."""
+    if collator.chat is None:
+        return _measure_encoded(collator, examples, first)
     processor = collator.processor
     tokenizer = getattr(processor, "tokenizer", processor)
     image_text = getattr(collator.family, "image_text", None)
@@ -180,6 +182,33 @@ def _measure_chunk(collator: Any, examples: Sequence[Any], first: int) -> tuple[
     else:
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     tokens += [len(row) for row in ids]
+    return tokens, image_tokens, images
+
+
+def _measure_encoded(collator: Any, examples: Sequence[Any], first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Counts for a family with its own per-sample encoder (``FamilySpec.encode_sample``): that encoder run on each
+    conversation with a blank image of each image's size (its token count depends on nothing else)."""
+    from PIL import Image
+
+    image_id = getattr(collator.processor, "image_token_id", None)
+    tokens, image_tokens, images = (np.zeros(len(examples), dtype=np.int64) for _ in range(3))
+    for row, example in enumerate(examples):
+        where = f"sample {first + row}"
+        conversation = normalize_example(example, first + row, reserved_tokens=collator.reserved_tokens,
+                                         allow_images=collator.has_images, decode_images=False)
+        blank = []
+        for turn, message in enumerate(conversation):
+            parts = []
+            for part in message["content"]:
+                if part["type"] == "image":
+                    height, width = _vision_size(part, f"{where}, turn {turn}")
+                    part = {**part, "image": Image.new("RGB", (width, height))}
+                    images[row] += 1
+                parts.append(part)
+            blank.append({**message, "content": parts})
+        ids = collator.family.encode_sample(collator.processor, blank, first + row)["input_ids"]
+        tokens[row] = ids.shape[-1]
+        image_tokens[row] = int((ids == image_id).sum()) if image_id is not None else 0
     return tokens, image_tokens, images
 
 

@@ -375,6 +375,7 @@ def encode_conversations(
     encode_alone: bool = False,
     image_token_id: int | None = None,
     tile_tokens: Callable[[Any, Mapping[str, torch.Tensor]], list[int]] | None = None,
+    tile_stacks: Sequence[str] = (),
 ) -> list[dict[str, torch.Tensor]]:
     """Render and tokenise normalised conversations in ONE processor call; returns one dict per sample.
 
@@ -398,16 +399,19 @@ def encode_conversations(
     token each image expands into, whose count splits ``"image_token"`` vision rows (default: the processor's
     ``image_token_id``). ``tile_tokens``: the family's ``FamilySpec.tile_tokens`` (image tokens of each row of its
     ``"tile"`` vision tensors).
+    ``tile_stacks``: the family's ``FamilySpec.tile_stacks`` (keys holding one stack of tiles per image, the stacks
+    of different lengths): asked of the image processor as a list and flattened to one row per tile.
     """
     text_only = not hasattr(processor, "image_processor")  # text templates expect string content
     rendered = [template_messages(conversation, text_only) for conversation in conversations]
     tools = list(tools) if tools is not None else [None] * len(conversations)
     try:
-        out = (_apply_each if encode_alone else _apply_template)(processor, rendered, chat_template, tools)
+        out = (_apply_each(processor, rendered, chat_template, tools) if encode_alone
+               else _apply_template(processor, rendered, chat_template, tools, bool(tile_stacks)))
     except Exception as batch_error:
         for index, conversation in enumerate(rendered):
             try:
-                _apply_template(processor, [conversation], chat_template, [tools[index]])
+                _apply_template(processor, [conversation], chat_template, [tools[index]], bool(tile_stacks))
             except Exception as exc:
                 raise ValueError(f"sample {index}: {_reason(exc)}") from exc
         raise batch_error
@@ -425,7 +429,8 @@ def encode_conversations(
     images, videos = ([media_parts(c, kind) for c in conversations] for kind in ("image", "video"))
     samples: list[dict[str, torch.Tensor]] = [{} for _ in conversations]
     # Per-image tensors some processors return as a list (Gemma 3's pixel_values): one row per image.
-    out = {key: torch.stack(value) if _is_tensor_list(value) else value for key, value in out.items()}
+    out = {key: torch.cat([stack.unsqueeze(1) for stack in value]) if key in tile_stacks and _is_tensor_list(value)
+           else torch.stack(value) if _is_tensor_list(value) else value for key, value in out.items()}
     vision = {key: torch.as_tensor(value) if key in _PER_VIDEO_LISTS else value
               for key, value in out.items() if isinstance(value, torch.Tensor) or key in _PER_VIDEO_LISTS}
     vision_rows = vision_rows or {}
@@ -538,13 +543,16 @@ def _is_tensor_list(value: Any) -> bool:
 
 def _apply_template(
     processor: Any, conversations: list[list[dict]], chat_template: ChatTemplate, tools: Sequence[Any],
+    image_lists: bool = False,
 ) -> Mapping[str, Any]:
     # Vision outputs as tensors (some image processors return lists by default); token ids stay per-sample lists
     # (some processors default to tensors for text too, which fails on samples of different lengths) and unpadded
     # (Aya Vision's processor left-pads by default: pad tokens would enter the packed row). The top-level
     # return_tensors stays "auto" (no global override; SmolVLM's own default would clash).
     images = hasattr(processor, "image_processor")
-    per_kind = {"images_kwargs": {"return_tensors": "pt"}, "text_kwargs": {"return_tensors": None, "padding": False}}
+    # image_lists: one tensor per image, unstacked (tile stacks of different lengths, FamilySpec.tile_stacks).
+    per_kind = {"images_kwargs": {"return_tensors": None if image_lists else "pt"},
+                "text_kwargs": {"return_tensors": None, "padding": False}}
     tensors = {"processor_kwargs": per_kind} if images else {}
     if images and has("chat_template_auto_tensors"):  # older releases forward nothing when it is left out
         tensors["return_tensors"] = "auto"

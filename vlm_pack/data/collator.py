@@ -131,16 +131,22 @@ class VLMPackingCollator:
         self.on_overlong = on_overlong
         self.on_empty = on_empty
         self.pad_to_length = pad_to_length
-        self.chat = resolve_chat_template(processor, chat_template, template_kwargs)  # how spans are found
-        self.chat_template = self.chat.template  # the template every sample is rendered (tokenised) with
+        self.family: FamilySpec | None = (
+            None if model_config is None else get_family(model_config, allow_unproven=allow_unproven)
+        )
+        if self.family is not None and self.family.encode_sample is not None:
+            if chat_template is not None or template_kwargs:
+                raise ValueError(f"the {self.family.name} family encodes each sample by its processor's own rule "
+                                 "(vlm_pack.models), not by a chat template: drop chat_template / template_kwargs")
+            self.chat = self.chat_template = None
+        else:
+            self.chat = resolve_chat_template(processor, chat_template, template_kwargs)  # how spans are found
+            self.chat_template = self.chat.template  # the template every sample is rendered (tokenised) with
         self.has_images = hasattr(processor, "image_processor")
         tokenizer = getattr(processor, "tokenizer", processor)
         self.pad_token_id = _pad_id(tokenizer) if pad_token_id is None else pad_token_id
         placeholders = (getattr(processor, "image_token", None), getattr(processor, "video_token", None))
         self.reserved_tokens = tuple(token for token in placeholders if token)
-        self.family: FamilySpec | None = (
-            None if model_config is None else get_family(model_config, allow_unproven=allow_unproven)
-        )
         if self.family is None and self.has_images:
             raise ValueError(
                 "the collator got a multimodal processor but no model_config: pass model_config=model.config, so "
@@ -239,12 +245,17 @@ class VLMPackingCollator:
                                    allow_unproven=self.allow_unproven)
         samples, dropped, images = [], [], 0
         vision_rows = None if self.family is None else self.family.vision_rows
-        encoded = encode_conversations(self.processor, conversations, self.chat, vision_rows,
-                                       self.unlabelled_ids, self.unlabelled_spans,
-                                       self.family is not None and self.family.mask_before_expansion,
-                                       [example_tools(example, index) for index, example in enumerate(examples)],
-                                       self.family is not None and self.family.encode_alone, self.image_token_id,
-                                       None if self.family is None else self.family.tile_tokens)
+        if self.chat is None:  # the family's own per-sample encoder (FamilySpec.encode_sample)
+            encoded = [self.family.encode_sample(self.processor, turns, index)
+                       for index, turns in enumerate(conversations)]
+        else:
+            encoded = encode_conversations(self.processor, conversations, self.chat, vision_rows,
+                                           self.unlabelled_ids, self.unlabelled_spans,
+                                           self.family is not None and self.family.mask_before_expansion,
+                                           [example_tools(example, index) for index, example in enumerate(examples)],
+                                           self.family is not None and self.family.encode_alone, self.image_token_id,
+                                           None if self.family is None else self.family.tile_tokens,
+                                           () if self.family is None else self.family.tile_stacks)
         if self.family is not None and self.rope_index is not None:
             for index, features in enumerate(encoded):
                 _check_video_runs(features, self.processor, self.family, self.rope_index.spatial_merge_size, index)
@@ -254,7 +265,8 @@ class VLMPackingCollator:
             if not (features["labels"] != IGNORE_INDEX).any():
                 if self.on_empty == "error":
                     raise ValueError(
-                        f"sample {index} has no label token once rendered with {self.chat.name} (empty or "
+                        f"sample {index} has no label token once rendered with "
+                        f"{self.family.name + ' encoding' if self.chat is None else self.chat.name} (empty or "
                         "whitespace-only answers, or a template that writes no assistant text); fix the sample or "
                         "pass on_empty='drop'"
                     )

@@ -195,6 +195,14 @@ class FamilySpec:
     claims in-batch SFT only (``proof``); every other path is refused by :func:`require_proven`.
     ``refused``: ``{path: why}`` for paths this family cannot be served on (beyond the rules
     :func:`path_refusal` derives from the spec); refused always, even with ``allow_unproven=True``.
+    ``encode_sample``: ``(processor, normalised conversation, sample index) -> that sample's tensors`` (per-token keys
+    ``[1, L]`` with ``labels``, and its vision tensors), for families whose processor encodes one sample by its own
+    rule instead of a chat template (PaliGemma: prompt and suffix). The collator then encodes each sample alone with
+    it (no chat template), and token-budget planning counts what it returns for blank images of each size.
+    ``tile_stacks``: processor keys holding one stack of tiles per image (``[tiles, C, H, W]``), the stacks of
+    different lengths (PerceptionLM's ``pixel_values``, whose model flattens images x tiles): the collator asks the
+    image processor for them unstacked and flattens them to one row per tile (``[tiles, 1, C, H, W]``); declare their
+    rows ``"image_token"`` when every tile has the same number of image tokens.
     """
 
     name: str
@@ -233,6 +241,8 @@ class FamilySpec:
     def paths(self) -> frozenset[TrainingPath]:
         """The training paths proven for this family (in-batch SFT always)."""
         return frozenset({"sft", *self.proven})
+    encode_sample: Callable[[Any, list[dict], int], dict[str, torch.Tensor]] | None = None
+    tile_stacks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.proven) - set(PATHS) | set(self.refused) - set(PATHS))
@@ -459,8 +469,8 @@ def _load_builtin() -> None:
         return
     _loaded = True
     from . import (  # noqa: F401
-        aya_vision, deepseek_vl, gemma3, gemma3n, gemma4, glm4v, glm4v_moe, glm46v, glm_ocr, granite4_vision,
+        aya_vision, deepseek_vl, fast_vlm, gemma3, gemma3n, gemma4, glm4v, glm4v_moe, glm46v, glm_ocr, granite4_vision,
         granite_docling, idefics2, idefics3, internvl, lighton_ocr, llama, llama4, llava, llava_onevision, mistral,
-        mllama, phi4_multimodal, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
+        mllama, paligemma, perception_lm, phi4_multimodal, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
     )
     from . import aria, ernie4_5_vl_moe, hunyuan_vl, lfm2_vl, ovis2, paddleocr_vl, qianfan_ocr, qwen_omni  # noqa: F401

@@ -23,22 +23,6 @@ class MissingRule:
     unproven: str
 
 
-_PALIGEMMA = MissingRule(
-    "chats cannot be encoded for PaliGemma: transformers' PaliGemmaProcessor writes its BOS after the last <image> "
-    "of the rendered chat (and a newline at its end), so the assistant-token mask, computed on the text before "
-    "that insertion, lands len(bos_token) characters early on every assistant turn after the last image "
-    "(labelling the end of the assistant header); it fails on a batch of samples of different lengths (labels "
-    "built with numpy from ragged input_ids), refuses a sample without images, and marks every chat token as prefix "
-    "(token_type_ids all 0, so the stock model would let the answer attend both ways). vlm_pack has no encoder of "
-    "its own for it. The prefix-LM attention itself would fit the image-block rule (one block per sample: its "
-    "token_type_ids == 0 prefix, read by PaliGemmaModel) with the text layers made causal again (PaliGemmaConfig "
-    "sets use_bidirectional_attention=True and leaves causality to a mask that packing drops); PaliGemma 2's "
-    "Gemma 2 language model adds attention-logit softcapping, which the packed attention refuses",
-    "the collator fails on any batch of two samples of different lengths and labels a sample alone on its "
-    "assistant header (measured with a tiny PaliGemmaProcessor); the model's text layers, non-causal by config, "
-    "attend both ways over each whole sample, answers included (max |dlogit| 9.5 measured on a tiny PaliGemma "
-    "with the processor's own prefix/suffix encoding)",
-)
 _OMNI = MissingRule(
     "the full Omni model (thinker + talker) is not proven: the Omni thinker's time-aligned mRoPE is proven per "
     "sample for the thinker alone (train Qwen2_5OmniThinkerForConditionalGeneration, image and text inputs; audio "
@@ -81,7 +65,6 @@ MISSING_RULES: dict[str, MissingRule] = {
         "the collator still cannot encode a batch: the processor rejects every chat batch (measured with a tiny "
         "GotOcr2Processor, with and without multi_page)",
     ),
-    "paligemma": _PALIGEMMA,
     "shieldgemma2": MissingRule(
         "ShieldGemma2ForImageClassification is a classifier, not a causal LM to fine-tune on chats: it returns the "
         "Yes / No logits of each row's LAST token, so a packed row holds one classification, its last sample's. Its "
@@ -89,29 +72,6 @@ MISSING_RULES: dict[str, MissingRule] = {
         "pack and fine-tune that",
         "every sample of a packed row but the last would get no Yes / No output (the classifier reads logits[:, -1])",
     ),
-    "gemma3n": MissingRule(
-        "the composite Gemma 3n is not proven: its vision tower is timm's MobileNetV5 (the PyPI package timm, absent "
-        "from the proof environment, so the model cannot even be built there) and its audio tower (a conformer over "
-        "per-sample mel features) has no packed proof. Its text model (gemma3n_text: Gemma3nForCausalLM) is "
-        "registered and proven",
-        "untested: audio features and the timm tower's images could be placed or normalised across samples; nothing "
-        "here measures it",
-    ),
     "qwen2_5_omni": _OMNI,
     "qwen3_omni_moe": _OMNI,
-    "fast_vlm": MissingRule(
-        "the vision tower must not mix images, and FastVLM's (timm FastViT-MCi, every ConvMlp a BatchNorm2d that "
-        "inference_mode does not fold) normalises by the statistics of every image in the forward while training; "
-        "vlm_pack has no rule keeping such a tower in eval mode or running it per sample",
-        "in training mode each image's features depend on the other samples' images of the packed row (not "
-        "measured here: the timm tower needs the PyPI package timm, which the test environment lacks)",
-    ),
-    "perception_lm": MissingRule(
-        "PerceptionLM's pixel_values hold one stack of tiles per image (thumbnail + up to max_num_tiles crops, a "
-        "count that depends on the aspect ratio) and the model flattens images x tiles; vlm_pack has no rule "
-        "joining stacks of different lengths into one packed tensor (the processor itself cannot stack them)",
-        "collation fails (measured: the processor's 'stack expects each tensor to be equal size') as soon as two "
-        "images of a micro-batch have different tile counts; the timm Perception Encoder tower was not built here "
-        "(the PyPI package timm is missing)",
-    ),
 }
