@@ -57,8 +57,11 @@ def family_batch(family: str, processor, tokenizer, **kwargs) -> dict:
 def test_every_registered_family_is_covered():
     # Families built by vlm_pack.testing.tiny_families (and Mistral, Cohere 2 text) call model(**batch) with the metadata entry in
     # tests/test_vlm_families.py (compare: logits and the model's own loss vs each sample alone).
-    # Round-3 families: tests/test_families_round3a.py (the same compare; Gemma 3n's text model through the collator).
-    covered = set(TINY_FAMILIES) | set(TINY_VLM_FAMILIES) | set(ROUND3A_FAMILIES) | {"mistral", "cohere2", "gemma3n_text"}
+    # Round-3 families: tests/test_families_round3a.py (the same compare; Gemma 3n's text model through the collator),
+    # tests/test_families_round3c.py (the same compare for Gemma 3n, FastVLM, PerceptionLM; PaliGemma's own encoder).
+    round3c = {"gemma3n", "fast_vlm", "perception_lm", "paligemma"}
+    covered = (set(TINY_FAMILIES) | set(TINY_VLM_FAMILIES) | set(ROUND3A_FAMILIES) | round3c
+               | {"mistral", "cohere2", "gemma3n_text"})
     assert {spec.name for spec in registered_families().values()} <= covered
 
 

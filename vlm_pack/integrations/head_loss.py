@@ -74,6 +74,13 @@ LOGIT_TRANSFORMS: dict[str, Callable[[torch.nn.Module], dict[str, float | None]]
     "Gemma4ForCausalLM": lambda m: {"softcap": m.config.final_logit_softcapping},
     "Gemma4ForConditionalGeneration": lambda m: {"softcap": m.config.get_text_config().final_logit_softcapping},
     "Cohere2ForCausalLM": lambda m: {"scale": m.logit_scale},
+    "Gemma3nForCausalLM": lambda m: {"softcap": m.config.final_logit_softcapping},
+    "Gemma3nForConditionalGeneration": lambda m: {"softcap": m.config.get_text_config().final_logit_softcapping},
+    "PaliGemmaForConditionalGeneration":
+        lambda m: {"softcap": getattr(m.config.get_text_config(), "final_logit_softcapping", None)},
+    # logits / logits_scaling
+    "Granite4VisionForConditionalGeneration": lambda m: {"scale": 1.0 / m.config.text_config.logits_scaling},
+    "GraniteDoclingForConditionalGeneration": lambda m: {"scale": 1.0 / m.config.text_config.logits_scaling},
 }
 """What each loss owner's forward does to the head's output (read from transformers 5.24's forwards)."""
 

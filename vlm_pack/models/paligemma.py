@@ -105,7 +105,7 @@ def _prepare(model: torch.nn.Module) -> None:
 PALIGEMMA = register_family(FamilySpec(
     name="paligemma", model_types=("paligemma",), proof="tests/test_families_round3c.py",
     min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
-    proven={"budget": "tests/test_families_round3c.py::test_planned_length_equals_the_real_processor[paligemma]"},
+    proven={"budget": "tests/test_families_round3c.py::test_paligemma_planned_length_equals_the_real_processor"},
     attention="causal_image_blocks", image_blocks=lambda config: PREFIX_BLOCKS,
     token_keys=("input_ids", "labels", "token_type_ids"),
     context_parallel_refusal=IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL,
