@@ -46,17 +46,14 @@ _OMNI = MissingRule(
     "positions would be 1-D instead of the model's 3-D rope: every image, video and audio token gets a wrong position",
 )
 
-_MINICPMV = MissingRule(
-    "MiniCPM-V's processor packs every slice of every image of a call into ONE pixel_values row (NaViT patches "
-    "concatenated along the width, with target_sizes per slice); vlm_pack has no rule splitting a tensor per sample "
-    "along its last dimension, nor the per-image slice counts the processor drops",
-    "the collator cannot give each sample its pixels (one row for the whole batch), so a packed batch fails or mixes "
-    "samples' slices (not measured)",
-)
-
 MISSING_RULES: dict[str, MissingRule] = {
-    "minicpmv4_6": _MINICPMV,
-    "minicpmv4_7": _MINICPMV,
+    "minicpmv4_7": MissingRule(
+        "MiniCPM-V 4.7 positions its tokens with Canvas M-RoPE (3-D position ids from each slice's target_sizes and "
+        "its <image>/<slice>/newline markers, computed by the model's compute_3d_position_ids over the whole call), "
+        "a position rule vlm_pack does not compute per sample; its one-row pixel layout is the rule minicpmv4_6 "
+        "proves",
+        "image tokens would get 1-D positions instead of their canvas positions (not measured)",
+    ),
     "molmo2": MissingRule(
         "Molmo 2's image_token_pooling indexes the patches of every crop of the processor call (offsets across the "
         "batch), which per-sample vision rows would have to re-base; not implemented or proven",
