@@ -190,7 +190,6 @@ def test_corruption_lfm2_conv_window_carried_across_samples(monkeypatch):
 
 
 @pytest.mark.parametrize(("model_type", "rule"), [
-    ("molmo2", "image_token_pooling indexes the patches of every crop"),
     ("deepseek_ocr2", "local crops"),
     ("lfm3_vl", "short-convolution layers over each image's patches"),
 ])
