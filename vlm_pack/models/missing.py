@@ -58,8 +58,8 @@ MISSING_RULES: dict[str, MissingRule] = {
         "Molmo 2 needs two rules vlm_pack lacks: its image_token_pooling indexes the flattened patches of every crop "
         "of the processor call (each sample's indices would have to be re-based by the patches of the samples before "
         "it), and with mm_token_type_ids (required in training) ALL image tokens of a sequence form ONE bidirectional "
-        "block across its images (block_sequence_ids 0), which the contiguous-run ImageBlockRule cannot express per "
-        "sample",
+        "block across its images (block_sequence_ids 0), while ImageBlockRule makes each contiguous run its own block; "
+        "neither is implemented or proven",
         "pooled image tokens could read another sample's patches, and image tokens would attend causally instead "
         "of both ways (not measured)",
     ),
