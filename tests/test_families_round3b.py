@@ -190,9 +190,6 @@ def test_corruption_lfm2_conv_window_carried_across_samples(monkeypatch):
 
 
 @pytest.mark.parametrize(("model_type", "rule"), [
-    ("minicpmv4_6", "packs every slice of every image of a call into ONE pixel_values row"),
-    ("minicpmv4_7", "packs every slice of every image of a call into ONE pixel_values row"),
-    ("molmo2", "image_token_pooling indexes the patches of every crop"),
     ("deepseek_ocr2", "local crops"),
     ("lfm3_vl", "short-convolution layers over each image's patches"),
 ])

@@ -376,6 +376,7 @@ def encode_conversations(
     image_token_id: int | None = None,
     tile_tokens: Callable[[Any, Mapping[str, torch.Tensor]], list[int]] | None = None,
     tile_stacks: Sequence[str] = (),
+    width_packed: Sequence[str] = (),
 ) -> list[dict[str, torch.Tensor]]:
     """Render and tokenise normalised conversations in ONE processor call; returns one dict per sample.
 
@@ -401,6 +402,8 @@ def encode_conversations(
     ``"tile"`` vision tensors).
     ``tile_stacks``: the family's ``FamilySpec.tile_stacks`` (keys holding one stack of tiles per image, the stacks
     of different lengths): asked of the image processor as a list and flattened to one row per tile.
+    ``width_packed``: the family's ``FamilySpec.width_packed`` (tensors of one row whose
+    last dimension runs over the patches of every image): split along that dimension, each sample's share one row.
     """
     text_only = not hasattr(processor, "image_processor")  # text templates expect string content
     rendered = [template_messages(conversation, text_only) for conversation in conversations]
@@ -433,6 +436,12 @@ def encode_conversations(
            else torch.stack(value) if _is_tensor_list(value) else value for key, value in out.items()}
     vision = {key: torch.as_tensor(value) if key in _PER_VIDEO_LISTS else value
               for key, value in out.items() if isinstance(value, torch.Tensor) or key in _PER_VIDEO_LISTS}
+    for key in width_packed:
+        if key in vision:
+            if vision[key].shape[0] != 1:
+                raise ValueError(f"processor output {key!r} has shape {tuple(vision[key].shape)}: the family packs "
+                                 "every image's patches into ONE row along the last dimension")
+            vision[key] = vision[key][0].movedim(-1, 0)  # rows: positions along the patch dimension
     vision_rows = vision_rows or {}
     units = {vision_rows.get(key) for key in vision}  # a batch without images (or a text model) has none
     image_tokens = (_image_token_counts(processor, out["input_ids"], image_token_id)
@@ -441,7 +450,7 @@ def encode_conversations(
     for key, chunks in _split_vision(vision, images, videos, vision_rows, image_tokens, tiles).items():
         for sample, chunk in zip(samples, chunks):
             if chunk is not None:
-                sample[key] = chunk
+                sample[key] = chunk.movedim(0, -1).unsqueeze(0) if key in width_packed else chunk
     media = torch.tensor(sorted(set(unlabelled_ids)), dtype=torch.long)
     for i, sample in enumerate(samples):
         for key, value in out.items():
@@ -643,8 +652,11 @@ def _tiles(key: str, rows: int, image_tokens: list[int], tile_tokens: list[int] 
 
 
 def _proportional(key: str, rows: int, image_tokens: list[int]) -> list[int]:
-    """Rows per sample when ``rows`` are in a fixed ratio to the samples' image tokens (e.g. tiles per image)."""
+    """Rows per sample when ``rows`` are in a fixed ratio to the samples' image tokens (e.g. tiles per image, or
+    patch columns per image token)."""
     total = sum(image_tokens)
+    if total and rows % total == 0:  # a whole number of rows per token
+        return [n * (rows // total) for n in image_tokens]
     if rows == 0 or total % rows:
         raise ValueError(
             f"processor output {key!r} has {rows} rows for {total} image tokens: not a whole number of tokens per "

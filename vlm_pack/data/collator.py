@@ -255,7 +255,8 @@ class VLMPackingCollator:
                                            [example_tools(example, index) for index, example in enumerate(examples)],
                                            self.family is not None and self.family.encode_alone, self.image_token_id,
                                            None if self.family is None else self.family.tile_tokens,
-                                           () if self.family is None else self.family.tile_stacks)
+                                           () if self.family is None else self.family.tile_stacks,
+                                           () if self.family is None else self.family.width_packed)
         if self.family is not None and self.rope_index is not None:
             for index, features in enumerate(encoded):
                 _check_video_runs(features, self.processor, self.family, self.rope_index.spatial_merge_size, index)
@@ -325,7 +326,8 @@ class VLMPackingCollator:
                     f"the processor returns {key!r} with one value per token, which {family} does not take "
                     f"(per-token keys: {list(self.token_keys)}): use the processor of the model you train"
                 )
-        return {key: torch.cat([s[key] for s in samples if key in s]) for key in keys}
+        width = () if self.family is None else self.family.width_packed
+        return {key: torch.cat([s[key] for s in samples if key in s], dim=-1 if key in width else 0) for key in keys}
 
     def _positions(self, samples: list[dict[str, torch.Tensor]], padded: dict[str, torch.Tensor],
                    vision: dict[str, torch.Tensor]) -> torch.Tensor | None:

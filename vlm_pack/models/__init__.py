@@ -190,6 +190,10 @@ class FamilySpec:
     and one ``pixel_values`` row per tile of ``<|patch|>`` tokens): the collator counts it for
     ``"image_token"`` vision rows and its image-token statistics. ``tile_tokens``: ``(processor, the batch's vision
     tensors) -> image tokens of each tile`` for ``"tile"`` vision rows.
+    ``width_packed``: processor tensors that hold ONE row whose last dimension runs over the NaViT patches of every
+    image of the call (MiniCPM-V's ``pixel_values``, ``[1, C, patch, patches * patch]``): their rows for
+    ``vision_rows`` are the positions along that last dimension, and the collator joins the samples' shares along
+    it (one row again), in sample order.
     ``proven``: ``{path: pytest node id}`` of the training paths (:data:`PATHS`) beyond in-batch SFT that a test
     shows exact for this family (tests/test_registry.py checks each id is a collected test). The default, empty,
     claims in-batch SFT only (``proof``); every other path is refused by :func:`require_proven`.
@@ -234,6 +238,7 @@ class FamilySpec:
     rope_index_alone: bool = False
     image_token: str | None = None
     tile_tokens: Callable[[Any, Mapping[str, torch.Tensor]], list[int]] | None = None
+    width_packed: tuple[str, ...] = ()
     proven: Mapping[TrainingPath, str] = field(default_factory=dict)
     refused: Mapping[TrainingPath, str] = field(default_factory=dict)
 
@@ -474,3 +479,4 @@ def _load_builtin() -> None:
         mllama, paligemma, perception_lm, phi4_multimodal, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
     )
     from . import aria, ernie4_5_vl_moe, hunyuan_vl, lfm2_vl, ovis2, paddleocr_vl, qianfan_ocr, qwen_omni  # noqa: F401
+    from . import minicpmv4_6  # noqa: F401

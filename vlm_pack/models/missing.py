@@ -30,21 +30,22 @@ _OMNI = MissingRule(
     "positions would be 1-D instead of the model's 3-D rope: every image, video and audio token gets a wrong position",
 )
 
-_MINICPMV = MissingRule(
-    "MiniCPM-V's processor packs every slice of every image of a call into ONE pixel_values row (NaViT patches "
-    "concatenated along the width, with target_sizes per slice); vlm_pack has no rule splitting a tensor per sample "
-    "along its last dimension, nor the per-image slice counts the processor drops",
-    "the collator cannot give each sample its pixels (one row for the whole batch), so a packed batch fails or mixes "
-    "samples' slices (not measured)",
-)
-
 MISSING_RULES: dict[str, MissingRule] = {
-    "minicpmv4_6": _MINICPMV,
-    "minicpmv4_7": _MINICPMV,
+    "minicpmv4_7": MissingRule(
+        "MiniCPM-V 4.7 positions its tokens with Canvas M-RoPE (3-D position ids from each slice's target_sizes and "
+        "its <image>/<slice>/newline markers, computed by the model's compute_3d_position_ids over the whole call), "
+        "a position rule vlm_pack does not compute per sample; its one-row pixel layout is the rule minicpmv4_6 "
+        "proves",
+        "image tokens would get 1-D positions instead of their canvas positions (not measured)",
+    ),
     "molmo2": MissingRule(
-        "Molmo 2's image_token_pooling indexes the patches of every crop of the processor call (offsets across the "
-        "batch), which per-sample vision rows would have to re-base; not implemented or proven",
-        "pooled image tokens could read another sample's patches (not measured)",
+        "Molmo 2 needs two rules vlm_pack lacks: its image_token_pooling indexes the flattened patches of every crop "
+        "of the processor call (each sample's indices would have to be re-based by the patches of the samples before "
+        "it), and with mm_token_type_ids (required in training) ALL image tokens of a sequence form ONE bidirectional "
+        "block across its images (block_sequence_ids 0), while ImageBlockRule makes each contiguous run its own block; "
+        "neither is implemented or proven",
+        "pooled image tokens could read another sample's patches, and image tokens would attend causally instead "
+        "of both ways (not measured)",
     ),
     "deepseek_ocr2": MissingRule(
         "DeepSeek-OCR 2's local crops (pixel_values_local, counted per image by num_local_patches) need a row rule "

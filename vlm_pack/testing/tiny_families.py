@@ -920,6 +920,10 @@ _BUILDERS = {
 from .tiny_families_round3b import ROUND3B_BUILDERS  # noqa: E402  (builds on the helpers above)
 
 _BUILDERS.update(ROUND3B_BUILDERS)
+
+from .tiny_families_round3d import ROUND3D_BUILDERS  # noqa: E402  (builds on the helpers above)
+
+_BUILDERS.update(ROUND3D_BUILDERS)
 TINY_VLM_FAMILIES = tuple(_BUILDERS)
 
 
