@@ -36,16 +36,7 @@ def sharegpt_lengths(seed: int) -> np.ndarray:
 def stream_packs(lengths: np.ndarray, pack_size: int, buffer: int) -> tuple[int, float]:
     """(packs, seconds) of the buffered best fit over ``lengths`` in stream order."""
     start = time.perf_counter()
-    packer = BufferedBestFit(pack_size, buffer, (0, 0, 0))
-    packs = 0
-    for i, length in enumerate(lengths.tolist()):
-        packer.add((0, i), length)
-        if packer.full:
-            packer.cut()
-            packs += 1
-    while len(packer):
-        packer.cut()
-        packs += 1
+    packs = BufferedBestFit(pack_size, buffer, (0, 0, 0)).count_packs(lengths.tolist())
     return packs, time.perf_counter() - start
 
 

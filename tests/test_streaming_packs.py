@@ -130,16 +130,7 @@ def test_fill_against_offline_best_fit_decreasing():
     rng = np.random.default_rng(1)
     lengths = np.minimum((rng.pareto(1.5, 6000) * 150 + 30).astype(int), 4096)
     bfd = int(best_fit_decreasing(lengths, 4096).max()) + 1
-    packer = BufferedBestFit(4096, 64, (0, 0, 0))
-    packs = 0
-    for i, length in enumerate(lengths.tolist()):
-        packer.add((0, i), length)
-        if packer.full:
-            packer.cut()
-            packs += 1
-    while len(packer):
-        packer.cut()
-        packs += 1
+    packs = BufferedBestFit(4096, 64, (0, 0, 0)).count_packs(lengths.tolist())
     print(f"fill vs BFD at buffer 64: {bfd / packs:.4f} ({packs} packs, BFD {bfd})")
     assert bfd / packs >= 0.95
 

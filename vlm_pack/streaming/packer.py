@@ -15,6 +15,7 @@ small (the buffered samples' keys, lengths and entry pack) and fully describes w
 from __future__ import annotations
 
 from bisect import bisect_right, insort
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,6 +79,18 @@ class BufferedBestFit:
         self.packs += 1
         return pack
 
+    def count_packs(self, lengths: Iterable[int]) -> int:
+        """Offer ``lengths`` in stream order (keys ``(0, i)``), cutting whenever the buffer is full, then drain it:
+        the number of packs cut. The stream's pack count without its samples (fill predictions, benchmarks)."""
+        start = self.packs
+        for i, length in enumerate(lengths):
+            self.add((0, i), int(length))
+            if self.full:
+                self.cut()
+        while len(self):
+            self.cut()
+        return self.packs - start
+
     def _remove(self, sample: BufferedSample) -> BufferedSample:
         del self._waiting[sample.key]
         at = bisect_right(self._by_length, (sample.length, sample.key)) - 1
@@ -107,15 +120,6 @@ def predict_fill(lengths, pack_size: int, buffer_size: int, samples: int = 2048,
 
     rng = np.random.default_rng(seed)
     drawn = rng.choice(np.asarray(lengths, dtype=np.int64), size=samples)
-    packer = BufferedBestFit(pack_size, buffer_size, (seed,))
-    packs = 0
-    for i, length in enumerate(drawn.tolist()):
-        packer.add((0, i), length)
-        if packer.full:
-            packer.cut()
-            packs += 1
-    while len(packer):
-        packer.cut()
-        packs += 1
+    packs = BufferedBestFit(pack_size, buffer_size, (seed,)).count_packs(drawn.tolist())
     tokens = float(drawn.sum()) / pack_size
     return tokens / packs, tokens / (int(best_fit_decreasing(drawn, pack_size).max()) + 1)
