@@ -209,3 +209,34 @@ def test_molmo2_video_and_missing_token_types_are_refused():
     batch = setup.collator(_crops_examples()[:1])
     with pytest.raises(ValueError, match="got pixel_values without mm_token_type_ids"):
         families.packed_logits(setup.packed, batch, mm_token_type_ids=None)
+
+
+def test_molmo2_bos_is_written_once():
+    """A template that already writes the BOS (as the allenai templates will) is left as it is: the processor then
+    adds none, and the collator's tokens are still the stock processor's, with one BOS."""
+    from vlm_pack.data.collator import VLMPackingCollator
+
+    setup = families.setup_for("molmo2")
+    processor, tokenizer = setup.processor, setup.processor.tokenizer
+    template = "{{ eos_token }}" + processor.chat_template
+    collator = VLMPackingCollator(processor, max_length=2048, model_config=setup.packed.config, chat_template=template)
+    assert collator.chat.template == template
+    example = _crops_examples()[0]
+    stock = processor.apply_chat_template([_chat(example)], chat_template=template, tokenize=True, return_dict=True)
+    ids = collator._encode_all([example])[0][0]["input_ids"][0]
+    assert ids.tolist() == stock["input_ids"][0] and ids[0] == tokenizer.eos_token_id != ids[1]  # one BOS
+
+
+def test_patch_indices_outside_their_sample_are_refused():
+    """Patch indices a sample's share cannot own (pointing before its first patch or past its last) are refused,
+    naming the sample: they could not follow it into a packed row."""
+    from vlm_pack.data import patch_index
+
+    pixels = [torch.zeros(2, 4, 1), None, torch.zeros(1, 4, 1)]  # 8 patches, none, 4 patches
+    indices = [torch.tensor([[0, 7, -1]]), None, torch.tensor([[8, 11, -1]])]
+    local = patch_index.localize(indices, pixels, "image_token_pooling", "pixel_values")
+    assert local[2].tolist() == [[0, 3, -1]]
+    assert patch_index.join(local, pixels).tolist() == [[0, 7, -1], [8, 11, -1]]
+    with pytest.raises(ValueError, match="sample 2: processor output 'image_token_pooling' indexes patches outside"):
+        patch_index.localize([indices[0], None, torch.tensor([[7, 8, -1]])], pixels, "image_token_pooling",
+                             "pixel_values")
