@@ -346,6 +346,7 @@ MEDIA_TOKENS["qianfan_ocr"] = ["<img>", "<IMG_CONTEXT>", "</img>"]
 MEDIA_TOKENS["lfm2_vl"] = ["<|image_start|>", "<image>", "<|image_end|>"]
 MEDIA_TOKENS["hunyuan_vl"] = ["<｜hy_place▁holder▁no▁100｜>", "<｜hy_place▁holder▁no▁102｜>", "<｜hy_place▁holder▁no▁101｜>"]
 MEDIA_TOKENS["minicpmv4_6"] = ["<image>", "<|image_pad|>", "</image>", "<slice>", "</slice>"]
+MEDIA_TOKENS["molmo2"] = ["<low_res_im_start>", "<im_start>", "<im_patch>", "<im_col>", "<im_end>"]
 # Image markup that holds plain text: Aya Vision's tile labels "TILE_1", ... between its start/end markers.
 # MiniCPM-V's per-sample image number "N" between <image_id> and </image_id>.
 MEDIA_SPANS = {"aya_vision": ("<|START_OF_IMG|>", "<|END_OF_IMG|>"), "minicpmv4_6": ("<image_id>", "</image_id>")}
@@ -441,7 +442,10 @@ def test_image_inside_an_assistant_turn_is_never_a_target(name):
             VLMPackingCollator(processor, max_length=4096, model_config=model.config)
         return
     chat = _assistant_image_chat()
-    out = processor.apply_chat_template([chat], chat_template=_training_template(processor), tokenize=True,
+    template = _training_template(processor)
+    if family.template_prefix is not None:  # what the processor would put first AFTER recording the mask, shifting
+        template = "{% raw %}" + family.template_prefix(processor) + "{% endraw %}" + template  # it (Molmo 2's BOS)
+    out = processor.apply_chat_template([chat], chat_template=template, tokenize=True,
                                         return_dict=True, return_assistant_tokens_mask=True, return_tensors="pt")
     ids = out["input_ids"][0]
     media = torch.tensor(processor.tokenizer.convert_tokens_to_ids(MEDIA_TOKENS[name]))

@@ -34,6 +34,7 @@ from .chat_template import (
     ANSWER_FIELDS, CHATML_TEMPLATE, ChatTemplate, check_role, example_tools, render_with_assistant_masks,
     resolve_chat_template,
 )
+from . import patch_index
 from ..core.packing import IGNORE_INDEX
 from ..core.versions import GAPS, has
 from ..models import UnsupportedVersionError
@@ -377,6 +378,7 @@ def encode_conversations(
     tile_tokens: Callable[[Any, Mapping[str, torch.Tensor]], list[int]] | None = None,
     tile_stacks: Sequence[str] = (),
     width_packed: Sequence[str] = (),
+    patch_indices: Mapping[str, str] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Render and tokenise normalised conversations in ONE processor call; returns one dict per sample.
 
@@ -404,6 +406,8 @@ def encode_conversations(
     of different lengths): asked of the image processor as a list and flattened to one row per tile.
     ``width_packed``: the family's ``FamilySpec.width_packed`` (tensors of one row whose
     last dimension runs over the patches of every image): split along that dimension, each sample's share one row.
+    ``patch_indices``: the family's ``FamilySpec.patch_indices`` (tensors numbering the patches of another over the
+    whole call): each sample's share counted from its own first patch (:func:`vlm_pack.data.patch_index.localize`).
     """
     text_only = not hasattr(processor, "image_processor")  # text templates expect string content
     rendered = [template_messages(conversation, text_only) for conversation in conversations]
@@ -447,7 +451,11 @@ def encode_conversations(
     image_tokens = (_image_token_counts(processor, out["input_ids"], image_token_id)
                     if {"image_token", "tile"} & units else None)
     tiles = tile_tokens(processor, vision) if "tile" in units and tile_tokens is not None else None
-    for key, chunks in _split_vision(vision, images, videos, vision_rows, image_tokens, tiles).items():
+    split = _split_vision(vision, images, videos, vision_rows, image_tokens, tiles)
+    for key, source in (patch_indices or {}).items():
+        if key in split:
+            split[key] = patch_index.localize(split[key], split.get(source, [None] * len(samples)), key, source)
+    for key, chunks in split.items():
         for sample, chunk in zip(samples, chunks):
             if chunk is not None:
                 sample[key] = chunk.movedim(0, -1).unsqueeze(0) if key in width_packed else chunk

@@ -110,6 +110,20 @@ class ChatTemplate:
     markup_error: str = ""
 
 
+def with_prefix(processor: Any, chat: ChatTemplate, prefix: str) -> ChatTemplate:
+    """``chat`` writing ``prefix`` first where its rendering does not start with it already.
+
+    For processors that put ``prefix`` before every rendered chat AFTER ``apply_chat_template`` has recorded the
+    assistant spans (``FamilySpec.template_prefix``: Molmo2Processor's BOS), which shifts every span by its length:
+    written by the template instead, the processor adds nothing, the tokens are the same and the spans line up."""
+    probe = [{"role": "user", "content": _probe_content(processor, "Hi")},
+             {"role": "assistant", "content": _probe_content(processor, "Hello.")}]
+    if render_texts(processor, [probe], chat.template, None, chat.kwargs)[0][0].startswith(prefix):
+        return chat
+    head = "{% raw %}" + prefix + "{% endraw %}"
+    return replace(chat, template=head + chat.template, marked=None if chat.marked is None else head + chat.marked)
+
+
 def check_role(role: Any, where: str) -> None:
     """Refuse a role outside :data:`ACCEPTED_ROLES` (a misspelled one would silently lose its labels)."""
     if role not in ACCEPTED_ROLES:

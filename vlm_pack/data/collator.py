@@ -30,7 +30,9 @@ import torch
 from transformers.configuration_utils import PreTrainedConfig
 
 from ..core.batch import METADATA_KEY, mask_first_labels, model_inputs
+from . import patch_index
 from .chat import encode_conversations, example_tools, media_parts, normalize_example, resolve_chat_template
+from .chat_template import with_prefix
 from ..core.config import PackingConfig
 from ..core.packing import IGNORE_INDEX, PackedBatch, pack_batch_sequences, pack_sequences, pad_multiple
 from ..models import FamilySpec, UnsupportedVersionError, get_family, require_proven
@@ -141,6 +143,8 @@ class VLMPackingCollator:
             self.chat = self.chat_template = None
         else:
             self.chat = resolve_chat_template(processor, chat_template, template_kwargs)  # how spans are found
+            if self.family is not None and self.family.template_prefix is not None:
+                self.chat = with_prefix(processor, self.chat, self.family.template_prefix(processor))
             self.chat_template = self.chat.template  # the template every sample is rendered (tokenised) with
         self.has_images = hasattr(processor, "image_processor")
         tokenizer = getattr(processor, "tokenizer", processor)
@@ -256,7 +260,8 @@ class VLMPackingCollator:
                                            self.family is not None and self.family.encode_alone, self.image_token_id,
                                            None if self.family is None else self.family.tile_tokens,
                                            () if self.family is None else self.family.tile_stacks,
-                                           () if self.family is None else self.family.width_packed)
+                                           () if self.family is None else self.family.width_packed,
+                                           None if self.family is None else self.family.patch_indices)
         if self.family is not None and self.rope_index is not None:
             for index, features in enumerate(encoded):
                 _check_video_runs(features, self.processor, self.family, self.rope_index.spatial_merge_size, index)
@@ -327,7 +332,10 @@ class VLMPackingCollator:
                     f"(per-token keys: {list(self.token_keys)}): use the processor of the model you train"
                 )
         width = () if self.family is None else self.family.width_packed
-        return {key: torch.cat([s[key] for s in samples if key in s], dim=-1 if key in width else 0) for key in keys}
+        indices = {} if self.family is None else self.family.patch_indices  # re-based by the samples before them
+        return {key: patch_index.join([s.get(key) for s in samples], [s.get(indices[key]) for s in samples])
+                if key in indices else torch.cat([s[key] for s in samples if key in s], dim=-1 if key in width else 0)
+                for key in keys}
 
     def _positions(self, samples: list[dict[str, torch.Tensor]], padded: dict[str, torch.Tensor],
                    vision: dict[str, torch.Tensor]) -> torch.Tensor | None:

@@ -104,7 +104,9 @@ def _block_hook(rule: ImageBlockRule):
                     "packs it per token)."
                 )
             return None
-        return args, {**kwargs, IMAGE_BLOCKS_KWARG: ImageBlocks(rule.block_ids(token_types), rule.layer_types)}
+        ids = (rule.block_ids(token_types) if rule.scope == "run"
+               else rule.block_ids(token_types, cu_seqlens=kwargs.get("cu_seq_lens_q")))
+        return args, {**kwargs, IMAGE_BLOCKS_KWARG: ImageBlocks(ids, rule.layer_types)}
 
     return hook
 

@@ -30,6 +30,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from ..core.packing import segment_ids
 from ..core.versions import GAPS, at_least, has, installed
 
 __all__ = [
@@ -108,16 +109,27 @@ class ImageBlockRule:
     stays causal, and a layer's sliding window still bounds how far back any token looks. ``layer_types``: the
     layer kinds that apply it (Gemma 3 all, Gemma 4 sliding only). ``model_class``: the transformers class whose
     ``forward`` receives ``token_key``; ``enable_packing`` hooks it to hand the block ids to the attention.
+    ``scope="sample"``: every ``block_types`` token of a sample is ONE block, across its images (Molmo 2's
+    ``block_sequence_ids = where(mm_token_type_ids == 1, 0, -1)``); in a packed row each sample its own block id
+    (from ``cu_seq_lens_q``), never one across samples.
     """
 
     token_key: str
     block_types: tuple[int, ...]
     layer_types: frozenset[str]
     model_class: str
+    scope: Literal["run", "sample"] = "run"
 
-    def block_ids(self, token_types: torch.Tensor) -> torch.Tensor:
-        """``[B, T]`` block id per token (``-1`` outside blocks; ids count up along each row), on device."""
+    def block_ids(self, token_types: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, T]`` block id per token (``-1`` outside blocks; ids count up along each row), on device.
+        ``cu_seqlens``: a packed row's sample boundaries, read by ``scope="sample"`` (without them each row is one
+        sample)."""
         inside = torch.isin(token_types, torch.tensor(self.block_types, device=token_types.device))
+        if self.scope == "sample":
+            sample = (torch.zeros_like(token_types, dtype=torch.long) if cu_seqlens is None
+                      else segment_ids(cu_seqlens.to(token_types.device), token_types.shape[-1]).long().expand_as(
+                          token_types))
+            return torch.where(inside, sample, -1)
         before = torch.nn.functional.pad(inside, (1, 0), value=False)[..., :-1]
         ids = torch.cumsum((inside & ~before).long(), dim=-1) - 1
         return torch.where(inside, ids, -1)
@@ -194,6 +206,15 @@ class FamilySpec:
     image of the call (MiniCPM-V's ``pixel_values``, ``[1, C, patch, patches * patch]``): their rows for
     ``vision_rows`` are the positions along that last dimension, and the collator joins the samples' shares along
     it (one row again), in sample order.
+    ``patch_indices``: ``{processor key: patch key}`` for tensors whose values index the flattened patches (dims 0
+    and 1) of the patch key's tensor over the WHOLE processor call, ``-1`` for none (Molmo 2's ``image_token_pooling``
+    into ``pixel_values`` ``[crops, patches, ...]``): the collator makes each sample's indices its own (counted from
+    its first patch, every index inside its own patches) and re-bases them by the patches of the samples before it
+    wherever samples are joined.
+    ``template_prefix``: ``processor -> text`` the family's processor puts before every rendered chat after
+    ``apply_chat_template`` has recorded the assistant spans (Molmo2Processor's BOS, where the text does not start
+    with it), shifting every span: the collator has the template write it instead
+    (``vlm_pack.data.chat_template.with_prefix``), the same tokens with the labels in place.
     ``proven``: ``{path: pytest node id}`` of the training paths (:data:`PATHS`) beyond in-batch SFT that a test
     shows exact for this family (tests/test_registry.py checks each id is a collected test). The default, empty,
     claims in-batch SFT only (``proof``); every other path is refused by :func:`require_proven`.
@@ -239,6 +260,8 @@ class FamilySpec:
     image_token: str | None = None
     tile_tokens: Callable[[Any, Mapping[str, torch.Tensor]], list[int]] | None = None
     width_packed: tuple[str, ...] = ()
+    patch_indices: Mapping[str, str] = field(default_factory=dict)
+    template_prefix: Callable[[Any], str] | None = None
     proven: Mapping[TrainingPath, str] = field(default_factory=dict)
     refused: Mapping[TrainingPath, str] = field(default_factory=dict)
 
@@ -479,4 +502,4 @@ def _load_builtin() -> None:
         mllama, paligemma, perception_lm, phi4_multimodal, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
     )
     from . import aria, ernie4_5_vl_moe, hunyuan_vl, lfm2_vl, ovis2, paddleocr_vl, qianfan_ocr, qwen_omni  # noqa: F401
-    from . import minicpmv4_6  # noqa: F401
+    from . import minicpmv4_6, molmo2  # noqa: F401

@@ -38,15 +38,6 @@ MISSING_RULES: dict[str, MissingRule] = {
         "proves",
         "image tokens would get 1-D positions instead of their canvas positions (not measured)",
     ),
-    "molmo2": MissingRule(
-        "Molmo 2 needs two rules vlm_pack lacks: its image_token_pooling indexes the flattened patches of every crop "
-        "of the processor call (each sample's indices would have to be re-based by the patches of the samples before "
-        "it), and with mm_token_type_ids (required in training) ALL image tokens of a sequence form ONE bidirectional "
-        "block across its images (block_sequence_ids 0), while ImageBlockRule makes each contiguous run its own block; "
-        "neither is implemented or proven",
-        "pooled image tokens could read another sample's patches, and image tokens would attend causally instead "
-        "of both ways (not measured)",
-    ),
     "deepseek_ocr2": MissingRule(
         "DeepSeek-OCR 2's local crops (pixel_values_local, counted per image by num_local_patches) need a row rule "
         "splitting them by that count, and its SAM + query-encoder tower is not proven under packing",

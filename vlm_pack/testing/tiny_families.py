@@ -924,6 +924,10 @@ _BUILDERS.update(ROUND3B_BUILDERS)
 from .tiny_families_round3d import ROUND3D_BUILDERS  # noqa: E402  (builds on the helpers above)
 
 _BUILDERS.update(ROUND3D_BUILDERS)
+
+from .tiny_families_round3e import ROUND3E_BUILDERS  # noqa: E402  (builds on the helpers above)
+
+_BUILDERS.update(ROUND3E_BUILDERS)
 TINY_VLM_FAMILIES = tuple(_BUILDERS)
 
 
