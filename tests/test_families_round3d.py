@@ -137,7 +137,6 @@ def test_minicpm_unproven_language_model_is_refused():
 
 
 @pytest.mark.parametrize(("model_type", "rule"), [
-    ("minicpmv4_7", "Canvas M-RoPE"),
     ("molmo2", "image_token_pooling indexes the flattened patches of every crop.*ONE bidirectional block"),
 ])
 def test_round3d_families_not_proven_are_refused_by_name(model_type, rule):

@@ -31,13 +31,6 @@ _OMNI = MissingRule(
 )
 
 MISSING_RULES: dict[str, MissingRule] = {
-    "minicpmv4_7": MissingRule(
-        "MiniCPM-V 4.7 positions its tokens with Canvas M-RoPE (3-D position ids from each slice's target_sizes and "
-        "its <image>/<slice>/newline markers, computed by the model's compute_3d_position_ids over the whole call), "
-        "a position rule vlm_pack does not compute per sample; its one-row pixel layout is the rule minicpmv4_6 "
-        "proves",
-        "image tokens would get 1-D positions instead of their canvas positions (not measured)",
-    ),
     "molmo2": MissingRule(
         "Molmo 2 needs two rules vlm_pack lacks: its image_token_pooling indexes the flattened patches of every crop "
         "of the processor call (each sample's indices would have to be re-based by the patches of the samples before "

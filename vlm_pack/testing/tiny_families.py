@@ -924,6 +924,10 @@ _BUILDERS.update(ROUND3B_BUILDERS)
 from .tiny_families_round3d import ROUND3D_BUILDERS  # noqa: E402  (builds on the helpers above)
 
 _BUILDERS.update(ROUND3D_BUILDERS)
+
+from .tiny_families_round3f import ROUND3F_BUILDERS  # noqa: E402  (builds on the helpers above)
+
+_BUILDERS.update(ROUND3F_BUILDERS)
 TINY_VLM_FAMILIES = tuple(_BUILDERS)
 
 
