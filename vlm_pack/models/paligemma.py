@@ -61,8 +61,9 @@ def _check_prefix_fits(config: Any, token_types: torch.Tensor) -> None:
     window = getattr(text, "sliding_window", None)
     if window is None or "sliding_attention" not in (getattr(text, "layer_types", None) or ()):
         return
-    ids = PREFIX_BLOCKS.block_ids(token_types).flatten()
-    longest = int(torch.bincount(ids[ids >= 0]).max()) if bool((ids >= 0).any()) else 0
+    ids = PREFIX_BLOCKS.block_ids(token_types)  # [B, T], counted per row: made unique across rows
+    ids = torch.where(ids >= 0, ids + ids.shape[-1] * torch.arange(ids.shape[0], device=ids.device)[:, None], -1)
+    longest = int(torch.bincount(ids[ids >= 0], minlength=1).max())
     if longest > window:
         raise ValueError(
             f"a PaliGemma 2 prefix (images + prompt) of {longest} tokens > sliding_window={window}: transformers' "
