@@ -59,12 +59,15 @@ def allowed_pairs(cu_q, cu_k, causal, window) -> torch.Tensor:
     return allowed
 
 
-def reference(q, k, v, cu_q, cu_k, *, causal, window=None, scale=None):
-    """Naive masked attention in float64 over the whole row; rows with no key give 0."""
+def reference(q, k, v, cu_q, cu_k, *, causal, window=None, scale=None, softcap=None):
+    """Naive masked attention in float64 over the whole row; rows with no key give 0; ``softcap``: scores capped to
+    ``softcap * tanh(score / softcap)``."""
     allowed = allowed_pairs(cu_q, cu_k, causal, window)
     rep = q.shape[1] // k.shape[1]
     q64, k64, v64 = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
     scores = torch.einsum("qhd,khd->hqk", q64, k64) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
     return torch.einsum("hqk,khd->qhd", probs, v64)
 
@@ -280,10 +283,12 @@ def test_unknown_and_unavailable_backends(monkeypatch):
         varlen_attention(q, q, q, cu, cu, 4, 4, backend="torch_varlen")
 
 
-def fake_machine(monkeypatch, *, cuda: bool, installed: set[str], torch_varlen: bool = True):
+def fake_machine(monkeypatch, *, cuda: bool, installed: set[str], torch_varlen: bool = True,
+                 flash_softcap: bool = True):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(attention, "_import_error", lambda name: None if name in installed else "not installed")
     monkeypatch.setattr(attention, "_torch_varlen_error", lambda: None if torch_varlen else "torch is too old")
+    monkeypatch.setattr(attention, "_flash_softcap", lambda: flash_softcap)  # flash-attn >= 2.6 takes softcap
 
 
 @pytest.mark.parametrize(
@@ -380,10 +385,11 @@ FLASH_WINDOWS = {  # (causal, window asked for) -> (left, right) every kernel mu
 }
 
 
-def emulate(q, k, v, cu_q, cu_k, window, scale):
+def emulate(q, k, v, cu_q, cu_k, window, scale, softcap=None):
     """What a correct kernel returns for the arguments it RECEIVED (window carries causality, right = 0)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return reference(q, k, v, cu_q, cu_k, causal=False, window=tuple(window), scale=scale).to(q.dtype)
+    return reference(q, k, v, cu_q, cu_k, causal=False, window=tuple(window), scale=scale,
+                     softcap=softcap).to(q.dtype)
 
 
 def torch_2_11_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
@@ -433,9 +439,11 @@ class FakeKernels:
         assert q.shape[1] % k.shape[1] == 0, "Number of heads in key/value must divide number of heads in query"
         self.calls.append(("flash_attn", dict(q=q, k=k, v=v, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, max_q=max_seqlen_q,
                                               max_k=max_seqlen_k, scale=softmax_scale, window=tuple(window_size),
-                                              causal=causal, dropout_p=dropout_p, deterministic=deterministic)))
+                                              causal=causal, dropout_p=dropout_p, deterministic=deterministic,
+                                              softcap=softcap)))
         left, right = window_size
-        return emulate(q, k, v, cu_seqlens_q, cu_seqlens_k, (left, 0 if causal else right), softmax_scale)
+        return emulate(q, k, v, cu_seqlens_q, cu_seqlens_k, (left, 0 if causal else right), softmax_scale,
+                       softcap or None)
 
     def varlen_attn(self, *args, **kwargs):
         bound = self.varlen_signature.bind(*args, **kwargs)  # the call must fit torch's real signature

@@ -172,14 +172,15 @@ def test_paligemma_planned_length_equals_the_real_processor():
 
 
 def test_paligemma_refusals():
-    """PaliGemma 2 (Gemma 2: attention-logit softcapping) is refused by name; so are samples PaliGemma's single-turn
-    format cannot hold (a system turn, two turns, no image, an image in the answer) and a chat template."""
+    """A language model other than Gemma / Gemma 2 (PaliGemma 2: tests/test_families_round3f.py) is refused by name;
+    so are samples PaliGemma's single-turn format cannot hold (a system turn, two turns, no image, an image in the
+    answer) and a chat template."""
     from transformers import PaliGemmaConfig
 
     from vlm_pack.testing.data import text_chat_examples
 
-    with pytest.raises(UnsupportedModelError, match=r"'gemma2' \(PaliGemma 2\): its attention-logit softcapping"):
-        get_family(PaliGemmaConfig(text_config={"model_type": "gemma2"}))
+    with pytest.raises(UnsupportedModelError, match=r"language model 'gemma3_text' \(proven language models for "):
+        get_family(PaliGemmaConfig(text_config={"model_type": "gemma3_text"}))
     setup = setup_for("paligemma")
     photo = _paligemma_examples()[0]
     system = {"messages": [{"role": "system", "content": "Be brief."}, *photo["messages"]]}

@@ -134,16 +134,3 @@ def test_minicpm_unproven_language_model_is_refused():
     config.text_config = GPT2Config()
     with pytest.raises(UnsupportedModelError, match=r"minicpmv4_6 model with language model 'gpt2' \(proven"):
         get_family(config)
-
-
-@pytest.mark.parametrize(("model_type", "rule"), [
-    ("minicpmv4_7", "Canvas M-RoPE"),
-])
-def test_round3d_families_not_proven_are_refused_by_name(model_type, rule):
-    """The families of this round whose packing needs a rule vlm_pack lacks: refused, naming the rule."""
-    from types import SimpleNamespace
-
-    from vlm_pack.models import UnsupportedModelError, get_family
-
-    with pytest.raises(UnsupportedModelError, match=f"model_type '{model_type}': .*{rule}"):
-        get_family(SimpleNamespace(model_type=model_type))

@@ -18,6 +18,12 @@ sharing a block id ``>= 0`` also see each other both ways. The rule per (query `
 ``(j <= i + right  OR  block[i] == block[j] >= 0)  AND  j >= i - left``: blocks lift the causal (right) bound
 only, the left window bound still applies (transformers' ``AND(sliding_window, OR(causal, blockwise))``).
 Only ``flex`` and ``sdpa_segments`` express it (``BackendStatus.image_blocks``); ``"auto"`` routes there.
+
+Attention-logit softcapping (Gemma 2, optional ``softcap``): every score becomes ``softcap * tanh(score / softcap)``
+(``score = q.k * softmax_scale``) before the mask and the softmax. ``sdpa_segments`` (the scores written out: SDPA
+has no score hook), ``flex`` (a ``score_mod``) and ``flash_attn`` (flash-attn >= 2.6's ``softcap``) apply it
+(``BackendStatus.softcap``); ``"auto"`` routes only there, and ``torch_varlen`` / ``transformer_engine``, whose
+kernels have no such hook, refuse it by name.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ __all__ = [
     "available_backends",
     "dense_attention",
     "document_block_mask",
+    "sdpa",
     "select_backend",
     "varlen_attention",
 ]
@@ -54,11 +61,13 @@ _FLEX_BLOCK = 128
 
 class BackendStatus(NamedTuple):
     """Whether a backend can run on this machine, and why (not); ``image_blocks``: whether it can express
-    bidirectional image blocks inside causal attention (``varlen_attention(block_ids=...)``)."""
+    bidirectional image blocks inside causal attention (``varlen_attention(block_ids=...)``); ``softcap``: whether it
+    applies attention-logit softcapping (``varlen_attention(softcap=...)``)."""
 
     available: bool
     reason: str
     image_blocks: bool = False
+    softcap: bool = False
 
 
 # What each CUDA kernel's import must provide: (module, attribute) the wrapper calls.
@@ -108,6 +117,14 @@ def _torch_varlen_gqa() -> bool:
 
 
 @lru_cache(maxsize=None)
+def _flash_softcap() -> bool:
+    """True when the installed ``flash_attn_varlen_func`` takes ``softcap`` (flash-attn >= 2.6)."""
+    from flash_attn import flash_attn_varlen_func
+
+    return "softcap" in inspect.signature(flash_attn_varlen_func).parameters
+
+
+@lru_cache(maxsize=None)
 def _has_flex() -> bool:
     """True when this torch build ships FlexAttention."""
     try:
@@ -142,35 +159,45 @@ def available_backends() -> dict[str, BackendStatus]:
         else BackendStatus(cuda, (kernel if cuda else no_cuda) + no_blocks)
         for name, error, kernel in cuda_kernels
     }
+    if _import_error("flash_attn") is None:
+        capped = _flash_softcap()
+        status["flash_attn"] = status["flash_attn"]._replace(softcap=capped, reason=status["flash_attn"].reason + (
+            "" if capped else "; no softcap keyword (flash-attn < 2.6): cannot apply attention-logit softcapping"))
     if not _has_flex():
         status["flex"] = BackendStatus(False, "this torch build has no torch.nn.attention.flex_attention")
     else:
         status["flex"] = BackendStatus(
             True, "FlexAttention document (x image block) mask (compiled on first use; forward only on CPU: no "
-            "CPU backward)", True,
+            "CPU backward)", True, True,
         )
     status["sdpa_segments"] = BackendStatus(
         True, "exact per-segment SDPA (one host sync per call; image blocks via a per-segment mask; inside "
-        "torch.compile: one SDPA over the row with a segment mask, no host sync)", True
+        "torch.compile: one SDPA over the row with a segment mask, no host sync)", True, True,
     )
     return status
 
 
-def select_backend(device: torch.device | str, dtype: torch.dtype, *, image_blocks: bool = False) -> str:
+def select_backend(device: torch.device | str, dtype: torch.dtype, *, image_blocks: bool = False,
+                   softcap: bool = False) -> str:
     """The backend ``"auto"`` resolves to for tensors on ``device`` with ``dtype``.
 
     CUDA with fp16/bf16: flash_attn > torch_varlen > transformer_engine (the first available); everything
     else (CPU, fp32, no CUDA kernel installed): the exact per-segment SDPA path. With ``image_blocks`` (a rule
     the varlen kernels cannot express): FlexAttention on CUDA when available, else the per-segment SDPA path.
+    With ``softcap`` (attention-logit softcapping): only backends that apply it (``BackendStatus.softcap``), so on
+    CUDA flash_attn (>= 2.6) > flex.
     """
     device = torch.device(device)
+    cuda_flex = device.type == "cuda" and available_backends()["flex"].available
     if image_blocks:
-        return "flex" if device.type == "cuda" and available_backends()["flex"].available else "sdpa_segments"
+        return "flex" if cuda_flex else "sdpa_segments"
     if device.type == "cuda" and dtype in _HALF_DTYPES:
         status = available_backends()
         for name in _CUDA_PREFERENCE:
-            if status[name].available:
+            if status[name].available and (status[name].softcap or not softcap):
                 return name
+        if softcap and cuda_flex:
+            return "flex"
     return "sdpa_segments"
 
 
@@ -186,10 +213,19 @@ def _auto_block_backend(device_type: str, dtype: torch.dtype) -> str:
     return select_backend(device_type, dtype, image_blocks=True)
 
 
+@lru_cache(maxsize=16)
+def _auto_softcap_backend(device_type: str, dtype: torch.dtype) -> str:
+    """Cached ``select_backend`` for a softcapped call without image blocks."""
+    return select_backend(device_type, dtype, softcap=True)
+
+
 @torch.compiler.assume_constant_result  # under torch.compile: resolved eagerly, once, never traced
-def _resolve_auto(device_type: str, dtype: torch.dtype, image_blocks: bool) -> str:
-    """What ``backend="auto"`` runs for these tensors (cached per device type and dtype)."""
-    return (_auto_block_backend if image_blocks else _auto_backend)(device_type, dtype)
+def _resolve_auto(device_type: str, dtype: torch.dtype, image_blocks: bool, softcap: bool = False) -> str:
+    """What ``backend="auto"`` runs for these tensors (cached per device type and dtype); image blocks route to
+    backends that also softcap."""
+    if image_blocks:
+        return _auto_block_backend(device_type, dtype)
+    return (_auto_softcap_backend if softcap else _auto_backend)(device_type, dtype)
 
 
 def _check_window(window: tuple[int, int] | None) -> None:
@@ -269,31 +305,51 @@ def _segment_mask(lq: int, lk: int, left: int, right: int, device: torch.device,
     return allowed
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+          is_causal: bool = False, scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` on ``[..., H, L, D]`` (grouped-query heads allowed); with ``softcap`` its
+    math written out, the scores capped to ``softcap * tanh(score / softcap)`` before the mask, softmax in fp32 (as
+    transformers' eager Gemma 2 attention): SDPA has no hook for the scores."""
+    gqa = q.shape[-3] != k.shape[-3]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
+
+
 def _sdpa_group(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, left: int, right: int,
-                scale: float | None, blocks: torch.Tensor | None = None) -> torch.Tensor:
+                scale: float | None, blocks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """SDPA over ``n`` equal-length segments batched as ``[n, H, L, D]``; returns ``[n, H, Lq, Dv]``.
 
     ``blocks``: ``[n, L]`` image-block ids (self-attention segments only), see ``_segment_mask``.
     """
     lq, lk = qg.shape[2], kg.shape[2]
-    gqa = qg.shape[1] != kg.shape[1]
     if blocks is not None:  # the diagonal is always allowed, so no row is empty
         allowed = _segment_mask(lq, lk, left, right, qg.device, blocks)
-        return F.scaled_dot_product_attention(qg, kg, vg, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+        return sdpa(qg, kg, vg, allowed, scale=scale, softcap=softcap)
     if left < 0 and right < 0:
-        return F.scaled_dot_product_attention(qg, kg, vg, scale=scale, enable_gqa=gqa)
+        return sdpa(qg, kg, vg, scale=scale, softcap=softcap)
     if left < 0 and right == 0 and lq == lk:
-        return F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=gqa)
+        return sdpa(qg, kg, vg, is_causal=True, scale=scale, softcap=softcap)
     allowed = _segment_mask(lq, lk, left, right, qg.device)
     has_key = allowed.any(dim=1, keepdim=True)
     # Rows with no key would give NaN (and NaN grads); let them attend anywhere, then zero their output.
-    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=allowed | ~has_key, scale=scale, enable_gqa=gqa)
+    out = sdpa(qg, kg, vg, allowed | ~has_key, scale=scale, softcap=softcap)
     return out * has_key.to(out.dtype).view(1, 1, lq, 1)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                     softmax_scale: float | None = None, window: tuple[int, int] | None = None,
-                    block_ids: torch.Tensor | None = None) -> torch.Tensor:
+                    block_ids: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Unpacked ``[B, H, S, D]`` attention (one sequence per row) with ``varlen_attention``'s semantics.
 
     Causal masking is bottom-right aligned, so a query chunk attending to a longer cached key range is right.
@@ -304,7 +360,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     if block_ids is not None:
         _check_blocks(block_ids, q.shape[0] * q.shape[2], k.shape[2], q.shape[2], causal)
         block_ids = block_ids.reshape(q.shape[0], q.shape[2])
-    return _sdpa_group(q, k, v, left, right, softmax_scale, block_ids)
+    return _sdpa_group(q, k, v, left, right, softmax_scale, block_ids, softcap)
 
 
 def _check_blocks(block_ids: torch.Tensor, tokens: int, tk: int, tq: int, causal: bool) -> None:
@@ -329,7 +385,7 @@ def _segments_with_blocks(block_ids: torch.Tensor, cu_q: torch.Tensor, offs_q: n
 
 def _sdpa_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                    causal: bool, scale: float | None, window: tuple[int, int] | None,
-                   block_ids: torch.Tensor | None = None) -> torch.Tensor:
+                   block_ids: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Exact per-segment SDPA: segments of equal (Lq, Lk) are batched into one SDPA call.
 
     Cost is one host sync (reading cu_seqlens) and two host-to-device index copies per call, never one per
@@ -372,7 +428,7 @@ def _sdpa_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torc
         qg = qs.reshape(n, lq, q.shape[1], q.shape[2]).transpose(1, 2)
         kg = ks.reshape(n, lk, k.shape[1], k.shape[2]).transpose(1, 2)
         vg = vs.reshape(n, lk, v.shape[1], v.shape[2]).transpose(1, 2)
-        out = _sdpa_group(qg, kg, vg, left, right, scale, blocks)
+        out = _sdpa_group(qg, kg, vg, left, right, scale, blocks, softcap)
         pieces.append(out.transpose(1, 2).reshape(n * lq, q.shape[1], v.shape[-1]))
         start_q, start_k = start_q + n * lq, start_k + n * lk
 
@@ -413,7 +469,7 @@ def _allowed(seg_q, seg_k, pos_q, pos_k, qi, ki, left: int, right: int, block_id
 
 def _sdpa_row_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                    causal: bool, scale: float | None, window: tuple[int, int] | None,
-                   block_ids: torch.Tensor | None = None) -> torch.Tensor:
+                   block_ids: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Exact SDPA over the whole row with a ``[Tq, Tk]`` segment mask built on device: the path inside
     ``torch.compile`` (no host sync, no numpy, every shape fixed by ``T``: a fixed-width row never recompiles).
     Costs ``Tq * Tk`` instead of ``sum(Lq_i * Lk_i)``."""
@@ -424,8 +480,7 @@ def _sdpa_row_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torc
     allowed = _allowed(seg_q, seg_k, pos_q, pos_k, qi, ki, left, right, block_ids)
     has_key = allowed.any(dim=1, keepdim=True)
     q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # THD -> [1, H, T, D]
-    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=allowed | ~has_key, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    out = sdpa(q4, k4, v4, allowed | ~has_key, scale=scale, softcap=softcap)
     return (out * has_key.to(out.dtype)).squeeze(0).transpose(0, 1)
 
 
@@ -529,8 +584,10 @@ def _batch_plans(cu_q: torch.Tensor, cu_k: torch.Tensor) -> dict:
 
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
           causal: bool, scale: float | None, window: tuple[int, int] | None,
-          block_ids: torch.Tensor | None = None, plan_cache: dict | None = None) -> torch.Tensor:
-    """FlexAttention with a document (x image block) mask built from cu_seqlens (forward only on CPU).
+          block_ids: torch.Tensor | None = None, plan_cache: dict | None = None,
+          softcap: float | None = None) -> torch.Tensor:
+    """FlexAttention with a document (x image block) mask built from cu_seqlens (forward only on CPU); ``softcap``:
+    a ``score_mod`` capping each scaled score.
 
     ``plan_cache``: a dict owned by the caller for one batch (default: one kept per boundary tensors); the block
     mask is built once per (rule, window) and reused by every later layer of that batch.
@@ -550,9 +607,20 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
         if plan_cache is not None:
             plan_cache[key] = block_mask
     q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # THD -> [1, H, T, D]
+    capped = {} if softcap is None else {"score_mod": _capped_score(float(softcap))}
     out = _flex_kernel(q.device.type)(q4, k4, v4, block_mask=block_mask, scale=scale,
-                                      enable_gqa=q.shape[1] != k.shape[1])
+                                      enable_gqa=q.shape[1] != k.shape[1], **capped)
     return out.squeeze(0).transpose(0, 1)
+
+
+@lru_cache(maxsize=8)
+def _capped_score(softcap: float) -> Callable:
+    """FlexAttention ``score_mod`` of attention-logit softcapping (one per value, so compiled flex is reused)."""
+
+    def score_mod(score, batch, head, q_idx, kv_idx):
+        return torch.tanh(score / softcap) * softcap
+
+    return score_mod
 
 
 def _require_half(name: str, q: torch.Tensor) -> None:
@@ -561,8 +629,8 @@ def _require_half(name: str, q: torch.Tensor) -> None:
                          "backend='sdpa_segments'")
 
 
-def _flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window) -> torch.Tensor:
-    """flash_attn_varlen_func (GQA native; fp16/bf16, one head dim for q, k and v)."""
+def _flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap=None) -> torch.Tensor:
+    """flash_attn_varlen_func (GQA native; fp16/bf16, one head dim for q, k and v; ``softcap`` from 2.6)."""
     from flash_attn import flash_attn_varlen_func
 
     _require_half("flash_attn", q)
@@ -572,7 +640,8 @@ def _flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window) -> tor
     return flash_attn_varlen_func(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
                                   dropout_p=0.0, softmax_scale=scale, causal=causal,
                                   window_size=_effective_window(causal, window),
-                                  deterministic=torch.are_deterministic_algorithms_enabled())
+                                  deterministic=torch.are_deterministic_algorithms_enabled(),
+                                  **({} if softcap is None else {"softcap": float(softcap)}))
 
 
 def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window) -> torch.Tensor:
@@ -638,7 +707,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      causal: bool = True,
                      softmax_scale: float | None = None, window: tuple[int, int] | None = None,
                      backend: str = "auto", block_ids: torch.Tensor | None = None,
-                     plan_cache: dict | None = None) -> torch.Tensor:
+                     plan_cache: dict | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention over a packed THD row, never across a ``cu_seqlens`` boundary; returns ``[Tq, Hq, Dv]``.
 
     ``cu_seqlens_*`` are the PHYSICAL boundaries and end at ``T`` (the host paths check it; GPU kernels trust
@@ -648,7 +717,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     ``block_ids`` (``[T]`` int, ``-1`` outside images; causal self-attention with ``cu_seqlens_q`` equal to
     ``cu_seqlens_k``): tokens of one image block also see each other both ways (module docstring).
     ``plan_cache``: optional dict, one per batch, in which a backend keeps what it derives from the boundaries
-    (FlexAttention's block mask) for the next layer of the same batch.
+    (FlexAttention's block mask) for the next layer of the same batch. ``softcap``: attention-logit softcapping
+    (module docstring); a backend that cannot apply it is refused by name (``BackendStatus.softcap``).
     """
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, window)
     if block_ids is not None:
@@ -656,16 +726,24 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         block_ids = block_ids.reshape(-1)
     if q.shape[0] == 0 or k.shape[0] == 0:  # nothing to attend to: every row outputs 0
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
-    name = _resolve_auto(q.device.type, q.dtype, block_ids is not None) if backend == "auto" else backend
+    name = (_resolve_auto(q.device.type, q.dtype, block_ids is not None, softcap is not None) if backend == "auto"
+            else backend)
     if name == "sdpa_segments" and torch.compiler.is_compiling():
-        return _sdpa_row_mask(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window, block_ids)
+        return _sdpa_row_mask(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window, block_ids, softcap)
     if name == "sdpa_segments":
-        return _sdpa_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window, block_ids)
+        return _sdpa_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window, block_ids, softcap)
     if name == "flex":
-        return _flex(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window, block_ids, plan_cache)
+        return _flex(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window, block_ids, plan_cache,
+                     softcap)
     kernels = {"flash_attn": _flash_attn, "torch_varlen": _torch_varlen, "transformer_engine": _transformer_engine}
     if name not in kernels:
         raise ValueError(f"unknown attention backend {backend!r}; choose 'auto' or one of {BACKENDS}")
+    if softcap is not None and name != "flash_attn":
+        raise ValueError(
+            f"backend {name!r} cannot apply attention-logit softcapping (softcap={softcap}, Gemma 2 / PaliGemma 2): "
+            "its kernel has no score hook. Use backend='auto', 'flash_attn' (flash-attn >= 2.6), 'flex' or "
+            "'sdpa_segments' (see available_backends()[name].softcap)"
+        )
     if block_ids is not None:
         raise ValueError(
             f"backend {name!r} cannot express bidirectional image blocks (block_ids): its mask is a causal band per "
@@ -674,6 +752,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     status = available_backends()[name]
     if not status.available:
         raise RuntimeError(f"attention backend {name!r} is not available here: {status.reason}")
+    if softcap is not None and not status.softcap:
+        raise ValueError(f"backend {name!r} cannot apply attention-logit softcapping (softcap={softcap}): "
+                         f"{status.reason}. Upgrade flash-attn or use backend='auto', 'flex' or 'sdpa_segments'")
+    extra = {} if softcap is None else {"softcap": softcap}
     return kernels[name](q, k, v, cu_seqlens_q, cu_seqlens_k, _max_len(max_seqlen_q, cu_seqlens_q),
                          _max_len(max_seqlen_k, cu_seqlens_k), causal,
-                         softmax_scale, window)
+                         softmax_scale, window, **extra)

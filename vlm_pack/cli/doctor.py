@@ -43,7 +43,9 @@ def report() -> str:
     for dev in devices:
         for dtype in (torch.float32, torch.bfloat16):
             text, blocks = select_backend(dev, dtype), select_backend(dev, dtype, image_blocks=True)
-            lines.append(f"  {dev} {str(dtype).replace('torch.', ''):<9} -> {text} (with image blocks: {blocks})")
+            capped = select_backend(dev, dtype, softcap=True)
+            lines.append(f"  {dev} {str(dtype).replace('torch.', ''):<9} -> {text} (with image blocks: {blocks}; "
+                         f"with logit softcapping: {capped})")
     if not cuda:
         lines.append("  cuda: not visible here; on a GPU, fp16/bf16 go to the first available of "
                      f"{[b for b in BACKENDS if b not in ('flex', 'sdpa_segments')]}")

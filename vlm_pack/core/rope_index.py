@@ -51,15 +51,20 @@ class MRopeIndex:
         return getattr(transformers, self.rope_index_model)
 
     @property
-    def spatial_merge_size(self) -> int:
-        return int(self.config.vision_config.spatial_merge_size)
+    def spatial_merge_size(self) -> int | None:
+        """The vision tower's patch merge (None where it has none: MiniCPM-V merges by ``downsample_mode``)."""
+        merge = getattr(self.config.vision_config, "spatial_merge_size", None)
+        return None if merge is None else int(merge)
 
-    # get_rope_index calls helpers on self (get_vision_position_ids, the Omni thinkers' get_llm_pos_ids_for_vision):
-    # route every public name this stand-in lacks to the family's own implementation, bound to the stand-in.
+    # get_rope_index calls helpers on self (get_vision_position_ids, the Omni thinkers' get_llm_pos_ids_for_vision,
+    # MiniCPM-V 4.7's _group_visual_frames): route every name this stand-in lacks, dunder names aside, to the family's
+    # own implementation, bound to the stand-in (static methods stay unbound).
     def __getattr__(self, name: str):
-        if name.startswith("_") or name in ("config", "rope_index_model"):
+        if name.startswith("__") or name in ("config", "rope_index_model"):
             raise AttributeError(name)
         function = getattr(self._model_cls, name)
+        if isinstance(inspect.getattr_static(self._model_cls, name), staticmethod):
+            return function
         return function.__get__(self) if callable(function) else function
 
     def __call__(

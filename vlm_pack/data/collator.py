@@ -369,6 +369,7 @@ class VLMPackingCollator:
             image_grid_thw=vision.get("image_grid_thw"),
             video_grid_thw=vision.get("video_grid_thw"),
             second_per_grid_ts=vision.get("second_per_grid_ts"),
+            target_sizes=vision.get("target_sizes"),
         )
 
     def _pack(

@@ -29,12 +29,11 @@ from typing import Any
 
 import torch
 import transformers
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..attention.cross import CROSS_ATTENTION_FLAG, CROSS_KEYS_KWARG, segment_cross_attention
-from ..attention.varlen import dense_attention, varlen_attention
+from ..attention.varlen import dense_attention, sdpa, varlen_attention
 from ..core.packing import chunk_boundaries
 from ..models import ImageBlockRule, get_family, text_config
 from ..attention.shared_prefix import SHARED_PREFIX_KWARG, gather_shared_keys
@@ -280,9 +279,11 @@ def packing_attention_forward(
         raise NotImplementedError(
             f"{ATTN_IMPLEMENTATION} has no attention dropout (got {dropout}); set config.attention_dropout=0"
         )
-    if softcap is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError(f"{ATTN_IMPLEMENTATION} supports neither logit softcapping nor attention sinks")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(f"{ATTN_IMPLEMENTATION} does not support attention sinks")
     if getattr(module, CROSS_ATTENTION_FLAG, False) and kwargs.get("cu_seq_lens_q") is not None:
+        if softcap is not None:
+            raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: packed cross-attention has no logit softcapping")
         keys = kwargs.get(CROSS_KEYS_KWARG)
         if keys is None:
             raise ValueError(f"{type(module).__name__} got a packed row without its samples' media segments "
@@ -338,15 +339,15 @@ def packing_attention_forward(
             value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[-1]),
             cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=scaling, window=window,
             block_ids=None if blocks is None else blocks.ids, plan_cache=None if blocks is None else blocks.plans,
+            softcap=softcap,
         )
         return out.view(batch, q_len, heads, value.shape[-1]), None
 
     if attention_mask is not None:  # a complete mask built by transformers (padding, causal, window)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                             enable_gqa=query.shape[1] != key.shape[1])
+        out = sdpa(query, key, value, attention_mask, scale=scaling, softcap=softcap)
     else:
         out = dense_attention(query, key, value, causal=causal, softmax_scale=scaling, window=window,
-                              block_ids=None if blocks is None else blocks.ids)
+                              block_ids=None if blocks is None else blocks.ids, softcap=softcap)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -502,4 +502,4 @@ def _load_builtin() -> None:
         mllama, paligemma, perception_lm, phi4_multimodal, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_vl,
     )
     from . import aria, ernie4_5_vl_moe, hunyuan_vl, lfm2_vl, ovis2, paddleocr_vl, qianfan_ocr, qwen_omni  # noqa: F401
-    from . import minicpmv4_6, molmo2  # noqa: F401
+    from . import minicpmv4_6, minicpmv4_7, molmo2  # noqa: F401

@@ -31,13 +31,6 @@ _OMNI = MissingRule(
 )
 
 MISSING_RULES: dict[str, MissingRule] = {
-    "minicpmv4_7": MissingRule(
-        "MiniCPM-V 4.7 positions its tokens with Canvas M-RoPE (3-D position ids from each slice's target_sizes and "
-        "its <image>/<slice>/newline markers, computed by the model's compute_3d_position_ids over the whole call), "
-        "a position rule vlm_pack does not compute per sample; its one-row pixel layout is the rule minicpmv4_6 "
-        "proves",
-        "image tokens would get 1-D positions instead of their canvas positions (not measured)",
-    ),
     "deepseek_ocr2": MissingRule(
         "DeepSeek-OCR 2's local crops (pixel_values_local, counted per image by num_local_patches) need a row rule "
         "splitting them by that count, and its SAM + query-encoder tower is not proven under packing",

@@ -1,5 +1,6 @@
 """PaliGemma (``paligemma``): a SigLIP tower and a Gemma language model trained as a prefix-LM: the images and the
-prompt (the prefix) attend to each other both ways, the answer (the suffix) causally.
+prompt (the prefix) attend to each other both ways, the answer (the suffix) causally. PaliGemma 2 is the same
+``model_type`` with a Gemma 2 language model.
 
 Rules (proven in tests/test_families_round3c.py against each sample alone through the stock sdpa model):
 
@@ -18,9 +19,19 @@ Rules (proven in tests/test_families_round3c.py against each sample alone throug
   processor's own prompt / suffix rule (``encode_sample``): a sample is one user turn (its images and prompt text)
   and one assistant answer; labels are the processor's own (the suffix tokens).
 
-Refused: PaliGemma 2 (a Gemma 2 language model), by name: its attention-logit softcapping and sliding layers are not
-carried by the packed attention; chats with a system turn, several turns or images outside the user turn (PaliGemma
-is single-turn); context parallelism (the prefix blocks are not split across ranks).
+PaliGemma 2 (Gemma 2 text; proven in tests/test_families_round3f.py against each sample alone through the stock
+EAGER model, the only one transformers builds for Gemma 2: its sdpa path has no softcapping and is refused):
+
+* attention-logit softcapping (``attn_logit_softcapping``) reaches the packed attention as ``softcap``, which every
+  backend ``"auto"`` routes to applies (``vlm_pack.attention.varlen``); ``query_pre_attn_scalar`` reaches it as
+  ``scaling``; the final logit softcapping is the chunked loss's (``LOGIT_TRANSFORMS``);
+* sliding layers keep their window inside each sample, counted from its start; the prefix block holds in the
+  sliding layers too (``PaliGemmaModel`` ORs it into both masks). transformers' sliding mask is
+  ``(window AND causal) OR prefix`` while the packed attention's is ``(causal OR prefix) AND window``: the two agree
+  while a prefix fits in the window, so a longer prefix is refused by name (``_check_prefix_fits``).
+
+Refused: chats with a system turn, several turns or images outside the user turn (PaliGemma is single-turn);
+context parallelism (the prefix blocks are not split across ranks); a Gemma 2 prefix longer than its sliding window.
 """
 
 from __future__ import annotations
@@ -32,19 +43,33 @@ import torch
 
 from . import IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL, FamilySpec, ImageBlockRule, register_family, text_config
 
-PREFIX_BLOCKS = ImageBlockRule(token_key="token_type_ids", block_types=(0,), layer_types=frozenset({"full_attention"}),
+LAYER_KINDS = frozenset({"full_attention", "sliding_attention"})  # Gemma: full only; Gemma 2: alternating
+PREFIX_BLOCKS = ImageBlockRule(token_key="token_type_ids", block_types=(0,), layer_types=LAYER_KINDS,
                                model_class="PaliGemmaModel")
 
 
 def _gemma_language_model(config: Any) -> str | None:
-    text = text_config(config)
-    kind = getattr(text, "model_type", None)
-    if kind == "gemma2":
-        return ("language model 'gemma2' (PaliGemma 2): its attention-logit softcapping (attn_logit_softcapping) and "
-                "sliding-window layers are not carried by the packed attention; only PaliGemma (Gemma) is proven")
-    if kind != "gemma":
-        return f"language model {kind!r} (proven language model for this family: gemma)"
+    kind = getattr(text_config(config), "model_type", None)
+    if kind not in ("gemma", "gemma2"):
+        return f"language model {kind!r} (proven language models for this family: gemma, gemma2)"
     return None
+
+
+def _check_prefix_fits(config: Any, token_types: torch.Tensor) -> None:
+    """A Gemma 2 prefix must fit in the sliding window (module docstring; one host read per forward)."""
+    text = text_config(config)
+    window = getattr(text, "sliding_window", None)
+    if window is None or "sliding_attention" not in (getattr(text, "layer_types", None) or ()):
+        return
+    ids = PREFIX_BLOCKS.block_ids(token_types)  # [B, T], counted per row: made unique across rows
+    ids = torch.where(ids >= 0, ids + ids.shape[-1] * torch.arange(ids.shape[0], device=ids.device)[:, None], -1)
+    longest = int(torch.bincount(ids[ids >= 0], minlength=1).max())
+    if longest > window:
+        raise ValueError(
+            f"a PaliGemma 2 prefix (images + prompt) of {longest} tokens > sliding_window={window}: transformers' "
+            "sliding mask lets a prefix token see its whole prefix past the window ((window AND causal) OR prefix), "
+            "which the packed attention does not express; use fewer / smaller images or a shorter prompt"
+        )
 
 
 def _text(parts: list[dict], what: str, where: str) -> str:
@@ -83,7 +108,10 @@ def encode_sample(processor: Any, turns: list[dict], index: int) -> dict[str, to
 
 
 def _one_indexed_positions(module, args, kwargs):
-    """Forward pre-hook of ``PaliGemmaModel`` in a packed row: positions + 1 (the model counts from 1)."""
+    """Forward pre-hook of ``PaliGemmaModel``: a Gemma 2 prefix fits its window; in a packed row, positions + 1 (the
+    model counts from 1)."""
+    if kwargs.get("token_type_ids") is not None:
+        _check_prefix_fits(module.config, kwargs["token_type_ids"])
     positions = kwargs.get("position_ids")
     if kwargs.get("cu_seq_lens_q") is None or positions is None:
         return None
@@ -106,7 +134,7 @@ PALIGEMMA = register_family(FamilySpec(
     name="paligemma", model_types=("paligemma",), proof="tests/test_families_round3c.py",
     min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
     proven={"budget": "tests/test_families_round3c.py::test_paligemma_planned_length_equals_the_real_processor"},
-    attention="causal_image_blocks", image_blocks=lambda config: PREFIX_BLOCKS,
+    attention="causal_image_blocks", image_blocks=lambda config: PREFIX_BLOCKS, layer_kinds=LAYER_KINDS,
     token_keys=("input_ids", "labels", "token_type_ids"),
     context_parallel_refusal=IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL,
     extra_checks=(_gemma_language_model,),

@@ -928,6 +928,10 @@ _BUILDERS.update(ROUND3D_BUILDERS)
 from .tiny_families_round3e import ROUND3E_BUILDERS  # noqa: E402  (builds on the helpers above)
 
 _BUILDERS.update(ROUND3E_BUILDERS)
+
+from .tiny_families_round3f import ROUND3F_BUILDERS  # noqa: E402  (builds on the helpers above)
+
+_BUILDERS.update(ROUND3F_BUILDERS)
 TINY_VLM_FAMILIES = tuple(_BUILDERS)
 
 

@@ -104,7 +104,14 @@ def _paligemma_processor() -> ProcessorMixin:
     return PaliGemmaProcessor(image_processor=image_processor, tokenizer=tokenizer)
 
 
-def _paligemma_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+# PaliGemma 2's Gemma 2: attention-logit and final softcapping small enough to bite on tiny scores, sliding layers
+# (40 tokens: every prefix of the tests fits, the longest answers run past it), query_pre_attn_scalar != head_dim.
+_GEMMA2_TEXT = {"model_type": "gemma2", "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0,
+                "sliding_window": 40, "query_pre_attn_scalar": 8}
+
+
+def _paligemma_model(processor, initializer_range: float, layers: int, attn: str,
+                     gemma2: bool = False) -> PreTrainedModel:
     from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
 
     tokenizer = processor.tokenizer
@@ -115,7 +122,7 @@ def _paligemma_model(processor, initializer_range: float, layers: int, attn: str
                      "intermediate_size": 2 * _HIDDEN, "num_hidden_layers": layers, "num_attention_heads": 4,
                      "num_key_value_heads": 2, "head_dim": _HIDDEN // 4, "initializer_range": initializer_range,
                      "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
-                     "eos_token_id": None},
+                     "eos_token_id": None, **(_GEMMA2_TEXT if gemma2 else {})},
         image_token_id=processor.image_token_id, projection_dim=_HIDDEN, pad_token_id=tokenizer.pad_token_id,
     )
     return PaliGemmaForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
@@ -221,6 +228,11 @@ _BUILDERS = {
         "Qwen tokenizer + '<bos>' and PaliGemma's '<image>' (added by the processor); no chat template: the "
         "processor's own prompt / suffix encoding; real SiglipImageProcessor (28 px: 4 image tokens) and "
         "PaliGemmaProcessor; a 2-layer Gemma",
+    ),
+    "paligemma2": _Builder(
+        _paligemma_processor, lambda *args: _paligemma_model(*args, gemma2=True),
+        "as paligemma, with a 2-layer Gemma 2 (one sliding layer of 40 tokens, one global; attention-logit softcap 2, "
+        "final logit softcap 5, query_pre_attn_scalar 8): PaliGemma 2's language model",
     ),
     "fast_vlm": _Builder(
         _fast_vlm_processor, _fast_vlm_model,
