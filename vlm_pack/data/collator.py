@@ -145,7 +145,7 @@ class VLMPackingCollator:
         self.has_images = hasattr(processor, "image_processor")
         tokenizer = getattr(processor, "tokenizer", processor)
         self.pad_token_id = _pad_id(tokenizer) if pad_token_id is None else pad_token_id
-        placeholders = (getattr(processor, "image_token", None), getattr(processor, "video_token", None))
+        placeholders = tuple(getattr(processor, f"{kind}_token", None) for kind in ("image", "video", "audio"))
         self.reserved_tokens = tuple(token for token in placeholders if token)
         if self.family is None and self.has_images:
             raise ValueError(
@@ -164,6 +164,7 @@ class VLMPackingCollator:
         self.unlabelled_ids = _media_token_ids(processor, self.family)
         self.unlabelled_spans = _media_span_ids(processor, self.family)
         self.allow_unproven = allow_unproven
+        self.model_config = model_config
         if context_parallel_size > 1 and self.family is not None:
             require_proven(self.family, "context_parallel", f"context_parallel_size={context_parallel_size}",
                            allow_unproven=allow_unproven)
@@ -235,14 +236,12 @@ class VLMPackingCollator:
     def _encode_all(self, examples: Sequence[Any]) -> tuple[list[dict[str, torch.Tensor]], list[int], int]:
         """(encoded samples that fit, indices of the dropped ones, images in the samples that fit)."""
         conversations = [
-            normalize_example(example, index, reserved_tokens=self.reserved_tokens, allow_images=self.has_images)
+            normalize_example(example, index, reserved_tokens=self.reserved_tokens, allow_images=self.has_images,
+                              allow_audio=self.has_images)
             for index, example in enumerate(examples)
         ]
-        if self.family is not None and "video" not in self.family.paths:
-            for index, turns in enumerate(conversations):
-                if media_parts(turns, "video"):
-                    require_proven(self.family, "video", f"sample {index}: a video",
-                                   allow_unproven=self.allow_unproven)
+        for index, turns in enumerate(conversations):
+            self.check_media(turns, index)
         samples, dropped, images = [], [], 0
         vision_rows = None if self.family is None else self.family.vision_rows
         if self.chat is None:  # the family's own per-sample encoder (FamilySpec.encode_sample)
@@ -284,6 +283,7 @@ class VLMPackingCollator:
                 continue
             samples.append(features)
             images += media_parts(conversations[index], "image")
+        self._check_audio_batch(samples)
         if dropped:
             warnings.warn(
                 f"dropped {len(dropped)} of {len(examples)} samples longer than max_length={self.max_length} "
@@ -299,6 +299,29 @@ class VLMPackingCollator:
                 f"{self.max_length}, {len(empty)} have no label). Raise max_length or filter the dataset."
             )
         return samples, sorted(dropped + empty), images
+
+    def check_media(self, turns: list[dict], index: int) -> None:
+        """Refuse a sample's videos / audio clips where the family's path is not proven (by name), and clips longer
+        than the feature extractor takes (it would cut them silently)."""
+        for kind, what in (("video", "a video"), ("audio", "an audio clip")):
+            if self.family is not None and kind not in self.family.paths and media_parts(turns, kind):
+                require_proven(self.family, kind, f"sample {index}: {what}", allow_unproven=self.allow_unproven)
+        limit = getattr(getattr(self.processor, "feature_extractor", None), "n_samples", None)
+        for turn, message in enumerate(turns):
+            for part in message["content"]:
+                if part["type"] == "audio" and limit is not None and len(part["audio"]) > limit:
+                    raise ValueError(f"sample {index}, turn {turn}: audio clip of {len(part['audio'])} samples, longer "
+                                     f"than the {limit} the feature extractor takes (it would cut the clip); split it")
+
+    def _check_audio_batch(self, samples: list[dict[str, torch.Tensor]]) -> None:
+        """The family's ``audio_batch`` rule on the kept samples' clip lengths (mel frames); fails by name."""
+        rule = None if self.family is None else self.family.audio_batch
+        clips = [s["feature_attention_mask"].sum(-1).tolist() if "feature_attention_mask" in s else [] for s in samples]
+        packed = self.pack_sequences_in_batch  # a padded batch is the stock model's own call: nothing to prove
+        problem = rule(self.model_config, clips) if rule is not None and packed and any(clips) else None
+        if problem:
+            raise ValueError(f"this micro-batch's audio cannot be packed exactly for the {self.family.name} family: "
+                             f"{problem}")
 
     # ---------------------------------------------------------------- batching
 
@@ -319,7 +342,8 @@ class VLMPackingCollator:
 
     def _per_sample_keys(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         keys = dict.fromkeys(k for s in samples for k in s if k not in self.token_keys)
-        for key in keys:  # a per-token output the family does not declare: processor and model do not match
+        declared = {} if self.family is None else self.family.vision_rows
+        for key in (k for k in keys if k not in declared):  # a per-token output the family does not declare
             if all(key not in s or s[key].shape == s["input_ids"].shape for s in samples) and len(samples) > 1:
                 family = "a text model" if self.family is None else f"the {self.family.name} family"
                 raise ValueError(
@@ -361,6 +385,7 @@ class VLMPackingCollator:
             image_grid_thw=vision.get("image_grid_thw"),
             video_grid_thw=vision.get("video_grid_thw"),
             second_per_grid_ts=vision.get("second_per_grid_ts"),
+            audio_seqlens=_audio_lengths(vision),
         )
 
     def _pack(
@@ -466,6 +491,13 @@ def _check_video_runs(features: dict[str, torch.Tensor], processor: Any, family:
         )
 
 
+def _audio_lengths(vision: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Mel frames of each audio clip (``feature_attention_mask`` row sums), which the Omni thinkers' rope index
+    reads as ``audio_seqlens``; None without audio."""
+    mask = vision.get("feature_attention_mask")
+    return None if mask is None else mask.sum(-1)
+
+
 def _image_token_id(processor: Any, family: FamilySpec | None) -> int | None:
     """The id each image expands into: the family's ``image_token`` where it names one (Ovis 2's ``<IMG_ATOM>``),
     else the processor's ``image_token_id`` (None for a text tokenizer)."""
@@ -476,10 +508,11 @@ def _image_token_id(processor: Any, family: FamilySpec | None) -> int | None:
 
 
 def _media_token_ids(processor: Any, family: FamilySpec | None) -> tuple[int, ...]:
-    """Ids that never carry labels: the processor's image / video placeholders and markers (Gemma's ``boi_token``
+    """Ids that never carry labels: the processor's image / video / audio placeholders and markers (Gemma's ``boi_token``
     / ``eoi_token``) and the family's declared ``media_tokens``; tokens the vocabulary lacks are skipped."""
     tokenizer = getattr(processor, "tokenizer", processor)
-    ids = [getattr(owner, f"{kind}_token_id", None) for owner in (processor, tokenizer) for kind in ("image", "video")]
+    ids = [getattr(owner, f"{kind}_token_id", None) for owner in (processor, tokenizer)
+           for kind in ("image", "video", "audio")]
     tokens = [getattr(processor, name, None) for name in ("boi_token", "eoi_token")]
     tokens += list(family.media_tokens) if family is not None else []
     unknown = getattr(tokenizer, "unk_token_id", None)

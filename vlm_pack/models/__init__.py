@@ -58,7 +58,7 @@ PATHS: tuple[TrainingPath, ...] = get_args(TrainingPath)
 PATH_TITLES: dict[TrainingPath, str] = {
     "sft": "in-batch SFT (VLMPackingCollator + enable_packing)",
     "video": "video inputs (VLMPackingCollator)",
-    "audio": "audio inputs",
+    "audio": "audio inputs (VLMPackingCollator)",
     "budget": "token-budget packing (vlm_pack.budget)",
     "dpo": "DPO (PackedDPOTrainer / PreferenceCollator, each sequence its own segment)",
     "dpo_shared_prompt": "DPO with shared prompts (PreferenceCollator(shared_prompts=True))",
@@ -77,8 +77,9 @@ AttentionRule = Literal["causal", "causal_image_blocks"]
 # (e.g. LLaVA-OneVision's batch_num_images); "image_token" rows in fixed proportion to the sample's image
 # placeholder tokens (e.g. InternVL's tiles, whose per-image count the processor does not return).
 # "tile" rows are tiles of different token counts in sample order (LFM2-VL's thumbnail and crops), each sample
-# taking the tiles whose tokens (``FamilySpec.tile_tokens``) add up to its image tokens.
-RowUnit = Literal["image", "sample", "sample_with_images", "image_token", "tile"]
+# taking the tiles whose tokens (``FamilySpec.tile_tokens``) add up to its image tokens. "audio" one row per audio
+# clip (the Omni thinkers' input_features / feature_attention_mask).
+RowUnit = Literal["image", "sample", "sample_with_images", "image_token", "tile", "audio"]
 
 # RoPE variants whose angles depend on the position id alone. Dynamic / long-rope scaling depends on the
 # sequence length, which differs between a packed row and a sample run alone: not exact, so not accepted.
@@ -207,6 +208,9 @@ class FamilySpec:
     different lengths (PerceptionLM's ``pixel_values``, whose model flattens images x tiles): the collator asks the
     image processor for them unstacked and flattens them to one row per tile (``[tiles, 1, C, H, W]``); declare their
     rows ``"image_token"`` when every tile has the same number of image tokens.
+    ``audio_batch``: ``(model config, each kept sample's audio clip lengths in mel frames) -> why this micro-batch's
+    audio cannot be packed exactly, or None``, for a family whose audio tower couples the clips of one call
+    (Qwen3-Omni pads every chunk to the call's longest); the collator refuses such a batch by name.
     """
 
     name: str
@@ -248,6 +252,7 @@ class FamilySpec:
         return frozenset({"sft", *self.proven})
     encode_sample: Callable[[Any, list[dict], int], dict[str, torch.Tensor]] | None = None
     tile_stacks: tuple[str, ...] = ()
+    audio_batch: Callable[[Any, list[list[int]]], str | None] | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.proven) - set(PATHS) | set(self.refused) - set(PATHS))

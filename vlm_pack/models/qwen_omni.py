@@ -14,24 +14,46 @@ The full Omni models (thinker + talker, ``qwen2_5_omni`` / ``qwen3_omni_moe``) a
 from . import FamilySpec, register_family
 
 _PROOF = "tests/test_families_round3b.py"
+# One row per audio clip: the Whisper features (padded to 30 s) and their frame mask, in sample order.
+_AUDIO_ROWS = {"input_features": "audio", "feature_attention_mask": "audio"}
 
 QWEN2_5_OMNI_THINKER = register_family(FamilySpec(
     name="qwen2_5_omni_thinker", model_types=("qwen2_5_omni_thinker",), proof=_PROOF,
     min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen2_5_omni_thinker]",
+        "audio": "tests/test_audio_packing.py::test_audio_batch_equals_each_sample_alone[qwen2_5_omni_thinker]",
         "context_parallel": "tests/test_families_round3b.py::test_edge_batch_equals_each_sample_alone[qwen2_5_omni_thinker]",
     },
     positions="mrope", rope_index_model="Qwen2_5OmniThinkerForConditionalGeneration", rope_index_alone=True,
+    vision_rows=_AUDIO_ROWS,
     media_tokens=("<|vision_bos|>", "<|vision_eos|>", "<|audio_bos|>", "<|audio_eos|>"),
 ))
+def _qwen3_audio_chunks(config, clips: list[list[int]]) -> str | None:
+    """Qwen3-Omni's audio tower cuts each clip into chunks of ``2 * n_window`` mel frames, pads every chunk of the
+    call to the call's longest, and its convolutions (unmasked) read that padding; the attention window is the
+    longest chunk's length too. A packed row is one call: exact only if every sample with audio has the same
+    longest chunk as the batch (its own call alone would pad to it)."""
+    chunk = 2 * config.audio_config.n_window
+    longest = {index: min(chunk, max(frames)) for index, frames in enumerate(clips) if frames}
+    if len(set(longest.values())) <= 1:
+        return None
+    return (f"samples {sorted(longest)} have longest audio chunks of {[longest[i] for i in sorted(longest)]} mel "
+            f"frames; the Qwen3-Omni audio tower pads every {chunk}-frame chunk of a call to the call's longest and "
+            "its convolutions read that padding, so a sample whose clips are all shorter than "
+            f"{chunk} frames gets other audio features beside a longer clip than alone. Batch such samples with clips "
+            f"of the same length, or give every sample a clip of at least {chunk} frames")
+
+
 QWEN3_OMNI_MOE_THINKER = register_family(FamilySpec(
     name="qwen3_omni_moe_thinker", model_types=("qwen3_omni_moe_thinker",), proof=_PROOF,
     min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen3_omni_moe_thinker]",
+        "audio": "tests/test_audio_packing.py::test_audio_batch_equals_each_sample_alone[qwen3_omni_moe_thinker]",
         "context_parallel": "tests/test_families_round3b.py::test_edge_batch_equals_each_sample_alone[qwen3_omni_moe_thinker]",
     },
     positions="mrope", rope_index_model="Qwen3OmniMoeThinkerForConditionalGeneration", rope_index_alone=True,
+    vision_rows=_AUDIO_ROWS, audio_batch=_qwen3_audio_chunks,
     media_tokens=("<|vision_bos|>", "<|vision_eos|>", "<|audio_bos|>", "<|audio_eos|>"),
 ))
