@@ -1,13 +1,20 @@
-"""Qwen2.5-Omni and Qwen3-Omni-MoE thinkers (the text-generating half of the Omni models), image and text inputs:
-time-aligned mRoPE from the model's own ``get_rope_index``, on each sample alone.
+"""Qwen2.5-Omni and Qwen3-Omni-MoE thinkers (the text-generating half of the Omni models), text, image and audio
+inputs: time-aligned mRoPE from the model's own ``get_rope_index``, on each sample alone.
 
-Rules (proven in tests/test_families_round3b.py): positions are ``[4, 1, T]`` (row 0 a per-sample text arange,
-rows 1-3 temporal/height/width from the thinker's own ``get_rope_index``, which reads the image / audio / video
-tokens from the ids and counts media across a batch's rows: the collator runs it on each sample alone,
-``rope_index_alone``);
-``pixel_values`` rows are patches split by ``image_grid_thw`` and the vision tower runs per image on its own
-``cu_seqlens``. Audio parts are refused by the collator (audio features are not packed per sample yet) and videos
-too (their positions interleave with the audio track's in time, ``use_audio_in_video``): neither is proven.
+Rules (images proven in tests/test_families_round3b.py, audio in tests/test_audio_packing.py): positions are
+``[4, 1, T]`` (row 0 a per-sample text arange, rows 1-3 temporal/height/width from the thinker's own
+``get_rope_index``, which reads the image / audio / video tokens from the ids, each clip's token count from its
+``audio_seqlens``, and counts media across a batch's rows: the collator runs it on each sample alone,
+``rope_index_alone``, with the sample's clip lengths); ``pixel_values`` rows are patches split by
+``image_grid_thw`` and the vision tower runs per image on its own ``cu_seqlens``.
+Audio: ``input_features`` / ``feature_attention_mask`` hold one row per clip (``vision_rows`` ``"audio"``), each
+sample's clips in row order; samples with audio are encoded alone (Qwen3-Omni's processor pads a call's clips to
+the longest, and Whisper's last frames see that padding). The audio tower cuts each clip into chunks of
+``2 * n_window`` frames and attends within windows of a clip, never across clips. Qwen2.5-Omni masks its
+convolutions, so a clip's features do not depend on the other clips of the call; Qwen3-Omni's convolutions read the
+padding up to the call's longest chunk, so a packed micro-batch is exact only when every sample with audio has the
+same longest chunk (``audio_batch``: refused by name otherwise).
+Refused: videos (their positions interleave with the audio track's in time, ``use_audio_in_video``: not proven).
 The full Omni models (thinker + talker, ``qwen2_5_omni`` / ``qwen3_omni_moe``) are not registered: train the thinker.
 """
 
