@@ -201,3 +201,17 @@ def test_bad_audio_is_refused_with_the_fix():
                                 {"role": "assistant", "content": "A beep."}]}
         with pytest.raises(ValueError, match=f"sample 0, turn 0: .*{reason}"):
             collator([example])
+
+
+def test_audio_part_without_an_audio_processor_is_refused():
+    """A processor without an audio feature extractor (Qwen2-VL's) refuses an audio part as unsupported, naming
+    where audio is packed; a payload-less audio part is refused naming the field."""
+    collator = families.setup_for("glm4v").collator
+    example = {"messages": [{"role": "user", "content": [{"type": "audio", "audio": wave(0.5, 0)}]},
+                            {"role": "assistant", "content": "A beep."}]}
+    with pytest.raises(ValueError, match="sample 0, turn 0: unsupported content part of type 'audio' here: audio is packed only by"):
+        collator([example])
+    omni = families.setup_for("qwen2_5_omni_thinker").collator
+    example["messages"][0]["content"] = [{"type": "audio"}]
+    with pytest.raises(ValueError, match="sample 0, turn 0: an audio part needs its waveform under 'audio'"):
+        omni([example])

@@ -352,11 +352,13 @@ def _normalize_part(part: Any, where: str, reserved_tokens: Sequence[str], allow
     if kind == "audio":
         if not allow_audio:
             raise ValueError(
-                f"{where}: has an audio part, which only VLMPackingCollator (with the processor of a model whose "
-                "audio path is proven, vlm_pack.models) and token-budget planning pack; drop the audio or train "
-                "this sample another way"
+                f"{where}: unsupported content part of type 'audio' here: audio is packed only by VLMPackingCollator "
+                "(and token-budget planning) with the audio processor of a model whose audio path is proven "
+                "(docs/families.md); drop the audio part or train the sample unpacked"
             )
-        return {"type": "audio", "audio": load_audio(part.get("audio"), where)}
+        if part.get("audio") is None:
+            raise ValueError(f"{where}: an audio part needs its waveform under 'audio' (a 1-D float array)")
+        return {"type": "audio", "audio": load_audio(part["audio"], where)}
     raise ValueError(f"{where}: unsupported content part {part!r:.120}; use type 'text', 'image', 'video' or 'audio'")
 
 

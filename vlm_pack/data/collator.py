@@ -143,6 +143,7 @@ class VLMPackingCollator:
             self.chat = resolve_chat_template(processor, chat_template, template_kwargs)  # how spans are found
             self.chat_template = self.chat.template  # the template every sample is rendered (tokenised) with
         self.has_images = hasattr(processor, "image_processor")
+        self.has_audio = any(hasattr(processor, name) for name in ("feature_extractor", "audio_processor"))
         tokenizer = getattr(processor, "tokenizer", processor)
         self.pad_token_id = _pad_id(tokenizer) if pad_token_id is None else pad_token_id
         placeholders = tuple(getattr(processor, f"{kind}_token", None) for kind in ("image", "video", "audio"))
@@ -237,7 +238,7 @@ class VLMPackingCollator:
         """(encoded samples that fit, indices of the dropped ones, images in the samples that fit)."""
         conversations = [
             normalize_example(example, index, reserved_tokens=self.reserved_tokens, allow_images=self.has_images,
-                              allow_audio=self.has_images)
+                              allow_audio=self.has_audio)
             for index, example in enumerate(examples)
         ]
         for index, turns in enumerate(conversations):
