@@ -9,8 +9,8 @@ an audio sample holding two clips, an image sample, an audio + image sample and 
 ``enable_packing`` + ``VLMPackingCollator``, against each sample ALONE through the stock thinker (sdpa, fp32 CPU):
 logits, per-sample losses, the model's own loss, gradients (tests/tolerance.py). Each rule has a corruption that
 must fail: clips given to the wrong sample, positions over the whole row, the two clips of a sample merged into one.
-Qwen3-Omni's tower pads every chunk of a call to the call's longest (its convolutions read that padding): a batch
-whose audio samples' longest chunks differ is refused by name, and shown wrong without the refusal. Token-budget
+Qwen3-Omni's tower pads every chunk of a call to the call's longest (its convolutions read that padding):
+enable_packing runs it once per sample, and one call over the whole row is caught. Token-budget
 plans count each clip's tokens as the processor does. Other families refuse audio by name.
 Synthetic waveforms (tones plus noise at 16 kHz), no downloads.
 """
@@ -18,6 +18,7 @@ Synthetic waveforms (tones plus noise at 16 kHz), no downloads.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -29,9 +30,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 OMNI = ["qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"]
 # Seconds of each clip (16 kHz, 100 mel frames a second). Sample 0 holds two clips whose merged token count equals
-# the sum of theirs (the merge corruption stays well-formed); Qwen2.5's 0.05-s clip is shorter than one 8-frame
-# window of its tiny tower; Qwen3's clips keep a whole 100-frame chunk in every audio sample (its batch rule).
-CLIPS = {"qwen2_5_omni_thinker": ((0.05, 0.6), 1.3), "qwen3_omni_moe_thinker": ((1.2, 0.8), 1.3)}
+# the sum of theirs (the merge corruption stays well-formed) and whose longest is shorter than the audio tower's
+# chunk (Qwen2.5's tiny tower: 8 frames; Qwen3's: 100 frames, as the checkpoints), unlike sample 2's 1.3-s clip.
+CLIPS = {"qwen2_5_omni_thinker": ((0.05, 0.6), 1.3), "qwen3_omni_moe_thinker": ((0.6, 0.16), 1.3)}
 
 
 def wave(seconds: float, seed: int) -> np.ndarray:
@@ -63,9 +64,13 @@ def audio_examples(family: str) -> list[dict]:
 
 @pytest.mark.parametrize("family", OMNI)
 def test_audio_batch_equals_each_sample_alone(family):
-    """Packed == each sample alone (logits, losses, own loss, gradients); the clips' rows follow their samples, the
-    audio tokens equal the processor's count per clip, and only the answers carry labels."""
+    """Packed with context-parallel alignment slots (each sample padded to a multiple of 4, as cp=2 needs) == each
+    sample alone (logits, losses, own loss, gradients); the clips' rows follow their samples, the audio tokens equal
+    the processor's count per clip, and only the answers carry labels."""
     setup = families.setup_for(family)
+    collator = families.VLMPackingCollator(setup.processor, max_length=2048, model_config=setup.packed.config,
+                                           context_parallel_size=2)
+    setup = dataclasses.replace(setup, collator=collator)
     examples = audio_examples(family)
     batch = setup.collator(examples)
     processor = setup.processor
@@ -73,6 +78,8 @@ def test_audio_batch_equals_each_sample_alone(family):
     assert frames == [round(s * 100) for s in (*CLIPS[family][0], CLIPS[family][1])]  # three clips, in row order
     tokens = processor._get_num_multimodal_tokens(audio_lengths=[n * 160 for n in frames])["num_audio_tokens"]
     assert int((batch["input_ids"] == processor.audio_token_id).sum()) == sum(tokens)
+    meta = families.packing_metadata(batch)
+    assert not torch.equal(meta["cu_seqlens"], meta["cu_seqlens_padded"])  # alignment slots present
     answers = processor.tokenizer.decode(batch["labels"][batch["labels"] != -100])
     assert answers.replace("<|im_end|>", "|") == "Two tones.|" + _answers(examples[1]) + "A hum and a cat.|" + \
         _answers(examples[3])
@@ -106,8 +113,8 @@ def _fails(setup, batch, refs, **overrides) -> bool:
 @torch.no_grad()
 def test_audio_corruptions_are_caught(family):
     """Each audio rule dropped breaks the comparison the clean batch passes: the clips of samples 0 and 2 in swapped
-    order (features attributed to the wrong sample); positions over the whole row (stock sdpa reading boundaries
-    from position ids); the two clips of sample 0 merged into one clip (the tower's windows run across them)."""
+    order (features attributed to the wrong sample); positions over the whole row (attention boundaries kept); the
+    two clips of sample 0 merged into one clip (the tower's windows run across them)."""
     setup = families.setup_for(family)
     examples = audio_examples(family)
     refs = families.references(setup, examples)
@@ -119,10 +126,8 @@ def test_audio_corruptions_are_caught(family):
     assert all(swapped[key].shape == batch[key].shape for key in swapped)
     assert _fails(setup, batch, refs, **swapped)
 
-    no_kwargs = dict.fromkeys(families.BOUNDARY_KWARGS)
-    refs[3].logits.check(families.logit_error(batch, families.packed_logits(setup.stock, batch, **no_kwargs), refs))
     whole_row = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["position_ids"])
-    assert _fails(setup, batch, refs, **no_kwargs, position_ids=whole_row)
+    assert _fails(setup, batch, refs, position_ids=whole_row)  # boundaries kept: the rope angles alone are wrong
 
     features, mask = batch["input_features"], batch["feature_attention_mask"]
     first, second = mask[0].sum().item(), mask[1].sum().item()
@@ -140,21 +145,24 @@ def test_audio_corruptions_are_caught(family):
 
 
 @torch.no_grad()
-def test_qwen3_omni_batch_of_unequal_longest_chunks_is_refused():
-    """Qwen3-Omni: a 0.6-s clip (60 frames, under one 100-frame chunk) alone beside a 1.3-s clip is refused by name;
-    without the refusal its packed logits are far from the sample alone (its chunk padded to 100 frames)."""
+def test_corruption_qwen3_omni_audio_tower_over_the_whole_row(monkeypatch):
+    """Qwen3-Omni's audio tower pads every chunk of a call to the call's longest (its convolutions read that
+    padding): enable_packing runs it once per sample of a packed row. One call over the whole row (the stock
+    get_audio_features) gives sample 0, whose clips are all under one 100-frame chunk, other features and is caught;
+    the row's clip count must match its <|audio_bos|> markers."""
     setup = families.setup_for("qwen3_omni_moe_thinker")
     examples = audio_examples("qwen3_omni_moe_thinker")
-    examples[0]["messages"][0]["content"] = [{"type": "audio", "audio": wave(0.6, 1)},
-                                             {"type": "text", "text": "What do you hear?"}]
-    with pytest.raises(ValueError, match=r"longest audio chunks of \[60, 100\] mel frames"):
-        setup.collator(examples)
-    unchecked = families.VLMPackingCollator(setup.processor, max_length=2048, model_config=setup.packed.config)
-    unchecked.family = dataclasses.replace(unchecked.family, audio_batch=None)
-    batch = unchecked(examples)
-    refs = families.references(setup, examples[:1])
-    error = (families.packed_logits(setup.packed, batch)[: refs[0][0].shape[0]] - refs[0][0]).abs().max().item()
-    print("qwen3_omni unequal chunks", error)
+    refs = families.references(setup, examples)
+    batch = setup.collator(examples)
+    families.assert_exact(families.errors(batch, families.packed_logits(setup.packed, batch), refs))
+    inner = setup.packed.model
+    assert inner._vlm_pack_clips == [2, 1]  # clips of the samples holding audio, in row order
+    extra = {key: torch.cat([batch[key], batch[key][:1]]) for key in ("input_features", "feature_attention_mask")}
+    with pytest.raises(ValueError, match=re.escape("3 <|audio_bos|> markers for 4 audio clips")):
+        families.packed_logits(setup.packed, batch, **extra)
+    monkeypatch.delattr(inner, "get_audio_features")  # the class's: one tower call for every clip of the row
+    error = families.logit_error(batch, families.packed_logits(setup.packed, batch), refs)
+    print("qwen3_omni one audio-tower call", error)
     assert refs[3].logits.is_far(error)
 
 
@@ -204,7 +212,7 @@ def test_bad_audio_is_refused_with_the_fix():
 
 
 def test_audio_part_without_an_audio_processor_is_refused():
-    """A processor without an audio feature extractor (Qwen2-VL's) refuses an audio part as unsupported, naming
+    """A processor without an audio feature extractor (GLM-4V's) refuses an audio part as unsupported, naming
     where audio is packed; a payload-less audio part is refused naming the field."""
     collator = families.setup_for("glm4v").collator
     example = {"messages": [{"role": "user", "content": [{"type": "audio", "audio": wave(0.5, 0)}]},

@@ -165,7 +165,6 @@ class VLMPackingCollator:
         self.unlabelled_ids = _media_token_ids(processor, self.family)
         self.unlabelled_spans = _media_span_ids(processor, self.family)
         self.allow_unproven = allow_unproven
-        self.model_config = model_config
         if context_parallel_size > 1 and self.family is not None:
             require_proven(self.family, "context_parallel", f"context_parallel_size={context_parallel_size}",
                            allow_unproven=allow_unproven)
@@ -284,7 +283,6 @@ class VLMPackingCollator:
                 continue
             samples.append(features)
             images += media_parts(conversations[index], "image")
-        self._check_audio_batch(samples)
         if dropped:
             warnings.warn(
                 f"dropped {len(dropped)} of {len(examples)} samples longer than max_length={self.max_length} "
@@ -313,16 +311,6 @@ class VLMPackingCollator:
                 if part["type"] == "audio" and limit is not None and len(part["audio"]) > limit:
                     raise ValueError(f"sample {index}, turn {turn}: audio clip of {len(part['audio'])} samples, longer "
                                      f"than the {limit} the feature extractor takes (it would cut the clip); split it")
-
-    def _check_audio_batch(self, samples: list[dict[str, torch.Tensor]]) -> None:
-        """The family's ``audio_batch`` rule on the kept samples' clip lengths (mel frames); fails by name."""
-        rule = None if self.family is None else self.family.audio_batch
-        clips = [s["feature_attention_mask"].sum(-1).tolist() if "feature_attention_mask" in s else [] for s in samples]
-        packed = self.pack_sequences_in_batch  # a padded batch is the stock model's own call: nothing to prove
-        problem = rule(self.model_config, clips) if rule is not None and packed and any(clips) else None
-        if problem:
-            raise ValueError(f"this micro-batch's audio cannot be packed exactly for the {self.family.name} family: "
-                             f"{problem}")
 
     # ---------------------------------------------------------------- batching
 

@@ -208,9 +208,6 @@ class FamilySpec:
     different lengths (PerceptionLM's ``pixel_values``, whose model flattens images x tiles): the collator asks the
     image processor for them unstacked and flattens them to one row per tile (``[tiles, 1, C, H, W]``); declare their
     rows ``"image_token"`` when every tile has the same number of image tokens.
-    ``audio_batch``: ``(model config, each kept sample's audio clip lengths in mel frames) -> why this micro-batch's
-    audio cannot be packed exactly, or None``, for a family whose audio tower couples the clips of one call
-    (Qwen3-Omni pads every chunk to the call's longest); the collator refuses such a batch by name.
     """
 
     name: str
@@ -252,7 +249,6 @@ class FamilySpec:
         return frozenset({"sft", *self.proven})
     encode_sample: Callable[[Any, list[dict], int], dict[str, torch.Tensor]] | None = None
     tile_stacks: tuple[str, ...] = ()
-    audio_batch: Callable[[Any, list[list[int]]], str | None] | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.proven) - set(PATHS) | set(self.refused) - set(PATHS))

@@ -11,12 +11,15 @@ Audio: ``input_features`` / ``feature_attention_mask`` hold one row per clip (``
 sample's clips in row order; samples with audio are encoded alone (Qwen3-Omni's processor pads a call's clips to
 the longest, and Whisper's last frames see that padding). The audio tower cuts each clip into chunks of
 ``2 * n_window`` frames and attends within windows of a clip, never across clips. Qwen2.5-Omni masks its
-convolutions, so a clip's features do not depend on the other clips of the call; Qwen3-Omni's convolutions read the
-padding up to the call's longest chunk, so a packed micro-batch is exact only when every sample with audio has the
-same longest chunk (``audio_batch``: refused by name otherwise).
+convolutions, so a clip's features do not depend on the other clips of the call; Qwen3-Omni pads every chunk of a
+call to the call's longest and its convolutions read that padding (the attention window scales with it too), so
+``enable_packing`` runs its audio tower once per sample of a packed row (``prepare_model``: the clips of each
+sample counted from its ``<|audio_bos|>`` markers between ``cu_seq_lens_q`` boundaries), as each sample alone.
 Refused: videos (their positions interleave with the audio track's in time, ``use_audio_in_video``: not proven).
 The full Omni models (thinker + talker, ``qwen2_5_omni`` / ``qwen3_omni_moe``) are not registered: train the thinker.
 """
+
+import torch
 
 from . import FamilySpec, register_family
 
@@ -36,20 +39,57 @@ QWEN2_5_OMNI_THINKER = register_family(FamilySpec(
     vision_rows=_AUDIO_ROWS,
     media_tokens=("<|vision_bos|>", "<|vision_eos|>", "<|audio_bos|>", "<|audio_eos|>"),
 ))
-def _qwen3_audio_chunks(config, clips: list[list[int]]) -> str | None:
-    """Qwen3-Omni's audio tower cuts each clip into chunks of ``2 * n_window`` mel frames, pads every chunk of the
-    call to the call's longest, and its convolutions (unmasked) read that padding; the attention window is the
-    longest chunk's length too. A packed row is one call: exact only if every sample with audio has the same
-    longest chunk as the batch (its own call alone would pad to it)."""
-    chunk = 2 * config.audio_config.n_window
-    longest = {index: min(chunk, max(frames)) for index, frames in enumerate(clips) if frames}
-    if len(set(longest.values())) <= 1:
+
+
+def _clips_per_sample(module, args, kwargs):
+    """Forward pre-hook of ``Qwen3OmniMoeThinkerModel``: on a packed row with audio, how many clips each sample holds
+    (its ``<|audio_bos|>`` tokens between ``cu_seq_lens_q`` boundaries), for :func:`_audio_per_sample`."""
+    module._vlm_pack_clips = None
+    cu_seqlens, features = kwargs.get("cu_seq_lens_q"), kwargs.get("input_features")
+    if cu_seqlens is None or features is None:
         return None
-    return (f"samples {sorted(longest)} have longest audio chunks of {[longest[i] for i in sorted(longest)]} mel "
-            f"frames; the Qwen3-Omni audio tower pads every {chunk}-frame chunk of a call to the call's longest and "
-            "its convolutions read that padding, so a sample whose clips are all shorter than "
-            f"{chunk} frames gets other audio features beside a longer clip than alone. Batch such samples with clips "
-            f"of the same length, or give every sample a clip of at least {chunk} frames")
+    input_ids = kwargs.get("input_ids")
+    if input_ids is None:
+        raise ValueError("Qwen3-Omni audio in a packed row needs input_ids (not inputs_embeds): the audio tower runs "
+                         "once per sample, whose clips are counted from the ids")
+    starts = (input_ids[0] == module.config.audio_start_token_id).long().cumsum(0)
+    ends = torch.cat([starts.new_zeros(1), starts])[cu_seqlens.long()]
+    clips = ends.diff().tolist()
+    if sum(clips) != features.shape[0]:
+        raise ValueError(f"Qwen3-Omni packed row: {sum(clips)} <|audio_bos|> markers for {features.shape[0]} audio "
+                         "clips (input_features rows); encode the batch with VLMPackingCollator")
+    module._vlm_pack_clips = [count for count in clips if count]
+    return None
+
+
+def _audio_per_sample(module):
+    """``get_audio_features`` of one ``Qwen3OmniMoeThinkerModel``, run once per sample of a packed row: its audio
+    tower pads every chunk of a call to the call's longest and its convolutions read that padding, so a sample's
+    features equal those of the sample alone only in a call of its own clips."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    stock = module.get_audio_features
+
+    def get_audio_features(input_features, feature_attention_mask=None, audio_feature_lengths=None, **kwargs):
+        clips = getattr(module, "_vlm_pack_clips", None)
+        if not clips or len(clips) == 1 or feature_attention_mask is None:
+            return stock(input_features, feature_attention_mask, audio_feature_lengths, **kwargs)
+        outputs = [stock(features, mask, None, **kwargs) for features, mask in
+                   zip(input_features.split(clips), feature_attention_mask.split(clips))]
+        hidden = torch.cat([output.last_hidden_state for output in outputs])
+        return BaseModelOutputWithPooling(last_hidden_state=hidden, pooler_output=hidden)
+
+    return get_audio_features
+
+
+def _prepare_qwen3_omni(model: torch.nn.Module) -> None:
+    """Every ``Qwen3OmniMoeThinkerModel`` (once): its audio tower run once per sample of a packed row."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerModel
+
+    for module in model.modules():
+        if isinstance(module, Qwen3OmniMoeThinkerModel) and getattr(module, "_vlm_pack_clip_hook", None) is None:
+            module._vlm_pack_clip_hook = module.register_forward_pre_hook(_clips_per_sample, with_kwargs=True)
+            module.get_audio_features = _audio_per_sample(module)
 
 
 QWEN3_OMNI_MOE_THINKER = register_family(FamilySpec(
@@ -61,6 +101,6 @@ QWEN3_OMNI_MOE_THINKER = register_family(FamilySpec(
         "context_parallel": "tests/test_families_round3b.py::test_edge_batch_equals_each_sample_alone[qwen3_omni_moe_thinker]",
     },
     positions="mrope", rope_index_model="Qwen3OmniMoeThinkerForConditionalGeneration", rope_index_alone=True,
-    vision_rows=_AUDIO_ROWS, audio_batch=_qwen3_audio_chunks,
+    vision_rows=_AUDIO_ROWS, prepare_model=_prepare_qwen3_omni,
     media_tokens=("<|vision_bos|>", "<|vision_eos|>", "<|audio_bos|>", "<|audio_eos|>"),
 ))
