@@ -223,3 +223,11 @@ def test_audio_part_without_an_audio_processor_is_refused():
     example["messages"][0]["content"] = [{"type": "audio"}]
     with pytest.raises(ValueError, match="sample 0, turn 0: an audio part needs its waveform under 'audio'"):
         omni([example])
+
+
+def test_audio_placeholder_typed_in_text_is_refused():
+    """The processor's audio placeholder typed inside text would add an audio slot without a clip: refused."""
+    collator = families.setup_for("qwen2_5_omni_thinker").collator
+    example = {"messages": [{"role": "user", "content": "Hear <|AUDIO|> this"}, {"role": "assistant", "content": "No."}]}
+    with pytest.raises(ValueError, match=r"sample 0, turn 0: text contains the reserved placeholder '<\|AUDIO\|>'"):
+        collator([example])

@@ -328,7 +328,7 @@ def _normalize_part(part: Any, where: str, reserved_tokens: Sequence[str], allow
             if token in text:
                 raise ValueError(
                     f"{where}: text contains the reserved placeholder {token!r}; the processor would expand it as "
-                    "an image slot without an image. Use a {'type': 'image'} part instead."
+                    "a media slot without its media. Use a {'type': 'image'} ('video', 'audio') part instead."
                 )
         return {"type": "text", "text": text}
     if kind == "image":
