@@ -56,7 +56,8 @@ def audio_examples(family: str) -> list[dict]:
         photo_examples(1, seed=0, max_side=56)[0],
         {"messages": [{"role": "system", "content": "Be brief."},
                       {"role": "user", "content": [{"type": "audio", "audio": wave(third, 3)},
-                                                   {"type": "image", "image": photo}, {"type": "text", "text": "Both?"}]},
+                                                   {"type": "image", "image": photo},
+                                                   {"type": "text", "text": "Both?"}]},
                       {"role": "assistant", "content": "A hum and a cat."}]},
         text_chat_examples(1, seed=0, max_turns=1)[0],
     ]
@@ -217,7 +218,8 @@ def test_audio_part_without_an_audio_processor_is_refused():
     collator = families.setup_for("glm4v").collator
     example = {"messages": [{"role": "user", "content": [{"type": "audio", "audio": wave(0.5, 0)}]},
                             {"role": "assistant", "content": "A beep."}]}
-    with pytest.raises(ValueError, match="sample 0, turn 0: unsupported content part of type 'audio' here: audio is packed only by"):
+    with pytest.raises(ValueError, match="sample 0, turn 0: unsupported content part of type 'audio' here: audio is "
+                                         "packed only by"):
         collator([example])
     omni = families.setup_for("qwen2_5_omni_thinker").collator
     example["messages"][0]["content"] = [{"type": "audio"}]
@@ -228,6 +230,7 @@ def test_audio_part_without_an_audio_processor_is_refused():
 def test_audio_placeholder_typed_in_text_is_refused():
     """The processor's audio placeholder typed inside text would add an audio slot without a clip: refused."""
     collator = families.setup_for("qwen2_5_omni_thinker").collator
-    example = {"messages": [{"role": "user", "content": "Hear <|AUDIO|> this"}, {"role": "assistant", "content": "No."}]}
+    example = {"messages": [{"role": "user", "content": "Hear <|AUDIO|> this"},
+                            {"role": "assistant", "content": "No."}]}
     with pytest.raises(ValueError, match=r"sample 0, turn 0: text contains the reserved placeholder '<\|AUDIO\|>'"):
         collator([example])

@@ -155,7 +155,7 @@ def _measure_chunk(collator: Any, examples: Sequence[Any], first: int) -> tuple[
                if collator.has_images else None)
     conversations = [
         normalize_example(example, first + row, reserved_tokens=collator.reserved_tokens,
-                          allow_images=collator.has_images, decode_images=False, allow_audio=getattr(collator, "has_audio", False))
+                          allow_images=collator.has_images, decode_images=False, allow_audio=collator.has_audio)
         for row, example in enumerate(examples)
     ]
     for row, conversation in enumerate(conversations):

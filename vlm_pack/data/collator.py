@@ -497,8 +497,9 @@ def _image_token_id(processor: Any, family: FamilySpec | None) -> int | None:
 
 
 def _media_token_ids(processor: Any, family: FamilySpec | None) -> tuple[int, ...]:
-    """Ids that never carry labels: the processor's image / video / audio placeholders and markers (Gemma's ``boi_token``
-    / ``eoi_token``) and the family's declared ``media_tokens``; tokens the vocabulary lacks are skipped."""
+    """Ids that never carry labels: the processor's image / video / audio placeholders and markers (Gemma's
+    ``boi_token`` / ``eoi_token``) and the family's declared ``media_tokens``; tokens the vocabulary lacks are
+    skipped."""
     tokenizer = getattr(processor, "tokenizer", processor)
     ids = [getattr(owner, f"{kind}_token_id", None) for owner in (processor, tokenizer)
            for kind in ("image", "video", "audio")]

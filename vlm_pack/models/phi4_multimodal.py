@@ -48,7 +48,8 @@ def _row_checks(limit: int | None):
             return None
         if kwargs.get("audio_input_features") is not None or kwargs.get("audio_embed_sizes") is not None:
             raise ValueError("Phi-4-multimodal audio inputs in a packed row: audio packing is not proven for this "
-                             "family (its audio conformer's padding across a batch is not proven); train audio samples unpacked")
+                             "family (its audio conformer's padding across a batch is not proven); train audio samples "
+                             "unpacked")
         if limit is None or positions is None:
             return None
         ends = cu.reshape(-1)[1:] - 1

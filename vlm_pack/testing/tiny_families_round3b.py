@@ -164,7 +164,7 @@ def _ovis2_model(processor, initializer_range: float, layers: int, attn: str) ->
     return Ovis2ForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
-# ---------------------------------------------------------------- Qwen2.5-Omni thinker (images and audio; video refused)
+# ---------------------------------------------------------------- Qwen2.5-Omni thinker (images, audio; no video)
 
 # Qwen2.5-VL's tiny vision tower and image processor (56-112 px images, 14-px patches merged 2x2); a real Whisper
 # feature extractor (16 mel bins, 100 frames a second, clips padded to 30 s as the Omni processor asks) and a
@@ -231,7 +231,7 @@ def _omni_reference(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-# ---------------------------------------------------------------- Qwen3-Omni-MoE thinker (images and audio; video refused)
+# ---------------------------------------------------------------- Qwen3-Omni-MoE thinker (images, audio; no video)
 
 # Qwen3-VL's tiny vision tower (14-px patches merged 2x2, learned position grid, one deepstack layer) and the
 # Qwen2.5-Omni thinker's processor (Qwen3OmniMoeProcessor: the same tokens); MoE text: 4 experts, 2 per token.
