@@ -654,8 +654,8 @@ def _split_vision(
     videos, keys declared ``"audio"`` in ``vision_rows`` (one row per audio clip: ``input_features``,
     ``feature_attention_mask``) to the ``audios`` (clips per sample), the others to the images. Patch rows
     (``pixel_values`` / ``pixel_values_videos`` next to their ``*_grid_thw``) are split by the grid; keys in
-    ``vision_rows`` follow their declared unit (see ``vlm_pack.models.RowUnit``); any other tensor with one row per image (video) is split by image (video), one
-    with one row per sample, by sample.
+    ``vision_rows`` follow their declared unit (see ``vlm_pack.models.RowUnit``); any other tensor with one row
+    per image (video) is split by image (video), one with one row per sample, by sample.
     """
     split = {}
     for key, value in vision.items():
