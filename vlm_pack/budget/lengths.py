@@ -32,8 +32,8 @@ __all__ = ["SampleLengths", "measure_lengths", "require_budget_proof"]
 
 @dataclass(frozen=True)
 class SampleLengths:
-    """Per-sample counts in dataset order (int64 ``[N]`` each): tokens after image/video expansion, vision
-    tokens (image and video tokens: the vision tower's load), images + videos."""
+    """Per-sample counts in dataset order (int64 ``[N]`` each): tokens after image/video/audio expansion, media
+    tokens (image, video and audio tokens: the encoders' load), images + videos + audio clips."""
 
     tokens: np.ndarray
     image_tokens: np.ndarray
@@ -51,6 +51,7 @@ class _VisionTokenCounter:
     def __init__(self, processor: Any, needed: bool = True) -> None:
         self._name = type(processor).__name__
         self._count = getattr(processor, "_get_num_multimodal_tokens", None)
+        self._hop = getattr(getattr(processor, "feature_extractor", None), "hop_length", 1)
         if self._count is None and needed:
             raise ValueError(
                 f"{self._name} cannot count image tokens from image sizes (no _get_num_multimodal_tokens) and its "
@@ -64,11 +65,12 @@ class _VisionTokenCounter:
         if missing and self._count is None:
             raise ValueError(f"{self._name} cannot count video tokens from video sizes (no "
                              "_get_num_multimodal_tokens): token-budget planning cannot plan videos for it")
-        for kind in ("image", "video"):
-            wanted = [size for size in missing if (len(size) == 3) == (kind == "video")]
+        for kind, dims in (("image", 2), ("video", 3), ("audio", 1)):
+            wanted = [size for size in missing if len(size) == dims]
             if wanted:
                 try:
-                    data = self._count(**{f"{kind}_sizes": [list(size) for size in wanted]})
+                    data = (self._count(audio_lengths=[self._whole_hops(size[0]) for size in wanted]) if kind == "audio"
+                            else self._count(**{f"{kind}_sizes": [list(size) for size in wanted]}))
                 except AttributeError as error:
                     if kind == "image" or has("video_token_count"):
                         raise
@@ -78,6 +80,12 @@ class _VisionTokenCounter:
                                      f"pip install -U 'transformers>={since}'") from error
                 self._cache.update(zip(wanted, (int(c) for c in data[f"num_{kind}_tokens"])))
         return [self._cache[size] for size in sizes]
+
+    def _whole_hops(self, samples: int) -> int:
+        """A clip's length rounded up to whole feature hops: the feature extractor's frame count (its frame mask
+        has ``ceil(samples / hop)`` ones), which processors that floor the length (Qwen3-Omni) then count exactly."""
+        hop = self._hop
+        return -(-samples // hop) * hop
 
 
 def measure_lengths(examples: Sequence[Any], collator: Any, *, batch_size: int = 512, num_proc: int = 1,
@@ -120,9 +128,12 @@ def _measure_star(args: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _vision_size(part: dict, where: str) -> tuple[int, ...]:
-    """``(h, w)`` of an image part from its header, ``(frames, h, w)`` of a video part from its frames' shape."""
+    """``(h, w)`` of an image part from its header, ``(frames, h, w)`` of a video part from its frames' shape,
+    ``(samples,)`` of an audio part."""
     if part["type"] == "image":
         return image_size(part["image"], where)
+    if part["type"] == "audio":
+        return (len(part["audio"]),)
     frames = part["video"]
     if isinstance(frames, (list, tuple)) and frames:
         return (len(frames), *image_size(frames[0], where))
@@ -144,9 +155,11 @@ def _measure_chunk(collator: Any, examples: Sequence[Any], first: int) -> tuple[
                if collator.has_images else None)
     conversations = [
         normalize_example(example, first + row, reserved_tokens=collator.reserved_tokens,
-                          allow_images=collator.has_images, decode_images=False)
+                          allow_images=collator.has_images, decode_images=False, allow_audio=collator.has_audio)
         for row, example in enumerate(examples)
     ]
+    for row, conversation in enumerate(conversations):
+        collator.check_media(conversation, first + row)
     rendered = [template_messages(conversation, not collator.has_images) for conversation in conversations]
     tools = [example_tools(example, first + row) for row, example in enumerate(examples)]
     # the collator's text (the template's rendering, plus a stop tag where TRL's training variant adds one)

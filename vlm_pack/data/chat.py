@@ -16,6 +16,8 @@ Accepted example forms (``messages`` may also be given as the example itself, a 
     {"messages": [{"role": "user", "content": "<image>What is this?"}, ...], "images": [<image>]}
     {"messages": [{"role": "user", "content": [{"type": "video", "video": <frames>}, ...]}, ...]}
                                       # frames: a TxHxWxC array, or a list of HxWxC arrays / PIL images
+    {"messages": [{"role": "user", "content": [{"type": "audio", "audio": <waveform>}, ...]}, ...]}
+                                      # waveform: a 1-D float array at the processor's sampling rate
 """
 
 from __future__ import annotations
@@ -212,7 +214,7 @@ def template_messages(turns: list[dict], text_only: bool) -> list[dict]:
 
 def normalize_example(
     example: Any, index: int, *, reserved_tokens: Sequence[str] = (), allow_images: bool = True,
-    decode_images: bool = True,
+    decode_images: bool = True, allow_audio: bool = False,
 ) -> list[dict]:
     """Validate one example and return its turns with list content and decoded PIL images, ready to render.
 
@@ -222,6 +224,8 @@ def normalize_example(
     turn with content (or tool calls / reasoning), image slots == images given, images decodable, no ``reserved_tokens`` (the processor's
     image/video placeholder tokens) typed inside text, where they would silently add image slots.
     ``decode_images=False`` leaves each image part's payload as given (planning reads only its header).
+    ``allow_audio``: audio parts (``{"type": "audio", "audio": <1-D waveform>}``) are accepted (as float32 arrays);
+    else refused, naming the paths that pack them.
     """
     messages, extra_images = _as_messages(example, index)
     pending = list(extra_images or [])
@@ -245,7 +249,7 @@ def normalize_example(
             content = _split_placeholders(content) if extra_images is not None else [{"type": "text", "text": content}]
         elif not isinstance(content, Sequence):
             raise ValueError(f"{where}: content must be a string or a list of parts; got {type(content).__name__}")
-        parts = [_normalize_part(part, where, reserved_tokens, allow_images) for part in content]
+        parts = [_normalize_part(part, where, reserved_tokens, allow_images, allow_audio) for part in content]
         for part in parts:
             if part["type"] == "image" and part["image"] is None:
                 slots += 1
@@ -312,8 +316,10 @@ def _oriented_size(image: Image.Image) -> tuple[int, int]:
     return (height, width) if image.getexif().get(0x0112) in _QUARTER_TURNS else (width, height)
 
 
-def _normalize_part(part: Any, where: str, reserved_tokens: Sequence[str], allow_images: bool) -> dict:
-    """One content part -> ``{"type": "text", "text": ...}`` or ``{"type": "image", "image": payload | None}``."""
+def _normalize_part(part: Any, where: str, reserved_tokens: Sequence[str], allow_images: bool,
+                    allow_audio: bool = False) -> dict:
+    """One content part -> ``{"type": "text", "text": ...}``, ``{"type": "image", "image": payload | None}``,
+    ``{"type": "video", "video": frames}`` or ``{"type": "audio", "audio": float32 waveform}``."""
     kind = part.get("type") if isinstance(part, Mapping) else None
     if kind == "text":
         text = part.get("text")
@@ -323,7 +329,7 @@ def _normalize_part(part: Any, where: str, reserved_tokens: Sequence[str], allow
             if token in text:
                 raise ValueError(
                     f"{where}: text contains the reserved placeholder {token!r}; the processor would expand it as "
-                    "an image slot without an image. Use a {'type': 'image'} part instead."
+                    "a media slot without its media. Use a {'type': 'image'} ('video', 'audio') part instead."
                 )
         return {"type": "text", "text": text}
     if kind == "image":
@@ -344,7 +350,40 @@ def _normalize_part(part: Any, where: str, reserved_tokens: Sequence[str], allow
         if payload is None:
             raise ValueError(f"{where}: a video part needs its frames under 'video'")
         return {"type": "video", "video": payload}
-    raise ValueError(f"{where}: unsupported content part {part!r:.120}; use type 'text', 'image' or 'video'")
+    if kind == "audio":
+        if not allow_audio:
+            raise ValueError(
+                f"{where}: unsupported content part of type 'audio' here: audio is packed only by VLMPackingCollator "
+                "(and token-budget planning) with the audio processor of a model whose audio path is proven "
+                "(docs/families.md); drop the audio part or train the sample unpacked"
+            )
+        if part.get("audio") is None:
+            raise ValueError(f"{where}: an audio part needs its waveform under 'audio' (a 1-D float array)")
+        return {"type": "audio", "audio": load_audio(part["audio"], where)}
+    raise ValueError(f"{where}: unsupported content part {part!r:.120}; use type 'text', 'image', 'video' or 'audio'")
+
+
+def load_audio(value: Any, where: str) -> np.ndarray:
+    """A waveform (1-D array, tensor or list of floats, finite, non-empty) -> float32 array.
+
+    Audio files are not decoded here (that needs an audio backend and a resampling policy): decode them at the
+    processor's sampling rate (``processor.feature_extractor.sampling_rate``) and pass the samples.
+    """
+    if isinstance(value, (str, os.PathLike, bytes)):
+        raise ValueError(f"{where}: audio given as a file ({str(value)[:80]!r}); pass its decoded waveform instead (a "
+                         "1-D float array at the processor's sampling rate)")
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().float().numpy()
+    try:
+        samples = np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: audio could not be read as a waveform ({exc}); give a 1-D float array") from exc
+    if samples.ndim != 1 or samples.size == 0:
+        raise ValueError(f"{where}: audio has shape {samples.shape}; give one channel as a non-empty 1-D float array "
+                         "(average the channels of a stereo clip yourself)")
+    if not np.isfinite(samples).all():
+        raise ValueError(f"{where}: audio contains NaN or infinity; fix or drop the sample")
+    return samples
 
 
 def _split_placeholders(text: str) -> list[dict]:
@@ -360,7 +399,7 @@ def _split_placeholders(text: str) -> list[dict]:
 
 
 def media_parts(turns: list[dict], kind: str) -> int:
-    """How many content parts of ``kind`` (``"image"`` or ``"video"``) a normalised conversation holds."""
+    """How many content parts of ``kind`` (``"image"``, ``"video"`` or ``"audio"``) a normalised conversation holds."""
     return sum(part["type"] == kind for turn in turns for part in turn["content"])
 
 
@@ -412,8 +451,12 @@ def encode_conversations(
     text_only = not hasattr(processor, "image_processor")  # text templates expect string content
     rendered = [template_messages(conversation, text_only) for conversation in conversations]
     tools = list(tools) if tools is not None else [None] * len(conversations)
+    # A clip's features depend on the processor call (Qwen3-Omni pads the clips of a call to the longest, and the
+    # Whisper frames at a clip's end see that padding): samples with audio are encoded alone, as each sample alone.
+    audio_rows = tuple(key for key, unit in (vision_rows or {}).items() if unit == "audio")
+    encode_alone = encode_alone or any(media_parts(c, "audio") for c in conversations)
     try:
-        out = (_apply_each(processor, rendered, chat_template, tools) if encode_alone
+        out = (_apply_each(processor, rendered, chat_template, tools, audio_rows) if encode_alone
                else _apply_template(processor, rendered, chat_template, tools, bool(tile_stacks)))
     except Exception as batch_error:
         for index, conversation in enumerate(rendered):
@@ -433,7 +476,7 @@ def encode_conversations(
             since = GAPS["processor_mask_shift"].since
             raise UnsupportedVersionError(f"{error}; transformers >= {since} shifts the processor's own mask for expanded "
                              f"placeholders: pip install -U 'transformers>={since}'") from error
-    images, videos = ([media_parts(c, kind) for c in conversations] for kind in ("image", "video"))
+    images, videos, audios = ([media_parts(c, kind) for c in conversations] for kind in ("image", "video", "audio"))
     samples: list[dict[str, torch.Tensor]] = [{} for _ in conversations]
     # Per-image tensors some processors return as a list (Gemma 3's pixel_values): one row per image.
     out = {key: torch.cat([stack.unsqueeze(1) for stack in value]) if key in tile_stacks and _is_tensor_list(value)
@@ -451,7 +494,7 @@ def encode_conversations(
     image_tokens = (_image_token_counts(processor, out["input_ids"], image_token_id)
                     if {"image_token", "tile"} & units else None)
     tiles = tile_tokens(processor, vision) if "tile" in units and tile_tokens is not None else None
-    split = _split_vision(vision, images, videos, vision_rows, image_tokens, tiles)
+    split = _split_vision(vision, images, videos, vision_rows, image_tokens, tiles, audios)
     for key, source in (patch_indices or {}).items():
         if key in split:
             split[key] = patch_index.localize(split[key], split.get(source, [None] * len(samples)), key, source)
@@ -570,6 +613,8 @@ def _apply_template(
     # image_lists: one tensor per image, unstacked (tile stacks of different lengths, FamilySpec.tile_stacks).
     per_kind = {"images_kwargs": {"return_tensors": None if image_lists else "pt"},
                 "text_kwargs": {"return_tensors": None, "padding": False}}
+    if hasattr(processor, "feature_extractor"):  # audio features as tensors too (one row per clip)
+        per_kind["audio_kwargs"] = {"return_tensors": "pt"}
     tensors = {"processor_kwargs": per_kind} if images else {}
     if images and has("chat_template_auto_tensors"):  # older releases forward nothing when it is left out
         tensors["return_tensors"] = "auto"
@@ -578,13 +623,18 @@ def _apply_template(
 
 def _apply_each(
     processor: Any, conversations: list[list[dict]], chat_template: ChatTemplate, tools: Sequence[Any],
+    audio_rows: Sequence[str] = (),
 ) -> dict[str, Any]:
     """``_apply_template`` one sample at a time, joined: tensors (vision rows) concatenated in sample order,
-    per-sample lists (token ids, masks) extended."""
+    per-sample lists (token ids, masks) extended. ``audio_rows`` (one row per clip, frames along the last
+    dimension, read through ``feature_attention_mask``): each call's clips right-padded with zeros to the widest."""
     parts = [_apply_template(processor, [turns], chat_template, [tool]) for turns, tool in zip(conversations, tools)]
     out: dict[str, Any] = {}
     for key in dict.fromkeys(key for part in parts for key in part):
         values = [part[key] for part in parts if key in part]
+        if key in audio_rows:
+            width = max(value.shape[-1] for value in values)
+            values = [torch.nn.functional.pad(value, (0, width - value.shape[-1])) for value in values]
         out[key] = torch.cat(values) if isinstance(values[0], torch.Tensor) else [v for value in values for v in value]
     return out
 
@@ -604,23 +654,25 @@ def _split_vision(
     vision_rows: Mapping[str, str],
     image_tokens: list[int] | None = None,
     tile_tokens: list[int] | None = None,
+    audios: list[int] | None = None,
 ) -> dict[str, list[torch.Tensor | None]]:
     """Attribute each batched vision tensor's rows to samples; samples without rows get None.
 
     Keys naming a video (``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``) belong to the
-    videos, the others to the images. Patch rows (``pixel_values`` / ``pixel_values_videos`` next to their
-    ``*_grid_thw``) are split by the grid; keys in ``vision_rows`` follow their declared unit (see
-    ``vlm_pack.models.RowUnit``); any other tensor with one row per image (video) is split by image (video), one
-    with one row per sample, by sample.
+    videos, keys declared ``"audio"`` in ``vision_rows`` (one row per audio clip: ``input_features``,
+    ``feature_attention_mask``) to the ``audios`` (clips per sample), the others to the images. Patch rows
+    (``pixel_values`` / ``pixel_values_videos`` next to their ``*_grid_thw``) are split by the grid; keys in
+    ``vision_rows`` follow their declared unit (see ``vlm_pack.models.RowUnit``); any other tensor with one row
+    per image (video) is split by image (video), one with one row per sample, by sample.
     """
     split = {}
     for key, value in vision.items():
         is_video = "video" in key or key == "second_per_grid_ts"
-        per_sample = videos if is_video else images
-        grid = vision.get("video_grid_thw" if is_video else "image_grid_thw")
-        owner = np.repeat(np.arange(len(per_sample)), per_sample)  # sample index of every image / video
-        rows = value.shape[0] if value.dim() else -1
         unit = vision_rows.get(key)
+        per_sample = (audios or [0] * len(images)) if unit == "audio" else videos if is_video else images
+        grid = vision.get("video_grid_thw" if is_video else "image_grid_thw")
+        owner = np.repeat(np.arange(len(per_sample)), per_sample)  # sample index of every image / video / clip
+        rows = value.shape[0] if value.dim() else -1
         if key in ("pixel_values", "pixel_values_videos") and grid is not None:
             weights = grid.prod(-1).numpy()
             counts = np.bincount(owner, weights=weights, minlength=len(per_sample)).astype(int).tolist()
@@ -632,10 +684,10 @@ def _split_vision(
             counts = _tiles(key, rows, image_tokens, tile_tokens)
         elif unit == "sample" or (unit is None and rows != len(owner) and rows == len(per_sample)):
             counts = [1] * len(per_sample)
-        else:  # one row per image (video), declared or inferred
+        else:  # one row per image (video, audio clip), declared or inferred
             counts = per_sample
         if sum(counts) != rows:
-            kind = "videos" if is_video else "images"
+            kind = "audio clips" if unit == "audio" else "videos" if is_video else "images"
             expected = f"one row per {unit}" if unit else f"the {len(owner)} {kind} or {len(per_sample)} samples"
             raise ValueError(
                 f"processor output {key!r} has shape {tuple(value.shape)}, which does not match {expected}; the "

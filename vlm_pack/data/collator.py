@@ -147,9 +147,10 @@ class VLMPackingCollator:
                 self.chat = with_prefix(processor, self.chat, self.family.template_prefix(processor))
             self.chat_template = self.chat.template  # the template every sample is rendered (tokenised) with
         self.has_images = hasattr(processor, "image_processor")
+        self.has_audio = any(hasattr(processor, name) for name in ("feature_extractor", "audio_processor"))
         tokenizer = getattr(processor, "tokenizer", processor)
         self.pad_token_id = _pad_id(tokenizer) if pad_token_id is None else pad_token_id
-        placeholders = (getattr(processor, "image_token", None), getattr(processor, "video_token", None))
+        placeholders = tuple(getattr(processor, f"{kind}_token", None) for kind in ("image", "video", "audio"))
         self.reserved_tokens = tuple(token for token in placeholders if token)
         if self.family is None and self.has_images:
             raise ValueError(
@@ -239,14 +240,12 @@ class VLMPackingCollator:
     def _encode_all(self, examples: Sequence[Any]) -> tuple[list[dict[str, torch.Tensor]], list[int], int]:
         """(encoded samples that fit, indices of the dropped ones, images in the samples that fit)."""
         conversations = [
-            normalize_example(example, index, reserved_tokens=self.reserved_tokens, allow_images=self.has_images)
+            normalize_example(example, index, reserved_tokens=self.reserved_tokens, allow_images=self.has_images,
+                              allow_audio=self.has_audio)
             for index, example in enumerate(examples)
         ]
-        if self.family is not None and "video" not in self.family.paths:
-            for index, turns in enumerate(conversations):
-                if media_parts(turns, "video"):
-                    require_proven(self.family, "video", f"sample {index}: a video",
-                                   allow_unproven=self.allow_unproven)
+        for index, turns in enumerate(conversations):
+            self.check_media(turns, index)
         samples, dropped, images = [], [], 0
         vision_rows = None if self.family is None else self.family.vision_rows
         if self.chat is None:  # the family's own per-sample encoder (FamilySpec.encode_sample)
@@ -305,6 +304,19 @@ class VLMPackingCollator:
             )
         return samples, sorted(dropped + empty), images
 
+    def check_media(self, turns: list[dict], index: int) -> None:
+        """Refuse a sample's videos / audio clips where the family's path is not proven (by name), and clips longer
+        than the feature extractor takes (it would cut them silently)."""
+        for kind, what in (("video", "a video"), ("audio", "an audio clip")):
+            if self.family is not None and kind not in self.family.paths and media_parts(turns, kind):
+                require_proven(self.family, kind, f"sample {index}: {what}", allow_unproven=self.allow_unproven)
+        limit = getattr(getattr(self.processor, "feature_extractor", None), "n_samples", None)
+        for turn, message in enumerate(turns):
+            for part in message["content"]:
+                if part["type"] == "audio" and limit is not None and len(part["audio"]) > limit:
+                    raise ValueError(f"sample {index}, turn {turn}: audio clip of {len(part['audio'])} samples, longer "
+                                     f"than the {limit} the feature extractor takes (it would cut the clip); split it")
+
     # ---------------------------------------------------------------- batching
 
     def _padded(self, samples: list[dict[str, torch.Tensor]], width: int) -> dict[str, torch.Tensor]:
@@ -324,7 +336,8 @@ class VLMPackingCollator:
 
     def _per_sample_keys(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         keys = dict.fromkeys(k for s in samples for k in s if k not in self.token_keys)
-        for key in keys:  # a per-token output the family does not declare: processor and model do not match
+        declared = {} if self.family is None else self.family.vision_rows
+        for key in (k for k in keys if k not in declared):  # a per-token output the family does not declare
             if all(key not in s or s[key].shape == s["input_ids"].shape for s in samples) and len(samples) > 1:
                 family = "a text model" if self.family is None else f"the {self.family.name} family"
                 raise ValueError(
@@ -370,6 +383,7 @@ class VLMPackingCollator:
             video_grid_thw=vision.get("video_grid_thw"),
             second_per_grid_ts=vision.get("second_per_grid_ts"),
             target_sizes=vision.get("target_sizes"),
+            audio_seqlens=_audio_lengths(vision),
         )
 
     def _pack(
@@ -475,6 +489,13 @@ def _check_video_runs(features: dict[str, torch.Tensor], processor: Any, family:
         )
 
 
+def _audio_lengths(vision: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Mel frames of each audio clip (``feature_attention_mask`` row sums), which the Omni thinkers' rope index
+    reads as ``audio_seqlens``; None without audio."""
+    mask = vision.get("feature_attention_mask")
+    return None if mask is None else mask.sum(-1)
+
+
 def _image_token_id(processor: Any, family: FamilySpec | None) -> int | None:
     """The id each image expands into: the family's ``image_token`` where it names one (Ovis 2's ``<IMG_ATOM>``),
     else the processor's ``image_token_id`` (None for a text tokenizer)."""
@@ -485,10 +506,12 @@ def _image_token_id(processor: Any, family: FamilySpec | None) -> int | None:
 
 
 def _media_token_ids(processor: Any, family: FamilySpec | None) -> tuple[int, ...]:
-    """Ids that never carry labels: the processor's image / video placeholders and markers (Gemma's ``boi_token``
-    / ``eoi_token``) and the family's declared ``media_tokens``; tokens the vocabulary lacks are skipped."""
+    """Ids that never carry labels: the processor's image / video / audio placeholders and markers (Gemma's
+    ``boi_token`` / ``eoi_token``) and the family's declared ``media_tokens``; tokens the vocabulary lacks are
+    skipped."""
     tokenizer = getattr(processor, "tokenizer", processor)
-    ids = [getattr(owner, f"{kind}_token_id", None) for owner in (processor, tokenizer) for kind in ("image", "video")]
+    ids = [getattr(owner, f"{kind}_token_id", None) for owner in (processor, tokenizer)
+           for kind in ("image", "video", "audio")]
     tokens = [getattr(processor, name, None) for name in ("boi_token", "eoi_token")]
     tokens += list(family.media_tokens) if family is not None else []
     unknown = getattr(tokenizer, "unk_token_id", None)

@@ -59,7 +59,7 @@ PATHS: tuple[TrainingPath, ...] = get_args(TrainingPath)
 PATH_TITLES: dict[TrainingPath, str] = {
     "sft": "in-batch SFT (VLMPackingCollator + enable_packing)",
     "video": "video inputs (VLMPackingCollator)",
-    "audio": "audio inputs",
+    "audio": "audio inputs (VLMPackingCollator)",
     "budget": "token-budget packing (vlm_pack.budget)",
     "dpo": "DPO (PackedDPOTrainer / PreferenceCollator, each sequence its own segment)",
     "dpo_shared_prompt": "DPO with shared prompts (PreferenceCollator(shared_prompts=True))",
@@ -78,8 +78,9 @@ AttentionRule = Literal["causal", "causal_image_blocks"]
 # (e.g. LLaVA-OneVision's batch_num_images); "image_token" rows in fixed proportion to the sample's image
 # placeholder tokens (e.g. InternVL's tiles, whose per-image count the processor does not return).
 # "tile" rows are tiles of different token counts in sample order (LFM2-VL's thumbnail and crops), each sample
-# taking the tiles whose tokens (``FamilySpec.tile_tokens``) add up to its image tokens.
-RowUnit = Literal["image", "sample", "sample_with_images", "image_token", "tile"]
+# taking the tiles whose tokens (``FamilySpec.tile_tokens``) add up to its image tokens. "audio" one row per audio
+# clip (the Omni thinkers' input_features / feature_attention_mask).
+RowUnit = Literal["image", "sample", "sample_with_images", "image_token", "tile", "audio"]
 
 # RoPE variants whose angles depend on the position id alone. Dynamic / long-rope scaling depends on the
 # sequence length, which differs between a packed row and a sample run alone: not exact, so not accepted.

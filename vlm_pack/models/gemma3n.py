@@ -33,7 +33,8 @@ def _refuse_audio(module, args, kwargs):
     """Forward pre-hook of ``Gemma3nModel``: audio inputs in a packed row are refused by name."""
     if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("input_features") is not None:
         raise ValueError("Gemma 3n audio inputs (input_features) in a packed row: audio packing is not proven for this "
-                         "family (the collator packs text and images only); train audio samples unpacked")
+                         "family (its conformer pads every clip of a batch to the longest); train audio samples "
+                         "unpacked")
 
 
 def _prepare(model: torch.nn.Module) -> None:

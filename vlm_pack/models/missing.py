@@ -25,8 +25,8 @@ class MissingRule:
 
 _OMNI = MissingRule(
     "the full Omni model (thinker + talker) is not proven: the Omni thinker's time-aligned mRoPE is proven per "
-    "sample for the thinker alone (train Qwen2_5OmniThinkerForConditionalGeneration, image and text inputs; audio "
-    "inputs are not packed)",
+    "sample for the thinker alone (train Qwen2_5OmniThinkerForConditionalGeneration: text, image and audio inputs; "
+    "videos are not packed)",
     "positions would be 1-D instead of the model's 3-D rope: every image, video and audio token gets a wrong position",
 )
 

@@ -12,8 +12,8 @@ Rules (proven in tests/test_families_round3a.py against each sample alone throug
   longest sample does. Exact when every sample of a row is on the same side; a row mixing both is refused at its
   forward (``enable_packing``'s check), naming the bound.
 
-Refused: audio, by name (not a content type the collator packs, and audio inputs in a packed row are refused at the
-forward: the audio conformer's padding across a batch is not proven).
+Refused: audio, by name (the collator refuses audio parts for this family, and audio inputs in a packed row are
+refused at the forward: the audio conformer's padding across a batch is not proven).
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def _row_checks(limit: int | None):
             return None
         if kwargs.get("audio_input_features") is not None or kwargs.get("audio_embed_sizes") is not None:
             raise ValueError("Phi-4-multimodal audio inputs in a packed row: audio packing is not proven for this "
-                             "family (the collator packs text and images only); train audio samples unpacked")
+                             "family (its audio conformer's padding across a batch is not proven); train audio samples "
+                             "unpacked")
         if limit is None or positions is None:
             return None
         ends = cu.reshape(-1)[1:] - 1

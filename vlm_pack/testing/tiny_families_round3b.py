@@ -164,13 +164,20 @@ def _ovis2_model(processor, initializer_range: float, layers: int, attn: str) ->
     return Ovis2ForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
-# ---------------------------------------------------------------- Qwen2.5-Omni thinker (images; audio and video refused)
+# ---------------------------------------------------------------- Qwen2.5-Omni thinker (images, audio; no video)
 
-# Qwen2.5-VL's tiny vision tower and image processor (56-112 px images, 14-px patches merged 2x2); a tiny Whisper
-# feature extractor and audio tower complete the processor and model (audio is refused by the collator).
+# Qwen2.5-VL's tiny vision tower and image processor (56-112 px images, 14-px patches merged 2x2); a real Whisper
+# feature extractor (16 mel bins, 100 frames a second, clips padded to 30 s as the Omni processor asks) and a
+# one-layer audio tower attending in windows of 8 mel frames (n_window=4: several windows per clip).
 _OMNI_TOKENS = {"image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>", "video_token": "<|VIDEO|>",
                 "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
                 "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
+
+
+# ChatML with Omni's image markup, plus each audio part as the official Omni template writes it.
+_OMNI_TEMPLATE = chatml_template("<|vision_bos|><|IMAGE|><|vision_eos|>").replace(
+    "{%- elif part['type'] == 'video' -%}",
+    "{%- elif part['type'] == 'audio' -%}<|audio_bos|><|AUDIO|><|audio_eos|>{%- elif part['type'] == 'video' -%}")
 
 
 def _qwen2_5_omni_thinker_processor() -> ProcessorMixin:
@@ -182,7 +189,7 @@ def _qwen2_5_omni_thinker_processor() -> ProcessorMixin:
         video_processor=Qwen2VLVideoProcessor(**patching),
         feature_extractor=WhisperFeatureExtractor(feature_size=16),
         tokenizer=_tokenizer(_OMNI_TOKENS),
-        chat_template=chatml_template("<|vision_bos|><|IMAGE|><|vision_eos|>"),
+        chat_template=_OMNI_TEMPLATE,
     )
 
 
@@ -199,7 +206,7 @@ def _qwen2_5_omni_thinker_model(processor, initializer_range: float, layers: int
                                       "num_heads": 2, "window_size": 56, "fullatt_block_indexes": [1]},
                                      initializer_range),
         audio_config={"num_mel_bins": 16, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
-                      "d_model": 32, "output_dim": _HIDDEN, "n_window": 4},
+                      "d_model": 32, "output_dim": _HIDDEN, "n_window": 4, "initializer_range": initializer_range},
         audio_token_index=ids("<|AUDIO|>"), image_token_index=ids("<|IMAGE|>"), video_token_index=ids("<|VIDEO|>"),
         audio_start_token_id=ids("<|audio_bos|>"), audio_end_token_id=ids("<|audio_eos|>"),
         vision_start_token_id=ids("<|vision_bos|>"), initializer_range=initializer_range,
@@ -224,10 +231,13 @@ def _omni_reference(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-# ---------------------------------------------------------------- Qwen3-Omni-MoE thinker (images; audio and video refused)
+# ---------------------------------------------------------------- Qwen3-Omni-MoE thinker (images, audio; no video)
 
 # Qwen3-VL's tiny vision tower (14-px patches merged 2x2, learned position grid, one deepstack layer) and the
 # Qwen2.5-Omni thinker's processor (Qwen3OmniMoeProcessor: the same tokens); MoE text: 4 experts, 2 per token.
+# Audio tower: the checkpoint's chunking (n_window=50: 1-s chunks of 100 mel frames, which its token-count formula
+# assumes) with an attention window of one chunk (n_window_infer=100: several windows per clip over 1 s) and a
+# narrow 8-channel convolution stack.
 
 
 def _qwen3_omni_moe_thinker_processor() -> ProcessorMixin:
@@ -253,7 +263,8 @@ def _qwen3_omni_moe_thinker_model(processor, initializer_range: float, layers: i
                                       "num_heads": 2, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
                                      initializer_range),
         audio_config={"num_mel_bins": 16, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
-                      "d_model": 32, "output_dim": _HIDDEN, "n_window": 4},
+                      "d_model": 32, "output_dim": _HIDDEN, "n_window": 50, "n_window_infer": 100,
+                      "downsample_hidden_size": 8, "initializer_range": initializer_range},
         audio_token_id=ids("<|AUDIO|>"), image_token_id=ids("<|IMAGE|>"), video_token_id=ids("<|VIDEO|>"),
         audio_start_token_id=ids("<|audio_bos|>"), vision_start_token_id=ids("<|vision_bos|>"),
         initializer_range=initializer_range,
@@ -391,8 +402,8 @@ ROUND3B_BUILDERS = {
         _qwen2_5_omni_thinker_processor,
         _qwen2_5_omni_thinker_model,
         "Qwen tokenizer + Omni's image/audio/video and boundary tokens and ChatML instead of the checkpoint's (no "
-        "package ships its template); real Qwen2VLImageProcessor (56-112 px images), WhisperFeatureExtractor (16 mel "
-        "bins) and Qwen2_5OmniProcessor",
+        "package ships its template; audio parts as the official template writes them); real Qwen2VLImageProcessor "
+        "(56-112 px images), WhisperFeatureExtractor (16 mel bins) and Qwen2_5OmniProcessor",
     ),
     "qwen3_omni_moe_thinker": _Builder(
         _qwen3_omni_moe_thinker_processor,
