@@ -38,8 +38,9 @@ SP_CORRUPTIONS = ("sp_positions_not_restarted", "sp_loss_per_rank_mean", "sp_vis
 # ZeRO cases last: once ZeRO-3 is configured, transformers builds every later model partitioned; sequence
 # parallelism (ZeRO-3, DeepSpeed's SP groups) after them.
 STREAM_CASES = ("stream_2_files", "stream_error")
-CASES = (*DDP_CASES, "ddp_per_rank_mean", "fsdp2", "sampler", *STREAM_CASES,
-         *(("zero2", "zero3") if HAS_DEEPSPEED else ()), *((*SP_CASES, *SP_CORRUPTIONS) if HAS_ULYSSES else ()))
+CASES = (*DDP_CASES, "ddp_per_rank_mean", "fsdp2", "fsdp2_sharded_head", "sampler", *STREAM_CASES,
+         *(("zero2", "zero3", "zero3_head_grad_dropped") if HAS_DEEPSPEED else ()),
+         *((*SP_CASES, *SP_CORRUPTIONS) if HAS_ULYSSES else ()))
 pytestmark = pytest.mark.slow  # multi-process (CI runs slow tests too)
 LAUNCH_TIMEOUT_S = 900  # generous: two processes import torch + transformers and train on a loaded 2-core box
 
