@@ -143,8 +143,8 @@ def main() -> None:
         steps = [c["step_s"] / f["step_s"] for c, f in zip(chunked, full)]
         lines.append(
             f"| {length} | {length * VOCAB * 4 / 2**20:.0f} | {cell([c['peak_mb'] for c in chunked], 0)} "
-            f"| {cell([f['peak_mb'] for f in full], 0)} | {cell(peaks, 2)}x | {cell([c['step_s'] for c in chunked], 2)} "
-            f"| {cell([f['step_s'] for f in full], 2)} | {cell(steps, 2)}x "
+            f"| {cell([f['peak_mb'] for f in full], 0)} | {cell(peaks, 2)}x "
+            f"| {cell([c['step_s'] for c in chunked], 2)} | {cell([f['step_s'] for f in full], 2)} | {cell(steps, 2)}x "
             f"| {chunked[0]['loss']:.6f} / {full[0]['loss']:.6f} |")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "zero3_loss_cpu.md").write_text("\n".join(lines) + "\n")

@@ -8,8 +8,8 @@ micro-batch of the window on every rank (each rank holds its slice of ``shift_la
 processes counts every target once), and each rank's loss is ``its summed token CE * R / count``, where R is the
 number of ranks the ZeRO-3 engine averages gradients over. The summed CE comes from this rank's hidden states, the
 LM head applied in chunks at its target slots (vlm_pack.core.chunked_loss) inside the model's forward (where ZeRO-3
-gathers the partitioned head once): no rank holds its slice's logits. After the engine's reduction the gradient is that of
-``sum of all token losses of the step / all its label tokens``.
+gathers the partitioned head once): no rank holds its slice's logits. After the engine's reduction the gradient is
+that of ``sum of all token losses of the step / all its label tokens``.
 
 Refused at construction, with the reason: no Ulysses ``parallelism_config``; torch / accelerate context
 parallelism (``cp_size > 1``: ring SDPA takes no mask and accelerate forces ``is_causal``, so packed samples would
