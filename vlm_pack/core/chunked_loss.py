@@ -188,8 +188,9 @@ def hidden_token_losses(hidden: torch.Tensor, head: LMHead, targets: torch.Tenso
 
 def _plain_weight(head: LMHead) -> bool:
     """A plain ``nn.Linear`` whose weight is an ordinary tensor: its gradient can be formed chunk by chunk in the
-    forward (a ZeRO-3-partitioned one too: :mod:`.zero3`). Not a PEFT wrapper, nor FSDP2's DTensor
-    (a separately sharded head outside its forward): those take the recomputing path, which calls the module."""
+    forward (a ZeRO-3-partitioned one too: :mod:`.zero3`). Not a PEFT wrapper, nor FSDP2's DTensor (a separately
+    sharded head outside its forward): those take the recomputing path, which calls the module (refused when an
+    engine shards them: :func:`_refuse_sharded`)."""
     module = head.module
     return type(module) is torch.nn.Linear and type(module.weight) in (torch.Tensor, torch.nn.Parameter)
 

@@ -29,9 +29,10 @@ hook then builds the output. Other calls run unchanged:
   they would leave untrained, is refused), calls with ``logits_to_keep`` and no labels, evaluation without
   ``PackedEvaluation``.
 
-Under DeepSpeed ZeRO-3 (data parallel, or ``UlyssesTrainer``) a partitioned plain ``nn.Linear`` head is gathered once
-per loss call (:func:`~vlm_pack.core.chunked_loss.zero3_gathered`) and per evaluation scoring; a partitioned head of
-another kind (a PEFT wrapper) is refused at the first loss, naming ``chunked_loss=False``.
+Under DeepSpeed ZeRO-3 (data parallel, or ``UlyssesTrainer``) a partitioned plain ``nn.Linear`` head is read once
+per loss call and per evaluation scoring, inside the forward, where DeepSpeed gathers it (:mod:`vlm_pack.core.zero3`).
+Refused at the first loss, naming ``chunked_loss=False``: a partitioned head of another kind (a PEFT wrapper), and
+``compute_loss_func`` / ``SampleMeanLoss`` (they score the deferred logits after the forward).
 
 Family rules, by name: Gemma 3 / 4's ``final_logit_softcapping`` and Cohere 2's ``logit_scale`` are applied in each
 chunk (:data:`LOGIT_TRANSFORMS`); a loss owner whose forward transforms its logits in a way not listed is refused
