@@ -3,8 +3,8 @@
 One packed row of ``L`` tokens (samples of 1024 tokens, a tiny Llama: hidden 64, 2 layers, Qwen's real vocabulary
 of 151,936, so the LM head is the cost real checkpoints pay) runs forward + backward, the loss computed from the
 hidden states of the rank's slice, the LM head applied in chunks at target slots (``vlm_pack.core.chunked_loss``;
-the ``T x V`` logits of a 32k row alone are 18.5 GiB). No engine here: under ZeRO-3 ``UlyssesTrainer`` still scores
-its slice over full logits (``vlm_pack.integrations.head_loss.zero3_partitioned``).
+the ``T x V`` logits of a 32k row alone are 18.5 GiB), inside the forward as ``UlyssesTrainer`` asks for it. No engine
+here (``benchmarks/zero3_loss.py`` measures the loss inside a ZeRO-3 engine).
 
 * SP = 1: ``enable_packing(model)`` on the whole row in one process (vlm_pack's ordinary path);
 * SP = 2: two processes (gloo, one thread each), ``vlm_pack.sequence_parallel.prepare_model`` + DeepSpeed's
@@ -60,8 +60,7 @@ def worker(length: int, sp: int, steps: int, output: str) -> None:
     import torch.nn.functional as F
 
     from vlm_pack import enable_packing
-    from vlm_pack.core.chunked_loss import hidden_weighted_loss
-    from vlm_pack.integrations.head_loss import HEAD_INPUT_KWARG
+    from vlm_pack.integrations.head_loss import TARGETS_KWARG
     from vlm_pack.sequence_parallel.batch import SP_KEY, ulysses_batch
     from vlm_pack.sequence_parallel.model import SP_ATTN_IMPLEMENTATION, SequenceShard, prepare_model
     from vlm_pack.testing.tiny_models import tiny_model
@@ -99,10 +98,9 @@ def worker(length: int, sp: int, steps: int, output: str) -> None:
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        deferred = model(**inputs, use_cache=False, **{HEAD_INPUT_KWARG: True}).logits
-        loss = hidden_weighted_loss(deferred.hidden, deferred.head, targets)
+        loss = model(**inputs, use_cache=False, **{TARGETS_KWARG: targets}).loss  # this rank's summed CE
         loss.backward()
-        del deferred, loss
+        del loss
         model.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -12,6 +12,7 @@ chunked loss (vlm_pack.core.chunked_loss) runs with 16 target slots per chunk, s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -110,6 +111,41 @@ def engine(trainer: Trainer) -> str:
     return type(trainer.model_wrapped).__name__
 
 
+def head_loss_record(model) -> list[str]:
+    """What each training forward of ``model``'s loss owner returned as logits, and whether DeepSpeed ZeRO-3
+    manages its head: 'DeferredLogits zero3' is the chunked loss on a partitioned head (not the model's own loss)."""
+    from vlm_pack.integrations.head_loss import loss_owner
+
+    owner, seen = loss_owner(model), []
+
+    def record(module, args, output):
+        if module.training:
+            weight = dict(module.get_output_embeddings().named_parameters())["weight"]  # no ZeRO-3 gather
+            managed = hasattr(weight, "ds_id")
+            seen.append(f"{type(output.logits).__name__}{' zero3' if managed else ''}")
+
+    owner.register_forward_hook(record)  # after enable_packing's hooks: sees the output they built
+    return seen
+
+
+class DroppedHeadGrad:
+    """Corruption: the chunked loss's fused path computes the head's gradient but hands back zeros (the gathered
+    weight's gradient lost on its way to ZeRO-3's partition)."""
+
+    def __enter__(self):
+        fused = vlm_pack.core.chunked_loss._FusedLinearCrossEntropy
+        self.original = fused.backward
+
+        def backward(ctx, grad_output):
+            grads = self.original(ctx, grad_output)
+            return (grads[0], torch.zeros_like(grads[1]), *grads[2:])  # (None: DeepSpeed's hook fails on it)
+
+        fused.backward = staticmethod(backward)
+
+    def __exit__(self, *exc):
+        vlm_pack.core.chunked_loss._FusedLinearCrossEntropy.backward = staticmethod(self.original)
+
+
 # ---- DDP: the four dataset kinds ----------------------------------------------------------------------------
 
 def vlm_case(out: str) -> dict:
@@ -174,9 +210,10 @@ def token_budget_case(out: str) -> dict:
 
 # ---- torch FSDP2 (fully_shard) directly ----------------------------------------------------------------------
 
-def fsdp2_case(out: str) -> dict:
+def fsdp2_case(out: str, shard_head: bool = False) -> dict:
     """FSDP2 on a packed Llama: rank r takes packs r and r + 2 (accumulation 2); the loss denominator is the
-    label-token count of all four packs (the global token mean), times the world size because FSDP averages."""
+    label-token count of all four packs (the global token mean), times the world size because FSDP averages.
+    ``shard_head``: the LM head sharded on its own (resharded after its forward: a DTensor when the loss reads it)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -184,27 +221,36 @@ def fsdp2_case(out: str) -> dict:
 
     samples = ref.random_samples()
     packs = PackedDataset(Dataset.from_dict({"input_ids": [s.tolist() for s in samples]}), qwen_tokenizer(), 40)
-    model = enable_packing(tiny_model("llama", layers=1, vocab_size=ref.VOCAB))
+    model = enable_packing(tiny_model("llama", layers=1, vocab_size=ref.VOCAB)).train()  # training: chunked loss
     for layer in model.model.layers:
         fully_shard(layer)
+    if shard_head:
+        fully_shard(model.lm_head)
     fully_shard(model)
     batches = [packs.collate([packs[k]]) for k in range(len(packs))]
     total = sum(int(b["labels"][..., 1:].ne(-100).sum()) for b in batches)
+    seen = head_loss_record(model)
     for k in range(dist.get_rank(), len(packs), WORLD):
-        loss = model(**model_inputs(batches[k], keep_labels=True), use_cache=False, num_items_in_batch=total).loss
+        try:
+            loss = model(**model_inputs(batches[k], keep_labels=True), use_cache=False, num_items_in_batch=total).loss
+        except ValueError as error:  # a head sharded on its own: refused by name at the first loss
+            if not shard_head:
+                raise
+            return {"refused": str(error)}
         (loss * WORLD).backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
     sharded = all(isinstance(p, DTensor) for p in model.parameters())
-    return {"engine": type(model).__name__, "sharded": sharded,
+    return {"engine": type(model).__name__, "sharded": sharded, "head_loss": sorted(set(seen)),
             COMPARE: ("text", grads, lambda: ref.text_reference(samples))}
 
 
 # ---- DeepSpeed ZeRO through Trainer ---------------------------------------------------------------------------
 
-def zero_case(out: str, stage: int) -> dict:
+def zero_case(out: str, stage: int, corrupt: bool = False) -> dict:
     """ZeRO hides ``.grad``: compare the weight update of one SGD step (lr 1, no momentum, no clipping) with
     -lr x the reference gradient, with Trainer's own torch SGD inside DeepSpeed. Runs last in a launch: ZeRO-3
-    changes how transformers builds later models."""
+    changes how transformers builds later models. The loss is the chunked one (under ZeRO-3 on the partitioned
+    head, read inside the forward); ``corrupt``: its head gradient dropped (:class:`DroppedHeadGrad`)."""
     import deepspeed.ops
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -216,16 +262,20 @@ def zero_case(out: str, stage: int) -> dict:
     samples = ref.random_samples()
     packs = PackedDataset(Dataset.from_dict({"input_ids": [s.tolist() for s in samples]}), qwen_tokenizer(), 40)
     # Before Trainer: once ZeRO-3 is configured, transformers builds every new model partitioned (collectives).
+    fresh_sequence_parallel()  # (and after an earlier ZeRO-3 case)
     reference = ref.text_reference(samples)
     model = enable_packing(tiny_model("llama", layers=1, vocab_size=ref.VOCAB))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = ref.training_args(out, per_device_train_batch_size=1, remove_unused_columns=True, deepspeed=config,
                              learning_rate=1.0)  # a large step: the update w - w' keeps more fp32 digits
     trainer = Trainer(model=model, args=args, train_dataset=packs, data_collator=packs.collate)
-    trainer.train()
+    seen = head_loss_record(model)
+    with DroppedHeadGrad() if corrupt else contextlib.nullcontext():
+        trainer.train()
     wrapped = trainer.model_wrapped
     after = {n: safe_get_full_fp32_param(p) for n, p in wrapped.module.named_parameters()}
-    result = {"engine": type(wrapped).__name__, "stage": wrapped.zero_optimization_stage()}
+    result = {"engine": type(wrapped).__name__, "stage": wrapped.zero_optimization_stage(),
+              "head_loss": sorted(set(seen))}
     update = {n: (before[n] - after[n]) / args.learning_rate for n in reference}
     result["error"] = ref.relative_error(update, reference)
     return result
@@ -277,6 +327,7 @@ def sp_train(out: str, model, dataset, collate, width: int, corrupt: str | None 
     if corrupt == "positions":  # no boundaries and positions running on through the row
         collator = Unrestarted(collator)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    seen = head_loss_record(model)
     args = ref.training_args(out, per_device_train_batch_size=1, deepspeed=zero3_config(), learning_rate=1.0,
                              parallelism_config=setup.parallelism_config, gradient_accumulation_steps=accumulation,
                              **arguments)
@@ -295,7 +346,8 @@ def sp_train(out: str, model, dataset, collate, width: int, corrupt: str | None 
     wrapped = trainer.model_wrapped
     after = {n: safe_get_full_fp32_param(p) for n, p in wrapped.module.named_parameters()}
     return {"engine": type(wrapped).__name__, "stage": wrapped.zero_optimization_stage(),
-            "sp": trainer.accelerator.parallelism_config.sp_size, "update": {n: before[n] - after[n] for n in before}}
+            "sp": trainer.accelerator.parallelism_config.sp_size, "head_loss": sorted(set(seen)),
+            "update": {n: before[n] - after[n] for n in before}}
 
 
 class Unrestarted:
@@ -538,11 +590,13 @@ CASES = {
     "ddp_packed_sft": packed_sft_case,
     "ddp_token_budget": token_budget_case,
     "fsdp2": fsdp2_case,
+    "fsdp2_sharded_head": lambda out: fsdp2_case(out, shard_head=True),
     "sampler": sampler_case,
     "stream_2_files": stream_case,
     "stream_error": stream_error_case,
     "zero2": lambda out: zero_case(out, 2),
     "zero3": lambda out: zero_case(out, 3),
+    "zero3_head_grad_dropped": lambda out: zero_case(out, 3, corrupt=True),
     "sp_text": sp_text_case,
     "sp_video": lambda out: sp_vlm_case(out, "qwen2_5_vl", video=True),
     "sp_token_budget": sp_token_budget_case,

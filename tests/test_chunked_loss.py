@@ -285,3 +285,38 @@ def test_refusals_and_what_is_left_alone():
     with pytest.raises(ValueError, match="UnknownForCausalLM.*logit_scale"):
         enable_packing(Scaled(model.config))
     enable_packing(Scaled(model.config), chunked_loss=False)  # the model's own loss stays available
+
+
+def test_heads_an_engine_shards():
+    """DeepSpeed ZeRO-3 marks its parameters (``ds_id``, ``ds_status``; fakes here, the 2-process runs in
+    tests/test_multiprocess.py train the real engine). A plain head gathered by DeepSpeed (inside the forward) takes
+    the fused path unchanged; one still partitioned while its gradient is wanted (the loss runs after the forward:
+    compute_loss_func) is refused, as is a partitioned head that is not a plain nn.Linear (its calls would gather
+    per chunk), in training and in evaluation scoring."""
+    status = pytest.importorskip("deepspeed.runtime.zero.partition_parameters").ZeroParamStatus
+    torch.manual_seed(0)
+    hidden = torch.randn(1, 40, 32, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (1, 40))
+    linear = torch.nn.Linear(32, VOCAB, bias=False)
+    want = hidden_weighted_loss(hidden, LMHead(linear), targets, chunk_tokens=CHUNK)
+    linear.weight.ds_id, linear.weight.ds_status = 0, status.AVAILABLE  # gathered by DeepSpeed's forward
+    got = hidden_weighted_loss(hidden, LMHead(linear), targets, chunk_tokens=CHUNK)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    linear.weight.ds_status = status.NOT_AVAILABLE
+    with pytest.raises(ValueError, match="weight .Linear. is partitioned by DeepSpeed ZeRO-3 and this loss runs "
+                                         "outside the model's forward.*chunked_loss=False"):
+        hidden_weighted_loss(hidden, LMHead(linear), targets, chunk_tokens=CHUNK)
+
+    class Wrapped(torch.nn.Module):  # what a PEFT wrapper looks like to the loss: not a plain nn.Linear
+        def __init__(self):
+            super().__init__()
+            self.base = linear
+
+        def forward(self, x):
+            return self.base(x)
+
+    linear.weight.ds_status = status.AVAILABLE
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match="a Wrapped whose base.weight an engine "
+                                                                            "shards.*chunked_loss=False"):
+            hidden_cross_entropy(hidden, LMHead(Wrapped()), targets)

@@ -8,7 +8,9 @@ through the stock sdpa model, loss = token mean over both ranks and the whole ac
 ran, so a silent fallback (e.g. ``TrainingArguments(fsdp=...)`` runs DDP on CPU) cannot pass for another.
 The sequence-parallel cases (DeepSpeed Ulysses, SP = 2, ZeRO-3, vlm_pack.sequence_parallel; one case per family,
 all in this launch) run last and add about 35 s (5 original cases) + about 55 s (7 more families, measured on a
-loaded 2-core machine) to the launch.
+loaded 2-core machine) to the launch. Under ZeRO-3 (zero3 and every SP case) the loss is vlm_pack's chunked one on
+the partitioned head (each result names what the forward returned); the planted lost head gradient and the refused
+FSDP2 head sharded on its own add about 5 s.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ SP_CORRUPTIONS = ("sp_positions_not_restarted", "sp_loss_per_rank_mean", "sp_vis
 # ZeRO cases last: once ZeRO-3 is configured, transformers builds every later model partitioned; sequence
 # parallelism (ZeRO-3, DeepSpeed's SP groups) after them.
 STREAM_CASES = ("stream_2_files", "stream_error")
-CASES = (*DDP_CASES, "ddp_per_rank_mean", "fsdp2", "sampler", *STREAM_CASES,
-         *(("zero2", "zero3") if HAS_DEEPSPEED else ()), *((*SP_CASES, *SP_CORRUPTIONS) if HAS_ULYSSES else ()))
+CASES = (*DDP_CASES, "ddp_per_rank_mean", "fsdp2", "fsdp2_sharded_head", "sampler", *STREAM_CASES,
+         *(("zero2", "zero3", "zero3_head_grad_dropped") if HAS_DEEPSPEED else ()),
+         *((*SP_CASES, *SP_CORRUPTIONS) if HAS_ULYSSES else ()))
 pytestmark = pytest.mark.slow  # multi-process (CI runs slow tests too)
 LAUNCH_TIMEOUT_S = 900  # generous: two processes import torch + transformers and train on a loaded 2-core box
 
@@ -84,17 +87,40 @@ def test_token_mean_is_global_by_default_and_per_rank_mean_warns(results):
 
 
 def test_fsdp2_fully_shard_equals_each_sample_alone(results):
+    """Training mode, so the loss is vlm_pack's chunked one (the head sharded with the root: a plain weight inside
+    the forward)."""
     got = results["fsdp2"]
     assert got["engine"].startswith("FSDP") and got["sharded"], got  # torch's fully_shard really ran
+    assert got["head_loss"] == ["DeferredLogits"], got
     assert got["error"] < GRAD_REL_L2, got
+
+
+def test_fsdp2_head_sharded_on_its_own_is_refused_by_name(results):
+    """``fully_shard(model.lm_head)``: the head's weight is a DTensor when the loss reads it, so every chunk's call
+    (and its recompute in the backward) would all-gather it; that 2-process run hung. Refused at the first loss,
+    naming the head and the fixes."""
+    refused = results["fsdp2_sharded_head"]["refused"]
+    assert "FSDPLinear whose weight an engine shards" in refused, refused
+    assert "enable_packing(model, chunked_loss=False)" in refused, refused
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (the test extra installs it)")
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_zero_through_trainer_equals_each_sample_alone(results, stage):
+    """The chunked loss (logits deferred), under ZeRO-3 on the partitioned head: read once per loss inside the
+    forward, its gradient reaching the partition."""
     got = results[f"zero{stage}"]
     assert (got["engine"], got["stage"]) == ("DeepSpeedEngine", stage)
+    assert got["head_loss"] == ["DeferredLogits zero3" if stage == 3 else "DeferredLogits"], got
     assert got["error"] < GRAD_REL_L2, got
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (the test extra installs it)")
+def test_zero3_head_gradient_lost_is_caught(results):
+    """Planted bug: the fused path's head gradient handed back as zeros under ZeRO-3 (0.22 measured)."""
+    got = results["zero3_head_grad_dropped"]
+    assert got["head_loss"] == ["DeferredLogits zero3"], got
+    assert got["error"] > 1e-2, got
 
 
 def test_balanced_sampler_in_trainer_covers_every_sample_once_and_resumes(results):
@@ -125,9 +151,11 @@ def test_ulysses_sequence_parallel_equals_each_sample_alone(results, case):
     gives 3.9e-2), GLM-4V, InternVL (tiles), LLaVA-OneVision (anyres
     crops), Mistral3 (Pixtral) and Idefics3 (per-sample tile stacks) with images. The weight update is that of the
     global token mean of all samples, each run alone through the stock sdpa model (parameters the reference leaves
-    without gradient, e.g. an unused SigLIP head, must not move)."""
+    without gradient, e.g. an unused SigLIP head, must not move). Each rank's summed CE is the chunked loss over
+    its slice, formed inside the forward on the ZeRO-3-partitioned head."""
     got = results[case]
     assert (got["engine"], got["stage"], got["sp"]) == ("DeepSpeedEngine", 3, 2), got
+    assert got["head_loss"] == ["DeferredLogits zero3"], got  # the chunked loss on the ZeRO-3-partitioned head
     assert got["error"] < GRAD_REL_L2, got
 
 

@@ -12,28 +12,34 @@ fused linear cross entropy does: no chunk is computed twice, which keeps the ste
 The head is any module (``nn.Linear``, a tied embedding's projection, a PEFT-wrapped head, one with a bias): it is
 called, never unpacked into a weight, so gradients reach whatever parameters it owns. :class:`LMHead` adds the
 post-projection transforms a family applies (Gemma's final logit softcapping, Cohere's logit scale).
+
+Under DeepSpeed ZeRO-3 (data parallel, or ``UlyssesTrainer``) a plain ``nn.Linear`` head is read once per loss
+call, inside the model's forward, where DeepSpeed gathers its partitioned weight once and again for the backward
+(:mod:`.zero3`); the fused path then forms its gradients in the forward, so no head call, hence no gather per chunk,
+happens in either pass. A partitioned head of another kind is refused in training (its calls would gather per chunk).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .loss import Reduction, _check_cu, sample_mean, shift_packed_labels
 from .packing import IGNORE_INDEX, segment_ids
+from .zero3 import require_gathered, zero3_gathered
 
 __all__ = [
     "ACCELERATOR_CHUNK_BYTES",
     "DEFAULT_CHUNK_BYTES",
     "LMHead",
-    "agreed_chunk_count",
     "chunk_bounds",
     "chunk_tokens_for",
+    "gathered_projection",
     "hidden_cross_entropy",
     "hidden_sample_sums",
     "hidden_token_losses",
@@ -62,7 +68,10 @@ class LMHead:
     softcap: float | None = None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.module(hidden)
+        return self.transform(self.module(hidden))
+
+    def transform(self, logits: torch.Tensor) -> torch.Tensor:
+        """The family's post-projection transforms applied to the projection's output."""
         if self.scale is not None:
             logits = logits * self.scale
         if self.softcap is not None:
@@ -104,21 +113,48 @@ def chunk_bounds(count: int, size: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, count)) for start in range(0, count, size)]
 
 
-def _chunk_losses(hidden: torch.Tensor, targets: torch.Tensor, head: LMHead) -> torch.Tensor:
-    return F.cross_entropy(head(hidden).float(), targets, reduction="none")
+def _chunk_losses(hidden: torch.Tensor, targets: torch.Tensor,
+                  project: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(project(hidden).float(), targets, reduction="none")
 
 
-def agreed_chunk_count(chunks: int, device: torch.device) -> int:
-    """The largest chunk count of any process (one scalar all-reduce) when several run, else ``chunks``.
+def _sharded_names(head: LMHead) -> list[str]:
+    """Names of the head's parameters an engine shards: DeepSpeed ZeRO-3 (``ds_id``, gathered now or not) or FSDP2
+    (a DTensor: a head sharded on its own, outside its forward)."""
+    from torch.distributed.tensor import DTensor
 
-    ZeRO-3 (and any engine that gathers the head's sharded weight on each call) needs every rank to call the head
-    the same number of times, forward and backward; ranks hold different numbers of targets (data parallelism, or
-    each sequence-parallel slice), so the ranks with fewer chunks add filler chunks."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return chunks
-    count = torch.tensor([chunks], device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return int(count)
+    parameters = getattr(head.module, "named_parameters", lambda: ())()
+    return [name for name, p in parameters if hasattr(p, "ds_id") or isinstance(p, DTensor)]
+
+
+def _refuse_sharded(head: LMHead) -> None:
+    """A head whose weights an engine shards is read once per loss only on the fused path (a plain ``nn.Linear``
+    under ZeRO-3); called per chunk it would gather them on every call (forward, and the recompute in the backward)
+    and ranks with different chunk counts wait on each other (a 2-process FSDP2 run with a separately sharded head
+    hung)."""
+    names = _sharded_names(head)
+    if names:
+        raise ValueError(
+            f"vlm_pack's chunked loss cannot read this LM head once per loss: a {type(head.module).__name__} whose "
+            f"{', '.join(names[:4])} an engine shards (DeepSpeed ZeRO-3 takes a plain nn.Linear head; FSDP2 a head "
+            "sharded with its parent, not by its own fully_shard). Leave the head out of the adapter / its own "
+            "fully_shard, or pass enable_packing(model, chunked_loss=False) (the model's own loss over full logits)"
+        )
+
+
+@contextmanager
+def gathered_projection(head: LMHead) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+    """``hidden -> logits`` for a block of head calls without autograd: ``head`` itself, or for a plain ``nn.Linear``
+    head under ZeRO-3 its weight gathered once for the block (:func:`~.zero3.zero3_gathered`) and applied with
+    ``F.linear``, instead of a module call (a gather) per chunk. Other sharded heads are refused."""
+    if not _plain_weight(head):
+        _refuse_sharded(head)
+        yield head
+        return
+    module = head.module
+    weight, bias = module.weight, module.bias
+    with zero3_gathered(weight, bias):
+        yield lambda hidden: head.transform(F.linear(hidden, weight, bias))
 
 
 def hidden_token_losses(hidden: torch.Tensor, head: LMHead, targets: torch.Tensor, *, chunk_tokens: int | None = None,
@@ -139,29 +175,24 @@ def hidden_token_losses(hidden: torch.Tensor, head: LMHead, targets: torch.Tenso
     size = chunk_tokens or chunk_tokens_for(head.vocab_size, device=flat_hidden.device)
     recompute = torch.is_grad_enabled() and (picked.requires_grad or any(
         p.requires_grad for p in getattr(head.module, "parameters", lambda: ())()))
-
-    def run(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return checkpoint(_chunk_losses, h, t, head, use_reentrant=False) if recompute else _chunk_losses(h, t, head)
-
-    pieces = [run(picked[start:end], wanted[start:end]) for start, end in chunk_bounds(slots.numel(), size)]
+    if recompute:
+        _refuse_sharded(head)  # each chunk's call and its recompute would gather the weights again
+    with gathered_projection(head) if not recompute else nullcontext(head) as project:
+        pieces = [checkpoint(_chunk_losses, picked[start:end], wanted[start:end], project, use_reentrant=False)
+                  if recompute else _chunk_losses(picked[start:end], wanted[start:end], project)
+                  for start, end in chunk_bounds(slots.numel(), size)]
     # an empty tensor still connected to the graph, so backward() works on a batch without targets
     losses = torch.cat(pieces) if pieces else picked.sum(-1).float()
-    fillers = agreed_chunk_count(len(pieces), flat_hidden.device) - len(pieces)
-    if fillers and flat_hidden.shape[0]:  # the head's calls, forward and backward, as many as on the other ranks
-        zero = sum(run(flat_hidden[:1], flat_targets.new_zeros(1, dtype=torch.long)).sum() for _ in range(fillers))
-        losses = losses + 0.0 * zero
     return losses, slots
 
 
 def _plain_weight(head: LMHead) -> bool:
     """A plain ``nn.Linear`` whose weight is an ordinary tensor: its gradient can be formed chunk by chunk in the
-    forward. Not a PEFT wrapper, nor a weight that an engine shards and gathers on each call (ZeRO-3's ``ds_id``,
-    FSDP2's DTensor): those take the recomputing path, which calls the module."""
+    forward (a ZeRO-3-partitioned one too: :mod:`.zero3`). Not a PEFT wrapper, nor FSDP2's DTensor (a separately
+    sharded head outside its forward): those take the recomputing path, which calls the module (refused when an
+    engine shards them: :func:`_refuse_sharded`)."""
     module = head.module
-    if type(module) is not torch.nn.Linear:
-        return False
-    weight = module.weight
-    return type(weight) in (torch.Tensor, torch.nn.Parameter) and not hasattr(weight, "ds_id")
+    return type(module) is torch.nn.Linear and type(module.weight) in (torch.Tensor, torch.nn.Parameter)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -222,8 +253,9 @@ def hidden_weighted_loss(hidden: torch.Tensor, head: LMHead, targets: torch.Tens
 
     ``weights``: a number, or one per slot shaped like ``targets`` (e.g. ``1 / tokens of the slot's sample`` for the
     per-sample mean). A plain ``nn.Linear`` head (bias, tied weight, scale and softcap included) takes the fused path
-    (:class:`_FusedLinearCrossEntropy`: gradients formed in the forward, each chunk computed once); any other head
-    (PEFT, ZeRO-3 / FSDP-sharded weights, a custom module) takes :func:`hidden_token_losses`' recomputing path.
+    (:class:`_FusedLinearCrossEntropy`: gradients formed in the forward, each chunk computed once), its weight gathered
+    once when ZeRO-3 partitions it; any other head (PEFT, an FSDP2-sharded weight, a custom module) takes
+    :func:`hidden_token_losses`' recomputing path.
     """
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1).to(flat_hidden.device)
@@ -240,9 +272,12 @@ def hidden_weighted_loss(hidden: torch.Tensor, head: LMHead, targets: torch.Tens
     slots = torch.nonzero(flat_targets != ignore_index).squeeze(1)
     size = chunk_tokens or chunk_tokens_for(head.vocab_size, device=flat_hidden.device)
     module = head.module
-    return _FusedLinearCrossEntropy.apply(
-        flat_hidden.index_select(0, slots), module.weight, module.bias, flat_targets.index_select(0, slots).long(),
-        flat_weights.index_select(0, slots), head.scale, head.softcap, chunk_bounds(slots.numel(), size))
+    weight, bias = module.weight, module.bias  # under ZeRO-3, inside the forward: DeepSpeed gathers them (once)
+    require_gathered(module, {"weight": weight, "bias": bias})
+    with zero3_gathered(weight, bias):  # a frozen partitioned weight read outside the forward
+        return _FusedLinearCrossEntropy.apply(
+            flat_hidden.index_select(0, slots), weight, bias, flat_targets.index_select(0, slots).long(),
+            flat_weights.index_select(0, slots), head.scale, head.softcap, chunk_bounds(slots.numel(), size))
 
 
 def hidden_sample_sums(losses: torch.Tensor, sample_of_slot: torch.Tensor, num_samples: int,

@@ -18,15 +18,21 @@ hook then builds the output. Other calls run unchanged:
 * a training call without labels that carries the batch bookkeeping (``batch["vlm_pack"]``): what
   ``Trainer(compute_loss_func=...)`` sends after taking the labels away; ``logits`` is deferred, and
   :func:`vlm_pack.compute_loss_func` / :class:`~vlm_pack.SampleMeanLoss` score it in chunks;
-* a call with ``vlm_pack_head_input=True`` (:data:`HEAD_INPUT_KWARG`, taken out of the call): deferred ``logits``
-  in any mode (the sequence-parallel trainer uses it);
+* a call with ``vlm_pack_targets=`` (:data:`TARGETS_KWARG`, taken out of the call; already-shifted targets, e.g. a
+  sequence-parallel rank's slice): ``loss`` is their summed cross entropy, formed inside the forward, and ``logits``
+  deferred, in any mode (the sequence-parallel trainer uses it);
 * evaluation forwards with labels of a model that :class:`~vlm_pack.PackedEvaluation` watches: ``logits`` becomes
   ``[B, T, 2]`` per-slot scores (argmax id, cross entropy of the next label), the loss their token mean;
 * left alone: TRL's ``fused_lm_head=True`` calls and a forward that Liger's kernels (``use_liger_kernel`` /
   ``liger_kernel_config``) or Cut Cross-Entropy's ``cce_patch`` replaced (:func:`fused_peer`: each computes its own
   loss without the logits, exact on packed rows since sample starts are -100; a PEFT adapter on the head, which
-  they would leave untrained, is refused), a head whose weight DeepSpeed ZeRO-3 partitions (:func:`zero3_partitioned`:
-  ``UlyssesTrainer`` and ZeRO-3 data parallelism keep the full logits for now), calls with ``logits_to_keep`` and no labels, evaluation without ``PackedEvaluation``.
+  they would leave untrained, is refused), calls with ``logits_to_keep`` and no labels, evaluation without
+  ``PackedEvaluation``.
+
+Under DeepSpeed ZeRO-3 (data parallel, or ``UlyssesTrainer``) a partitioned plain ``nn.Linear`` head is read once
+per loss call and per evaluation scoring, inside the forward, where DeepSpeed gathers it (:mod:`vlm_pack.core.zero3`).
+Refused at the first loss, naming ``chunked_loss=False``: a partitioned head of another kind (a PEFT wrapper), and
+``compute_loss_func`` / ``SampleMeanLoss`` (they score the deferred logits after the forward).
 
 Family rules, by name: Gemma 3 / 4's ``final_logit_softcapping`` and Cohere 2's ``logit_scale`` are applied in each
 chunk (:data:`LOGIT_TRANSFORMS`); a loss owner whose forward transforms its logits in a way not listed is refused
@@ -49,13 +55,19 @@ import torch.nn.functional as F
 import transformers
 
 from ..core.batch import METADATA_KEY
-from ..core.chunked_loss import LMHead, agreed_chunk_count, chunk_tokens_for, hidden_weighted_loss, row_targets
+from ..core.chunked_loss import (
+    LMHead,
+    chunk_tokens_for,
+    gathered_projection,
+    hidden_weighted_loss,
+    row_targets,
+)
 from ..core.packing import IGNORE_INDEX
 from ..models import text_config
 
 __all__ = [
-    "HEAD_INPUT_KWARG",
     "LOGIT_TRANSFORMS",
+    "TARGETS_KWARG",
     "DeferredLogits",
     "FUSED_PEERS",
     "fused_peer",
@@ -63,11 +75,12 @@ __all__ = [
     "loss_owner",
     "score_slots_in_evaluation",
     "slot_scores",
-    "zero3_partitioned",
 ]
 
-HEAD_INPUT_KWARG = "vlm_pack_head_input"
-"""Forward kwarg asking an ``enable_packing`` model for :class:`DeferredLogits` instead of logits."""
+TARGETS_KWARG = "vlm_pack_targets"
+"""Forward kwarg: already-shifted next-token targets shaped like ``input_ids``; an ``enable_packing`` model returns
+``loss`` = their summed cross entropy (chunked, formed inside the forward: where DeepSpeed ZeRO-3 gathers a
+partitioned head) and :class:`DeferredLogits`."""
 
 LOGIT_TRANSFORMS: dict[str, Callable[[torch.nn.Module], dict[str, float | None]]] = {
     "Gemma3ForCausalLM": lambda m: {"softcap": m.config.final_logit_softcapping},
@@ -147,6 +160,7 @@ class _Call:
     labels: torch.Tensor | None
     num_items: Any
     score: bool
+    targets: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     handle: Any = None
 
@@ -194,15 +208,8 @@ def fused_peer(owner: torch.nn.Module) -> str | None:
     return next((name for library, name in FUSED_PEERS.items() if module.split(".")[0] == library), None)
 
 
-def zero3_partitioned(owner: torch.nn.Module) -> bool:
-    """Whether DeepSpeed ZeRO-3 partitions the head's weight (``ds_id``). Chunked calls of such a head gather its
-    weight once per call and per recompute, collectives every rank must match; not proven here (the SP run hung),
-    so these heads keep the model's own loss over full logits."""
-    return hasattr(getattr(owner.get_output_embeddings(), "weight", None), "ds_id")
-
-
 def _arm(owner: torch.nn.Module, args: tuple, kwargs: dict):
-    asked = bool(kwargs.pop(HEAD_INPUT_KWARG, False))
+    targets = kwargs.pop(TARGETS_KWARG, None)
     labels = kwargs.get("labels")
     keep = kwargs.get("logits_to_keep")
     score = labels is not None and not owner.training and getattr(owner, "_vlm_pack_score_slots", False)
@@ -213,7 +220,7 @@ def _arm(owner: torch.nn.Module, args: tuple, kwargs: dict):
             f"{type(owner.get_output_embeddings()).__name__} (a PEFT adapter?): the adapter would not be trained. "
             "Leave the head out of the adapter, or turn the peer's fused loss off (vlm_pack's chunked loss handles it)"
         )
-    if kwargs.get("fused_lm_head") or peer is not None or zero3_partitioned(owner):
+    if kwargs.get("fused_lm_head") or peer is not None:
         mode = None
     elif labels is not None and (owner.training or score):
         mode = "loss"
@@ -222,13 +229,14 @@ def _arm(owner: torch.nn.Module, args: tuple, kwargs: dict):
                 f"{type(owner).__name__} got labels with logits_to_keep={keep!r}: vlm_pack's chunked loss scores "
                 "every target of the row; drop logits_to_keep from a training call with labels"
             )
-    elif asked or (owner.training and labels is None and METADATA_KEY in kwargs):
+    elif targets is not None or (owner.training and labels is None and METADATA_KEY in kwargs):
         mode = "deferred" if keep in (None, 0) else None
     else:
         mode = None
-    owner._vlm_pack_calls.append(None if mode is None else _Call(labels, kwargs.get("num_items_in_batch"), score))
+    owner._vlm_pack_calls.append(
+        None if mode is None else _Call(labels, kwargs.get("num_items_in_batch"), score, targets))
     if mode is None:
-        return (args, kwargs) if asked else None
+        return (args, kwargs) if targets is not None else None
     call = owner._vlm_pack_calls[-1]
     kwargs.pop("labels", None)
 
@@ -249,14 +257,12 @@ def slot_scores(hidden: torch.Tensor, head: LMHead, labels: torch.Tensor, chunk_
     scores = torch.zeros(flat.shape[0], 2, dtype=torch.float32, device=flat.device)
     size = chunk_tokens or chunk_tokens_for(head.vocab_size, device=flat.device)
     starts = range(0, flat.shape[0], size)
-    with torch.no_grad():
+    with torch.no_grad(), gathered_projection(head) as project:  # a ZeRO-3-partitioned weight: gathered once
         for start in starts:
-            logits = head(flat[start:start + size]).float()
+            logits = project(flat[start:start + size]).float()
             scores[start:start + size, 0] = logits.argmax(-1).float()
             scores[start:start + size, 1] = F.cross_entropy(logits, targets[start:start + size],
                                                             ignore_index=IGNORE_INDEX, reduction="none")
-        for _ in range(agreed_chunk_count(len(starts), flat.device) - len(starts)):
-            head(flat[:0])  # as many head calls as the other ranks (ZeRO-3 gathers its weight on each)
     return scores.view(*labels.shape, 2)
 
 
@@ -277,7 +283,9 @@ def _finish(owner: torch.nn.Module, args: tuple, kwargs: dict, output: Any):
     chunk = owner._vlm_pack_chunk_tokens
     fields = {key: value for key, value in output.items() if key not in ("loss", "logits")}
     loss, logits = None, DeferredLogits(call.hidden, head, chunk)
-    if call.labels is not None:
+    if call.targets is not None:  # inside the forward: a ZeRO-3-partitioned head is gathered here (core.zero3)
+        loss = hidden_weighted_loss(call.hidden, head, call.targets, chunk_tokens=chunk)
+    elif call.labels is not None:
         targets = row_targets(call.labels)
         if call.score:
             logits = slot_scores(call.hidden, head, call.labels, chunk)

@@ -7,8 +7,9 @@ parallel groups: a mean of per-pack means, not the token mean of the step (and i
 micro-batch of the window on every rank (each rank holds its slice of ``shift_labels``, so the sum over all
 processes counts every target once), and each rank's loss is ``its summed token CE * R / count``, where R is the
 number of ranks the ZeRO-3 engine averages gradients over. The summed CE comes from this rank's hidden states, the
-LM head applied in chunks at its target slots (vlm_pack.core.chunked_loss): no rank holds its slice's logits. After the engine's reduction the gradient is that of
-``sum of all token losses of the step / all its label tokens``.
+LM head applied in chunks at its target slots (vlm_pack.core.chunked_loss) inside the model's forward (where ZeRO-3
+gathers the partitioned head once): no rank holds its slice's logits. After the engine's reduction the gradient is
+that of ``sum of all token losses of the step / all its label tokens``.
 
 Refused at construction, with the reason: no Ulysses ``parallelism_config``; torch / accelerate context
 parallelism (``cp_size > 1``: ring SDPA takes no mask and accelerate forces ``is_causal``, so packed samples would
@@ -30,9 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import Trainer
 
-from ..core.chunked_loss import hidden_weighted_loss
 from ..core.packing import IGNORE_INDEX
-from ..integrations.head_loss import HEAD_INPUT_KWARG, DeferredLogits
+from ..integrations.head_loss import TARGETS_KWARG
 from .model import SP_ATTN_IMPLEMENTATION
 
 __all__ = ["UlyssesTrainer", "check_ulysses_arguments"]
@@ -144,11 +144,12 @@ class UlyssesTrainer(Trainer):
             raise ValueError("UlyssesTrainer got no token count for the step (its get_batch_samples was bypassed)")
         targets = inputs.pop("shift_labels")
         inputs.pop("labels", None)
-        outputs = model(**inputs, use_cache=False, **{HEAD_INPUT_KWARG: True})
-        logits = outputs.logits
-        if isinstance(logits, DeferredLogits):  # this rank's slice through the head in chunks, never T/R x V
-            total = hidden_weighted_loss(logits.hidden, logits.head, targets, chunk_tokens=logits.chunk_tokens)
-        else:
+        # the summed CE of this rank's slice, formed inside the forward (the head in chunks, never T/R x V; under
+        # ZeRO-3 the forward is where DeepSpeed gathers the partitioned head, and again for the backward)
+        outputs = model(**inputs, use_cache=False, **{TARGETS_KWARG: targets})
+        total = outputs.loss
+        if total is None:  # a peer's fused forward (Liger, Cut Cross-Entropy) left the logits whole
+            logits = outputs.logits
             total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                     targets.reshape(-1).to(logits.device), ignore_index=IGNORE_INDEX, reduction="sum")
         loss = total * self._averaging_ranks() / num_items_in_batch.to(total.device).clamp(min=1)
