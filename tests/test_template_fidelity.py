@@ -346,10 +346,12 @@ MEDIA_TOKENS["qianfan_ocr"] = ["<img>", "<IMG_CONTEXT>", "</img>"]
 MEDIA_TOKENS["lfm2_vl"] = ["<|image_start|>", "<image>", "<|image_end|>"]
 MEDIA_TOKENS["hunyuan_vl"] = ["<｜hy_place▁holder▁no▁100｜>", "<｜hy_place▁holder▁no▁102｜>", "<｜hy_place▁holder▁no▁101｜>"]
 MEDIA_TOKENS["minicpmv4_6"] = ["<image>", "<|image_pad|>", "</image>", "<slice>", "</slice>"]
+MEDIA_TOKENS["minicpmv4_7"] = MEDIA_TOKENS["minicpmv4_6"]
 MEDIA_TOKENS["molmo2"] = ["<low_res_im_start>", "<im_start>", "<im_patch>", "<im_col>", "<im_end>"]
 # Image markup that holds plain text: Aya Vision's tile labels "TILE_1", ... between its start/end markers.
 # MiniCPM-V's per-sample image number "N" between <image_id> and </image_id>.
-MEDIA_SPANS = {"aya_vision": ("<|START_OF_IMG|>", "<|END_OF_IMG|>"), "minicpmv4_6": ("<image_id>", "</image_id>")}
+MEDIA_SPANS = {"aya_vision": ("<|START_OF_IMG|>", "<|END_OF_IMG|>"), "minicpmv4_6": ("<image_id>", "</image_id>"),
+               "minicpmv4_7": ("<image_id>", "</image_id>")}
 LABEL_FAMILIES = ["qwen2_vl", "gemma3", *TINY_VLM_FAMILIES]
 
 
