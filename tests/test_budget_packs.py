@@ -23,6 +23,7 @@ from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_e
 from vlm_pack.testing.tiny_families import TINY_VLM_FAMILIES
 
 from tolerance import NoiseFloor, assert_grads_close, fp64_copy, fp64_inputs, max_abs
+from version_gates import require_proven
 
 
 @pytest.fixture(scope="module")
@@ -320,6 +321,7 @@ def _family_collator(family: str) -> VLMPackingCollator:
 
         processor, config = processor_for(family), tiny_config(family)
     else:
+        require_proven(family)
         processor = tiny_vlm_processor(family)
         config = tiny_vlm(family, processor, layers=1).config
     return VLMPackingCollator(processor, max_length=1 << 16, model_config=config)

@@ -29,6 +29,7 @@ from test_vlm_families import (
     BOUNDARY_KWARGS, Setup, assert_exact, compare, edge_examples, errors, logit_error, packed_logits, references,
     swap_examples,
 )
+from version_gates import require_proven
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,6 +38,7 @@ _SETUPS: dict[str, Setup] = {}
 
 
 def setup_for(family: str) -> Setup:
+    require_proven(family)
     if family not in _SETUPS:
         processor = round3a_processor(family)
         stock = round3a_vlm(family, processor)

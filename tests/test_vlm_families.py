@@ -33,6 +33,7 @@ from vlm_pack.testing.tiny_families import tiny_vlm, tiny_vlm_processor
 from vlm_pack.testing.tiny_models import qwen_tokenizer, tiny_config
 
 from tolerance import GRAD_REL_L2, NoiseFloor, fp64_copy, fp64_inputs, grad_errors
+from version_gates import require_proven
 
 MEASURED: dict[str, dict[str, float]] = {}  # family -> measured max errors (printed with -s; recorded in the notes)
 
@@ -59,6 +60,7 @@ _SETUPS: dict[str, Setup] = {}
 
 
 def setup_for(family: str) -> Setup:
+    require_proven(family)
     if family not in _SETUPS:
         processor = tiny_vlm_processor(family)
         stock = tiny_vlm(family, processor, attn_implementation="sdpa")
