@@ -293,6 +293,16 @@ def _images_example(sizes: list[tuple[int, int]]) -> dict:
     ]}
 
 
+def assert_planned_lengths_are_the_processors(collator: VLMPackingCollator) -> SampleLengths:
+    """Token-budget plans of images of every size in _GROUPS (singly and several per sample) count what the
+    collator's processor writes, image for image; the plan."""
+    examples = [_images_example(group) for group in _GROUPS]
+    planned = measure_lengths(examples, collator, progress=False)
+    assert planned.tokens.tolist() == _materialised_lengths(collator, examples)
+    assert planned.images.tolist() == [len(group) for group in _GROUPS]
+    return planned
+
+
 def _gemma4_processor():
     """A ``Gemma4Processor`` assembled offline (the Gemma 3 stand-in tokenizer, transformers' own Gemma 4 image
     processor). Its ``validate_inputs`` wants audio markers even without audio, so two unused ids stand in."""
@@ -335,11 +345,7 @@ def test_planned_length_equals_the_real_processor_for_every_family(family):
         with pytest.raises(ValueError, match=r"transformers>=5\.23"):  # no exact labels there: refused
             _family_collator(family)
         return
-    collator = _family_collator(family)
-    examples = [_images_example(group) for group in _GROUPS]
-    planned = measure_lengths(examples, collator, progress=False)
-    assert planned.tokens.tolist() == _materialised_lengths(collator, examples)
-    assert planned.images.tolist() == [len(group) for group in _GROUPS]
+    assert_planned_lengths_are_the_processors(_family_collator(family))
 
 
 def test_planned_length_of_a_rotated_jpeg_follows_its_exif_orientation(tmp_path):
