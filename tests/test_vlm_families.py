@@ -321,7 +321,13 @@ def test_corruptions_are_caught(family):
         not_restarted = packed_logits(setup.stock, batch, **no_kwargs, position_ids=whole_row)
         assert refs[3].logits.is_far(logit_error(batch, not_restarted, refs))
 
-    # Give sample 0's vision rows to sample 2 and back (same-size images: the batch stays well-formed).
+    swapped = swapped_vision(setup, batch, examples)  # sample 0's vision rows given to sample 2 and back
+    assert refs[3].logits.is_far(logit_error(batch, packed_logits(setup.packed, swapped), refs))
+
+
+def swapped_vision(setup: Setup, batch: dict, examples: list[dict]) -> dict:
+    """The batch of swap_examples() with sample 0's vision rows given to sample 2 and back (same-size images: the
+    batch stays well-formed)."""
     samples = setup.collator._encode_all(examples)[0]
     swapped = dict(batch)
     for key in (k for k in samples[0] if k not in setup.collator.token_keys):
@@ -329,7 +335,7 @@ def test_corruptions_are_caught(family):
         chunks[0], chunks[2] = chunks[2], chunks[0]
         swapped[key] = torch.cat([chunk for chunk in chunks if chunk is not None])
         assert swapped[key].shape == batch[key].shape
-    assert refs[3].logits.is_far(logit_error(batch, packed_logits(setup.packed, swapped), refs))
+    return swapped
 
 
 @torch.no_grad()
