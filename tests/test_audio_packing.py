@@ -190,11 +190,10 @@ def test_audio_refused_by_name_for_families_not_proven(family):
 
     if family == "gemma3n":
         pytest.importorskip("timm")  # its vision tower
-        from vlm_pack.testing.tiny_families_round3c import round3c_processor as processor_for, round3c_vlm as vlm
-    else:
-        from vlm_pack.testing.tiny_families_round3a import round3a_processor as processor_for, round3a_vlm as vlm
-    processor = processor_for(family)
-    collator = families.VLMPackingCollator(processor, max_length=2048, model_config=vlm(family, processor).config)
+    from vlm_pack.testing.tiny_families import tiny_vlm, tiny_vlm_processor
+
+    processor = tiny_vlm_processor(family)
+    collator = families.VLMPackingCollator(processor, max_length=2048, model_config=tiny_vlm(family, processor).config)
     example = {"messages": [{"role": "user", "content": [{"type": "audio", "audio": wave(0.5, 0)}]},
                             {"role": "assistant", "content": "A beep."}]}
     with pytest.raises(UnsupportedModelError, match=f"an audio clip with a {family} model: audio inputs"):

@@ -23,8 +23,7 @@ from vlm_pack.core.loss import packed_cross_entropy
 from vlm_pack.models import registered_families
 from vlm_pack.offline.dataset import PackedDataset, PackedSFTDataset
 from vlm_pack.offline.storage import PackedArrays, build_index, write_packed
-from vlm_pack.testing.tiny_families import TINY_VLM_FAMILIES
-from vlm_pack.testing.tiny_families_round3a import ROUND3A_FAMILIES
+from vlm_pack.testing.tiny_families import OWN_PROOF_FAMILIES, TINY_VLM_FAMILIES
 from vlm_pack.testing.tiny_models import (
     TINY_FAMILIES, offline_gemma3_processor, qwen_tokenizer, tiny_config, tiny_model,
 )
@@ -57,10 +56,10 @@ def family_batch(family: str, processor, tokenizer, **kwargs) -> dict:
 def test_every_registered_family_is_covered():
     # Families built by vlm_pack.testing.tiny_families (and Mistral, Cohere 2 text) call model(**batch) with the metadata entry in
     # tests/test_vlm_families.py (compare: logits and the model's own loss vs each sample alone).
-    # Round-3 families: tests/test_families_round3a.py (the same compare; Gemma 3n's text model through the collator),
-    # tests/test_families_round3c.py (the same compare for Gemma 3n, FastVLM, PerceptionLM; PaliGemma's own encoder).
-    round3c = {"gemma3n", "fast_vlm", "perception_lm", "paligemma"}
-    covered = (set(TINY_FAMILIES) | set(TINY_VLM_FAMILIES) | set(ROUND3A_FAMILIES) | round3c
+    # OWN_PROOF_FAMILIES: tests/test_families_round3a.py (the same compare; Gemma 3n's text model through the
+    # collator), tests/test_families_round3c.py (the same compare for Gemma 3n, FastVLM, PerceptionLM; PaliGemma's
+    # own encoder).
+    covered = (set(TINY_FAMILIES) | set(TINY_VLM_FAMILIES) | set(OWN_PROOF_FAMILIES)
                | {"mistral", "cohere2", "gemma3n_text"})
     assert {spec.name for spec in registered_families().values()} <= covered
 

@@ -23,6 +23,7 @@ from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_e
 from vlm_pack.testing.tiny_families import TINY_VLM_FAMILIES
 
 from tolerance import NoiseFloor, assert_grads_close, fp64_copy, fp64_inputs, max_abs
+from version_gates import require_proven
 
 
 @pytest.fixture(scope="module")
@@ -292,6 +293,16 @@ def _images_example(sizes: list[tuple[int, int]]) -> dict:
     ]}
 
 
+def assert_planned_lengths_are_the_processors(collator: VLMPackingCollator) -> SampleLengths:
+    """Token-budget plans of images of every size in _GROUPS (singly and several per sample) count what the
+    collator's processor writes, image for image; the plan."""
+    examples = [_images_example(group) for group in _GROUPS]
+    planned = measure_lengths(examples, collator, progress=False)
+    assert planned.tokens.tolist() == _materialised_lengths(collator, examples)
+    assert planned.images.tolist() == [len(group) for group in _GROUPS]
+    return planned
+
+
 def _gemma4_processor():
     """A ``Gemma4Processor`` assembled offline (the Gemma 3 stand-in tokenizer, transformers' own Gemma 4 image
     processor). Its ``validate_inputs`` wants audio markers even without audio, so two unused ids stand in."""
@@ -320,6 +331,7 @@ def _family_collator(family: str) -> VLMPackingCollator:
 
         processor, config = processor_for(family), tiny_config(family)
     else:
+        require_proven(family)
         processor = tiny_vlm_processor(family)
         config = tiny_vlm(family, processor, layers=1).config
     return VLMPackingCollator(processor, max_length=1 << 16, model_config=config)
@@ -333,11 +345,7 @@ def test_planned_length_equals_the_real_processor_for_every_family(family):
         with pytest.raises(ValueError, match=r"transformers>=5\.23"):  # no exact labels there: refused
             _family_collator(family)
         return
-    collator = _family_collator(family)
-    examples = [_images_example(group) for group in _GROUPS]
-    planned = measure_lengths(examples, collator, progress=False)
-    assert planned.tokens.tolist() == _materialised_lengths(collator, examples)
-    assert planned.images.tolist() == [len(group) for group in _GROUPS]
+    assert_planned_lengths_are_the_processors(_family_collator(family))
 
 
 def test_planned_length_of_a_rotated_jpeg_follows_its_exif_orientation(tmp_path):

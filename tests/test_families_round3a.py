@@ -6,7 +6,8 @@ equals each sample run ALONE through the stock model (``attn_implementation="sdp
 per-sample losses within the measured fp32 noise floor, gradients within ``GRAD_REL_L2``; the edge batch (system
 prompts, a one-word answer, an image inside an assistant turn, text-only and multi-image samples of different
 sizes); one corruption per family rule that must break the comparison; token-budget plans equal to the
-processor's lengths. Tiny models and offline processors: ``vlm_pack.testing.tiny_families_round3a``.
+processor's lengths. Tiny models and offline processors: ``vlm_pack.testing.tiny_families`` (the builders of
+``tiny_families_round3a``).
 """
 
 from __future__ import annotations
@@ -17,85 +18,43 @@ import pytest
 import torch
 
 from vlm_pack.attention.cross import CROSS_KEYS_KWARG as CROSS_KEYS
-from vlm_pack.budget import measure_lengths
 from vlm_pack.data.collator import VLMPackingCollator
 from vlm_pack.integrations import hf_model
 from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.models import UnsupportedModelError, get_family
-from vlm_pack.testing.tiny_families_round3a import round3a_processor, round3a_vlm
+from vlm_pack.testing.tiny_families import tiny_vlm, tiny_vlm_processor
 
-from test_budget_packs import _GROUPS, _images_example, _materialised_lengths
+import test_vlm_families as families
+from test_budget_packs import assert_planned_lengths_are_the_processors
 from test_vlm_families import (
-    BOUNDARY_KWARGS, Setup, assert_exact, compare, edge_examples, errors, logit_error, packed_logits, references,
-    swap_examples,
+    BOUNDARY_KWARGS, Setup, assert_packed_exact, edge_examples, exact_batch, logit_error, packed_logits, references,
+    setup_for, swap_examples,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-_SETUPS: dict[str, Setup] = {}
-
-
-def setup_for(family: str) -> Setup:
-    if family not in _SETUPS:
-        processor = round3a_processor(family)
-        stock = round3a_vlm(family, processor)
-        packed = enable_packing(round3a_vlm(family, processor))
-        collator = VLMPackingCollator(processor, max_length=2048, model_config=packed.config)
-        _SETUPS[family] = Setup(family, processor, stock, packed, collator)
-    return _SETUPS[family]
-
-
 FAMILIES = ["llama4", "granite4_vision", "granite_docling", "mllama", "phi4_multimodal"]
-# Families whose packed image layout only enable_packing's hook turns into model inputs (the stock model cannot take
-# a packed batch without boundaries): their position rule is checked by their own corruption tests.
-PACKED_LAYOUT_FAMILIES = ("mllama",)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_edge_batch_equals_each_sample_alone(family):
     """Edge batch packed against each sample alone: logits, per-sample losses, the model's own loss, gradients."""
-    setup = setup_for(family)
-    result = compare(setup, edge_examples())
-    print(family, "edge", result)
-    assert_exact(result)
+    assert_packed_exact(setup_for(family), edge_examples())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@torch.no_grad()
 def test_vision_rows_given_to_the_wrong_sample_are_caught(family):
     """Two same-size single-image samples' vision rows swapped (a well-formed batch) break the comparison; positions
     not restarted per sample are caught (the stock sdpa model reading boundaries from restarting position ids, as
-    HF does without cu_seq_lens, is exact; with whole-row positions it is not; not for PACKED_LAYOUT_FAMILIES)."""
-    setup = setup_for(family)
-    examples = swap_examples()
-    refs = references(setup, examples)
-    batch = setup.collator(examples)
-    assert_exact(errors(batch, packed_logits(setup.packed, batch), refs))
-    samples = setup.collator._encode_all(examples)[0]
-    swapped = dict(batch)
-    for key in (k for k in samples[0] if k not in setup.collator.token_keys):
-        chunks = [sample.get(key) for sample in samples]
-        chunks[0], chunks[2] = chunks[2], chunks[0]
-        swapped[key] = torch.cat([chunk for chunk in chunks if chunk is not None])
-    assert refs[3].logits.is_far(logit_error(batch, packed_logits(setup.packed, swapped), refs))
-    if family in PACKED_LAYOUT_FAMILIES:
-        return
-    no_kwargs = dict.fromkeys(BOUNDARY_KWARGS)  # the stock model reads boundaries from restarting positions
-    refs[3].logits.check(logit_error(batch, packed_logits(setup.stock, batch, **no_kwargs), refs))
-    whole_row = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["position_ids"])
-    not_restarted = packed_logits(setup.stock, batch, **no_kwargs, position_ids=whole_row)
-    assert refs[3].logits.is_far(logit_error(batch, not_restarted, refs))
+    HF does without cu_seq_lens, is exact; with whole-row positions it is not; not for the harness's
+    PACKED_LAYOUT_FAMILIES, Mllama)."""
+    families.test_corruptions_are_caught(family)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_planned_length_equals_the_real_processor(family):
     """Token-budget plans count what the processor writes, for images of many sizes and several per sample."""
-    setup = setup_for(family)
-    examples = [_images_example(group) for group in _GROUPS]
-    planned = measure_lengths(examples, setup.collator, progress=False)
-    assert planned.tokens.tolist() == _materialised_lengths(setup.collator, examples)
-    assert planned.images.tolist() == [len(group) for group in _GROUPS]
+    assert_planned_lengths_are_the_processors(setup_for(family).collator)
 
 
 # ------------------------------------------------------------------ Llama 4
@@ -106,10 +65,7 @@ def test_llama4_chunks_restart_per_sample(monkeypatch):
     """Chunked layers cut each sample at multiples of attention_chunk_size from ITS start: chunks counted from the
     row's start (the samples' boundaries ignored by the chunk rule), or no chunks at all, are caught."""
     setup = setup_for("llama4")
-    examples = edge_examples()
-    refs = references(setup, examples)
-    batch = setup.collator(examples)
-    assert_exact(errors(batch, packed_logits(setup.packed, batch), refs))
+    batch, refs = exact_batch(setup, edge_examples())
     exact = hf_model.chunk_boundaries
 
     def row_chunks(cu, chunk):
@@ -141,8 +97,8 @@ def test_llama4_unpacked_sample_keeps_its_chunks():
 def test_llama4_row_longer_than_the_temperature_floor_is_refused():
     """NoPE layers' temperature tuning scales queries by the row index: exact only in rows of at most
     floor_scale - 1 tokens, so a longer packed row is refused at its forward, naming the bound."""
-    processor = round3a_processor("llama4")
-    model = enable_packing(round3a_vlm("llama4", processor, floor_scale=16))
+    processor = tiny_vlm_processor("llama4")
+    model = enable_packing(tiny_vlm("llama4", processor, floor_scale=16))
     batch = VLMPackingCollator(processor, max_length=2048, model_config=model.config)(swap_examples())
     with pytest.raises(ValueError, match=r"at most floor_scale - 1 = 15 tokens"):
         model(**batch)
@@ -188,10 +144,7 @@ def test_mllama_cross_attention_follows_the_packed_samples(monkeypatch):
     from vlm_pack.models import mllama
 
     setup = setup_for("mllama")
-    examples = edge_examples()
-    refs = references(setup, examples)
-    batch = setup.collator(examples)
-    assert_exact(errors(batch, packed_logits(setup.packed, batch), refs))
+    batch, refs = exact_batch(setup, edge_examples())
     exact = mllama.packed_image_inputs
 
     def one_segment(kwargs, image_token_id):
@@ -243,7 +196,7 @@ def test_gemma3n_text_packed_equals_each_sample_alone(monkeypatch):
     import torch.nn.functional as F
 
     from tolerance import GRAD_REL_L2, NoiseFloor, fp64_copy, grad_errors, max_abs
-    from vlm_pack.testing.tiny_families_round3a import tiny_gemma3n_text
+    from vlm_pack.testing.tiny_families import tiny_gemma3n_text
 
     stock, packed_model = tiny_gemma3n_text(), enable_packing(tiny_gemma3n_text())
     stock64, logit_floor, loss_floor = fp64_copy(stock), NoiseFloor("logits"), NoiseFloor("per-sample loss")
@@ -286,7 +239,7 @@ def test_gemma3n_text_collator_batch_trains_with_its_own_loss():
     mean of the packed row."""
     from vlm_pack.core.loss import packed_cross_entropy
     from vlm_pack.testing.data import text_chat_examples
-    from vlm_pack.testing.tiny_families_round3a import tiny_gemma3n_text
+    from vlm_pack.testing.tiny_families import tiny_gemma3n_text
     from vlm_pack.testing.tiny_models import qwen_tokenizer
 
     tokenizer = qwen_tokenizer()
@@ -322,17 +275,15 @@ def test_phi4_multimodal_longrope_long_factors_exact_and_mixed_rows_refused():
     """With original_max_position_embeddings=64, image samples (~290 tokens) use longrope's long factors alone: packed
     together they are exact. A row mixing them with a short sample (short factors alone) is refused, naming the bound;
     audio inputs in a packed row are refused by name."""
-    processor = round3a_processor("phi4_multimodal")
-    stock = round3a_vlm("phi4_multimodal", processor, original_max_position_embeddings=64)
-    packed = enable_packing(round3a_vlm("phi4_multimodal", processor, original_max_position_embeddings=64))
+    processor = tiny_vlm_processor("phi4_multimodal")
+    stock = tiny_vlm("phi4_multimodal", processor, original_max_position_embeddings=64)
+    packed = enable_packing(tiny_vlm("phi4_multimodal", processor, original_max_position_embeddings=64))
     collator = VLMPackingCollator(processor, max_length=2048, model_config=packed.config)
     setup = Setup("phi4_multimodal", processor, stock, packed, collator)
     examples = [swap_examples()[0], swap_examples()[2]]
-    refs = references(setup, examples)
-    batch = collator(examples)
     with torch.no_grad():
-        assert_exact(errors(batch, packed_logits(packed, batch), refs))
-        short = round3a_vlm("phi4_multimodal", processor)  # original 4096: the short factors differ
+        batch, refs = exact_batch(setup, examples)
+        short = tiny_vlm("phi4_multimodal", processor)  # original 4096: the short factors differ
         assert refs[3].logits.is_far(logit_error(batch, packed_logits(short, batch), refs))
         mixed = collator([examples[0], _short_chat()])
         with pytest.raises(ValueError, match="original_max_position_embeddings=64"):
@@ -348,7 +299,7 @@ def test_llama4_text_model_packed_equals_each_sample_alone(monkeypatch):
     from transformers import Llama4ForCausalLM, Llama4TextConfig
 
     from tolerance import NoiseFloor, fp64_copy, max_abs
-    from vlm_pack.testing.tiny_families_round3a import llama4_text_config
+    from vlm_pack.testing.tiny_families import llama4_text_config
 
     config = Llama4TextConfig(**llama4_text_config(4200))
     torch.manual_seed(0)

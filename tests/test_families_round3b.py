@@ -96,18 +96,6 @@ def test_ernie_processor_is_called_once_per_sample():
         collator(examples)
 
 
-def _swapped_vision(setup, batch: dict, examples: list[dict]) -> dict:
-    """The batch with sample 0's vision rows given to sample 2 and back (same-size images: still well-formed)."""
-    samples = setup.collator._encode_all(examples)[0]
-    swapped = dict(batch)
-    for key in (k for k in samples[0] if k not in setup.collator.token_keys):
-        chunks = [sample.get(key) for sample in samples]
-        chunks[0], chunks[2] = chunks[2], chunks[0]
-        swapped[key] = torch.cat([chunk for chunk in chunks if chunk is not None])
-        assert swapped[key].shape == batch[key].shape
-    return swapped
-
-
 @torch.no_grad()
 def test_corruption_hunyuan_image_ordinal_restarts_per_sample():
     """HunYuan-VL's last rope axis is the image ordinal, which its get_rope_index counts across the rows of a batch:
@@ -124,7 +112,7 @@ def test_corruption_hunyuan_image_ordinal_restarts_per_sample():
     assert batch["position_ids"].shape[0] == 4  # the rope axes only
     families.assert_exact(families.errors(batch, families.packed_logits(setup.packed, batch), refs))
     assert refs[3].logits.is_far(families.logit_error(
-        batch, families.packed_logits(setup.packed, _swapped_vision(setup, batch, examples)), refs))
+        batch, families.packed_logits(setup.packed, families.swapped_vision(setup, batch, examples)), refs))
 
     joint = families.VLMPackingCollator(setup.processor, max_length=2048, model_config=setup.packed.config)
     joint.family = dataclasses.replace(joint.family, rope_index_alone=False)  # one call on the padded batch

@@ -1,11 +1,10 @@
-"""Round-3 families (issue 39, part C) exact under packing: the composite Gemma 3n (timm MobileNetV5 tower), ...
+"""Round-3 families (issue 39, part C) exact under packing: the composite Gemma 3n (timm MobileNetV5 tower),
+PaliGemma (prefix-LM), FastVLM (BatchNorm tower), PerceptionLM (tile stacks).
 
-Same proof as tests/test_vlm_families.py: a packed micro-batch through ``enable_packing`` + ``VLMPackingCollator``
-equals each sample run ALONE through the stock model (``attn_implementation="sdpa"``, fp32 CPU): logits and
-per-sample losses within the measured fp32 noise floor, gradients within ``GRAD_REL_L2``; the edge batch (system
-prompts, a one-word answer, an image inside an assistant turn, text-only and multi-image samples of different
-sizes); one corruption per family rule that must break the comparison; token-budget plans equal to the
-processor's lengths. Tiny models and offline processors: ``vlm_pack.testing.tiny_families_round3c``.
+The proof of tests/test_families_round3a.py (the harness of tests/test_vlm_families.py: each sample run ALONE
+through the stock sdpa model, fp32 CPU, the edge batch, a corruption per family rule, token-budget plans equal to the
+processor's lengths). Tiny models and offline processors: ``vlm_pack.testing.tiny_families`` (the builders of
+``tiny_families_round3c``).
 """
 
 from __future__ import annotations
@@ -15,35 +14,22 @@ import copy
 import pytest
 import torch
 
-from vlm_pack.budget import measure_lengths
 from vlm_pack.data.collator import VLMPackingCollator
 from vlm_pack.integrations import hf_model
 from vlm_pack.integrations.hf_model import enable_packing
 from vlm_pack.models import UnsupportedModelError, get_family
-from vlm_pack.testing.tiny_families_round3c import round3c_processor, round3c_vlm
+from vlm_pack.testing.tiny_families import tiny_vlm
 
-from test_budget_packs import _GROUPS, _images_example, _materialised_lengths
+import test_vlm_families as families
+from test_budget_packs import _GROUPS, assert_planned_lengths_are_the_processors
 from test_vlm_families import (
-    BOUNDARY_KWARGS, Setup, assert_exact, compare, edge_examples, errors, logit_error, packed_logits, references,
-    swap_examples,
+    assert_exact, assert_packed_exact, edge_examples, errors, exact_batch, logit_error, packed_logits, references,
+    setup_for, swap_examples,
 )
+from version_gates import refused
 
 pytest.importorskip("timm")  # the Gemma 3n, PerceptionLM and FastVLM towers (the package's `test` extra installs it)
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-_SETUPS: dict[str, Setup] = {}
-
-
-def setup_for(family: str) -> Setup:
-    if family not in _SETUPS:
-        processor = round3c_processor(family)
-        stock = round3c_vlm(family, processor)
-        packed = enable_packing(round3c_vlm(family, processor))
-        collator = VLMPackingCollator(processor, max_length=2048, model_config=packed.config)
-        _SETUPS[family] = Setup(family, processor, stock, packed, collator)
-    return _SETUPS[family]
-
 
 FAMILIES = ["gemma3n", "fast_vlm", "perception_lm"]
 
@@ -51,45 +37,21 @@ FAMILIES = ["gemma3n", "fast_vlm", "perception_lm"]
 @pytest.mark.parametrize("family", FAMILIES)
 def test_edge_batch_equals_each_sample_alone(family):
     """Edge batch packed against each sample alone: logits, per-sample losses, the model's own loss, gradients."""
-    setup = setup_for(family)
-    result = compare(setup, edge_examples())
-    print(family, "edge", result)
-    assert_exact(result)
+    assert_packed_exact(setup_for(family), edge_examples())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@torch.no_grad()
 def test_vision_rows_given_to_the_wrong_sample_are_caught(family):
     """Two same-size single-image samples' vision rows swapped (a well-formed batch) break the comparison; positions
     not restarted per sample are caught (the stock sdpa model reading boundaries from restarting position ids, as
     HF does without cu_seq_lens, is exact; with whole-row positions it is not)."""
-    setup = setup_for(family)
-    examples = swap_examples()
-    refs = references(setup, examples)
-    batch = setup.collator(examples)
-    assert_exact(errors(batch, packed_logits(setup.packed, batch), refs))
-    samples = setup.collator._encode_all(examples)[0]
-    swapped = dict(batch)
-    for key in (k for k in samples[0] if k not in setup.collator.token_keys):
-        chunks = [sample.get(key) for sample in samples]
-        chunks[0], chunks[2] = chunks[2], chunks[0]
-        swapped[key] = torch.cat([chunk for chunk in chunks if chunk is not None])
-    assert refs[3].logits.is_far(logit_error(batch, packed_logits(setup.packed, swapped), refs))
-    no_kwargs = dict.fromkeys(BOUNDARY_KWARGS)  # the stock model reads boundaries from restarting positions
-    refs[3].logits.check(logit_error(batch, packed_logits(setup.stock, batch, **no_kwargs), refs))
-    whole_row = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["position_ids"])
-    not_restarted = packed_logits(setup.stock, batch, **no_kwargs, position_ids=whole_row)
-    assert refs[3].logits.is_far(logit_error(batch, not_restarted, refs))
+    families.test_corruptions_are_caught(family)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_planned_length_equals_the_real_processor(family):
     """Token-budget plans count what the processor writes, for images of many sizes and several per sample."""
-    setup = setup_for(family)
-    examples = [_images_example(group) for group in _GROUPS]
-    planned = measure_lengths(examples, setup.collator, progress=False)
-    assert planned.tokens.tolist() == _materialised_lengths(setup.collator, examples)
-    assert planned.images.tolist() == [len(group) for group in _GROUPS]
+    assert_planned_lengths_are_the_processors(setup_for(family).collator)
 
 
 # ------------------------------------------------------------------ Gemma 3n (composite)
@@ -133,9 +95,7 @@ def test_paligemma_packed_equals_each_sample_alone():
     setup = setup_for("paligemma")
     examples = _paligemma_examples()
     assert max(sum(p["type"] == "image" for p in e["messages"][0]["content"]) for e in examples) > 1
-    result = compare(setup, examples)
-    print("paligemma", result)
-    assert_exact(result)
+    assert_packed_exact(setup, examples, "photos")
 
 
 @torch.no_grad()
@@ -145,10 +105,7 @@ def test_paligemma_prefix_block_and_causal_answer_are_each_needed(monkeypatch):
     from vlm_pack.models import paligemma
 
     setup = setup_for("paligemma")
-    examples = _paligemma_examples()
-    refs = references(setup, examples)
-    batch = setup.collator(examples)
-    assert_exact(errors(batch, packed_logits(setup.packed, batch), refs))
+    batch, refs = exact_batch(setup, _paligemma_examples())
     no_prefix = packed_logits(setup.packed, batch, token_type_ids=torch.ones_like(batch["token_type_ids"]))
     assert refs[3].logits.is_far(logit_error(batch, no_prefix, refs))
     layers = [m for m in setup.packed.model.language_model.modules() if hasattr(m, "is_causal")
@@ -163,11 +120,7 @@ def test_paligemma_prefix_block_and_causal_answer_are_each_needed(monkeypatch):
 def test_paligemma_planned_length_equals_the_real_processor():
     """Token-budget plans count what the processor's prompt / suffix encoding writes, for images of many sizes and
     several per sample."""
-    setup = setup_for("paligemma")
-    examples = [_images_example(group) for group in _GROUPS]
-    planned = measure_lengths(examples, setup.collator, progress=False)
-    assert planned.tokens.tolist() == _materialised_lengths(setup.collator, examples)
-    assert planned.images.tolist() == [len(group) for group in _GROUPS]
+    planned = assert_planned_lengths_are_the_processors(setup_for("paligemma").collator)
     assert planned.image_tokens.tolist() == [4 * len(group) for group in _GROUPS]
 
 
@@ -179,7 +132,8 @@ def test_paligemma_refusals():
 
     from vlm_pack.testing.data import text_chat_examples
 
-    with pytest.raises(UnsupportedModelError, match=r"language model 'gemma3_text' \(proven language models for "):
+    with refused(UnsupportedModelError, r"language model 'gemma3_text' \(proven language models for ",
+                 family="paligemma"):
         get_family(PaliGemmaConfig(text_config={"model_type": "gemma3_text"}))
     setup = setup_for("paligemma")
     photo = _paligemma_examples()[0]
@@ -212,7 +166,7 @@ def test_fast_vlm_training_batch_norm_is_refused_and_freeze_batch_norm_is_exact(
     examples = swap_examples()
     refs = references(setup, examples)
     batch = setup.collator(examples)
-    model = enable_packing(round3c_vlm("fast_vlm", setup.processor)).train()
+    model = enable_packing(tiny_vlm("fast_vlm", setup.processor)).train()
     with pytest.raises(ValueError, match="BatchNorm layers in training mode"):
         packed_logits(model, batch)
     mixed = packed_logits(setup.stock.train(), batch)  # what the refused row would compute (stock, batch stats)
@@ -237,14 +191,12 @@ def test_perception_lm_tile_stacks_of_different_lengths_are_flattened_per_tile()
     with pytest.raises(Exception, match="stack expects each tensor to be equal size|equal size"):
         setup.processor(images=images, text=["<|image|> a", "<|image|> b"], return_tensors="pt")
     examples = edge_examples()
-    refs = references(setup, examples)
-    batch = setup.collator(examples)
+    batch, refs = exact_batch(setup, examples)
     tokens = int((batch["input_ids"] == setup.processor.image_token_id).sum())
     assert batch["pixel_values"].shape[1] == 1 and batch["pixel_values"].shape[0] * 4 == tokens
     pictures = [p["image"] for e in examples for m in e["messages"] if isinstance(m["content"], list)
                 for p in m["content"] if p["type"] == "image"]
     tiles = [len(setup.processor.image_processor(p, return_tensors=None)["pixel_values"][0]) for p in pictures]
     assert len(set(tiles)) > 1 and sum(tiles) == batch["pixel_values"].shape[0], tiles
-    assert_exact(errors(batch, packed_logits(setup.packed, batch), refs))
     reordered = batch["pixel_values"].flip(0)
     assert refs[3].logits.is_far(logit_error(batch, packed_logits(setup.packed, batch, pixel_values=reordered), refs))

@@ -27,7 +27,7 @@ from vlm_pack.attention.varlen import available_backends, dense_attention, selec
 from vlm_pack.data.collator import VLMPackingCollator
 from vlm_pack.integrations import hf_model
 from vlm_pack.integrations.hf_model import enable_packing
-from vlm_pack.testing.tiny_families_round3c import round3c_processor, round3c_vlm
+from vlm_pack.testing.tiny_families import tiny_vlm, tiny_vlm_processor
 
 from test_attention import FakeKernels, cu_of, fake_machine, random_qkv, reference
 from test_families_round3c import _paligemma_examples
@@ -45,9 +45,9 @@ _SETUPS: dict[str, Setup] = {}
 
 def paligemma2() -> Setup:
     if "paligemma2" not in _SETUPS:
-        processor = round3c_processor("paligemma2")
-        stock = round3c_vlm("paligemma2", processor, attn_implementation="eager")
-        packed = enable_packing(round3c_vlm("paligemma2", processor, attn_implementation="eager"))
+        processor = tiny_vlm_processor("paligemma2")
+        stock = tiny_vlm("paligemma2", processor, attn_implementation="eager")
+        packed = enable_packing(tiny_vlm("paligemma2", processor, attn_implementation="eager"))
         collator = VLMPackingCollator(processor, max_length=2048, model_config=packed.config)
         _SETUPS["paligemma2"] = Setup("paligemma2", processor, stock, packed, collator)
     return _SETUPS["paligemma2"]
@@ -55,9 +55,9 @@ def paligemma2() -> Setup:
 
 def test_paligemma2_reference_is_eager():
     """transformers builds Gemma 2 under eager only (its sdpa path would drop the softcapping): the reference."""
-    processor = round3c_processor("paligemma2")
+    processor = tiny_vlm_processor("paligemma2")
     with pytest.raises(ValueError, match="Gemma2Model does not support an attention implementation through"):
-        round3c_vlm("paligemma2", processor, attn_implementation="sdpa")
+        tiny_vlm("paligemma2", processor, attn_implementation="sdpa")
     text = paligemma2().stock.config.text_config
     assert text.model_type == "gemma2" and text.attn_logit_softcapping and text.final_logit_softcapping
     assert text.layer_types == ["sliding_attention", "full_attention"]
@@ -106,7 +106,7 @@ def test_paligemma2_each_rule_is_needed(monkeypatch):
         assert refs[3].logits.is_far(logit_error(batch, packed_logits(setup.packed, batch), refs)), name
     monkeypatch.undo()
     token_mean = sum(loss * n for loss, n in zip(refs[1], refs[2])) / sum(refs[2])
-    chunked = enable_packing(round3c_vlm("paligemma2", setup.processor, attn_implementation="eager")).train()
+    chunked = enable_packing(tiny_vlm("paligemma2", setup.processor, attn_implementation="eager")).train()
     assert chunked._vlm_pack_logit_transform == {"softcap": 5.0}  # LOGIT_TRANSFORMS, read by enable_packing
     refs[3].loss.check((chunked(**batch).loss - token_mean).abs().item(), "the chunked training loss")
     monkeypatch.setattr(chunked, "_vlm_pack_logit_transform", {"softcap": None})

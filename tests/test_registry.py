@@ -5,6 +5,7 @@ the registry's, a family declared without claims gets in-batch SFT only, and eve
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,11 +16,21 @@ from vlm_pack.models import (PATHS, FamilySpec, UnsupportedModelError, families_
                              registered_families, require_proven)
 from vlm_pack.models.table import family_table, vlm_coverage, with_family_table
 
+from version_gates import refused
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_docs_families_table_is_the_generated_one():
+    """The page is generated on one transformers release (named on it); an older one counts a smaller
+    image-text-to-text mapping, so the page is checked on that release or later only."""
+    from vlm_pack.core.versions import at_least, installed
+
     page = (ROOT / "docs" / "families.md").read_text()
+    generated_on = re.search(r"image-text-to-text model types of transformers (\S+) ", page).group(1)
+    if not at_least("transformers", generated_on):
+        pytest.skip(f"docs/families.md is generated on transformers {generated_on} (installed: "
+                    f"{installed('transformers')}, whose image-text-to-text mapping is smaller)")
     assert with_family_table(page) == page, "docs/families.md is stale: run python scripts/families_table.py"
     matched, total, version = vlm_coverage()
     assert f"{matched} of the {total} image-text-to-text model types of transformers {version}" in family_table()
@@ -128,7 +139,8 @@ def test_preference_collator_refuses_by_name():
 
     with pytest.raises(UnsupportedModelError, match=r"PreferenceCollator\(shared_prompts=False\) with a qwen3 model"):
         PreferenceCollator(qwen_tokenizer(), model_config=_config("qwen3"))
-    with pytest.raises(UnsupportedModelError, match=r"shared_prompts=True\) with a qwen3_5 model: its linear-attention"):
+    with refused(UnsupportedModelError, r"shared_prompts=True\) with a qwen3_5 model: its linear-attention",
+                 family="qwen3_5"):
         PreferenceCollator(qwen_tokenizer(), model_config=_config("qwen3_5"), shared_prompts=True)
 
 
@@ -136,5 +148,6 @@ def test_sequence_parallel_refuses_by_name():
     from vlm_pack.sequence_parallel import prepare_model
     from vlm_pack.testing.tiny_models import tiny_model
 
-    with pytest.raises(UnsupportedModelError, match=r"prepare_model\(sp_size=2\) with a qwen3_5 model: its linear"):
+    with refused(UnsupportedModelError, r"prepare_model\(sp_size=2\) with a qwen3_5 model: its linear",
+                 gap="ulysses_trainer"):
         prepare_model(tiny_model("qwen3_5", layers=2), 2)

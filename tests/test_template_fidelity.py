@@ -30,6 +30,7 @@ from vlm_pack.testing.tiny_models import (
 )
 
 from tolerance import assert_grads_close
+from version_gates import require_proven
 
 IGNORE = -100
 
@@ -360,6 +361,7 @@ def _family(name: str):
     if name in ("qwen2_vl", "gemma3"):
         processor = offline_qwen2vl_processor() if name == "qwen2_vl" else offline_gemma3_processor()
         return processor, tiny_model(name, layers=1)
+    require_proven(name)
     processor = tiny_vlm_processor(name)
     return processor, tiny_vlm(name, processor, layers=1)
 

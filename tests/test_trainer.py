@@ -36,6 +36,7 @@ from vlm_pack.testing.tiny_families import TINY_VLM_FAMILIES, tiny_vlm, tiny_vlm
 from vlm_pack.testing.tiny_models import TINY_FAMILIES, offline_gemma3_processor, qwen_tokenizer, tiny_config, tiny_model
 
 from tolerance import GRAD_REL_L2
+from version_gates import require_proven
 
 @pytest.fixture(autouse=True)
 def small_loss_chunks(monkeypatch):
@@ -152,6 +153,7 @@ def test_trainer_gradient_accumulation_equals_unpacked_other_vlms(family, tmp_pa
     """Every family of vlm_pack.testing.tiny_families (LLaVA-OneVision, Mistral3, InternVL, Idefics3, SmolVLM, GLM-4V and
     its MoE / 4.6V, the Qwen MoE VLMs, the LLaVA family, Aya / Cohere 2 Vision): their own offline processors and
     models, the same recipe and reference as below."""
+    require_proven(family)
     processor = tiny_vlm_processor(family)
     examples = photo_examples(4, seed=5, max_side=84) + easy_vqa_examples(2, seed=5) + text_chat_examples(2, seed=5)
     reference = reference_grads(family, processor, examples, stock=tiny_vlm(family, processor, layers=1))

@@ -33,6 +33,7 @@ from vlm_pack.testing.tiny_families import tiny_vlm, tiny_vlm_processor
 from vlm_pack.testing.tiny_models import qwen_tokenizer, tiny_config
 
 from tolerance import GRAD_REL_L2, NoiseFloor, fp64_copy, fp64_inputs, grad_errors
+from version_gates import require_proven
 
 MEASURED: dict[str, dict[str, float]] = {}  # family -> measured max errors (printed with -s; recorded in the notes)
 
@@ -59,6 +60,7 @@ _SETUPS: dict[str, Setup] = {}
 
 
 def setup_for(family: str) -> Setup:
+    require_proven(family)
     if family not in _SETUPS:
         processor = tiny_vlm_processor(family)
         stock = tiny_vlm(family, processor, attn_implementation="sdpa")
@@ -172,6 +174,24 @@ def assert_exact(result: dict) -> None:
     assert result.get("grad_rel", 0.0) < GRAD_REL_L2, result
 
 
+def exact_batch(setup: Setup, examples: list[dict]) -> tuple[dict, tuple]:
+    """The packed batch of ``examples`` and each sample's references, the clean packed logits asserted exact: the
+    comparison a corruption must then break."""
+    refs = references(setup, examples)
+    batch = setup.collator(examples)
+    assert_exact(errors(batch, packed_logits(setup.packed, batch), refs))
+    return batch, refs
+
+
+def assert_packed_exact(setup: Setup, examples: list[dict], label: object = "edge") -> dict:
+    """``examples`` packed against each sample alone (compare), printed with ``label`` (shown with -s) and asserted
+    exact; the result."""
+    result = compare(setup, examples)
+    print(setup.family, label, result)
+    assert_exact(result)
+    return result
+
+
 # ------------------------------------------------------------------ exactness, every family
 
 
@@ -193,12 +213,8 @@ TEXT_BACKBONE_FAMILIES = [f for f in FAMILIES if f not in ("glm4v", "glm4v_moe",
 
 @pytest.mark.parametrize(("family", "micro_batch", "seed"), EXACT_CASES)
 def test_packed_family_equals_each_sample_alone(family, micro_batch, seed):
-    setup = setup_for(family)
-    examples = mixed_examples(micro_batch, seed)
-    result = compare(setup, examples)
+    result = assert_packed_exact(setup_for(family), mixed_examples(micro_batch, seed), micro_batch)
     MEASURED.setdefault(family, {}).update({f"mb{micro_batch}_{k}": v for k, v in result.items()})
-    print(family, micro_batch, result)
-    assert_exact(result)
 
 
 @pytest.mark.parametrize("family", [family for family, _, _ in EXACT_CASES])
@@ -252,20 +268,20 @@ def test_edge_batch_equals_each_sample_alone(family):
         collator = VLMPackingCollator(setup.processor, max_length=2048, model_config=setup.packed.config,
                                       context_parallel_size=2)
         setup = dataclasses.replace(setup, collator=collator)
-    examples = edge_examples()
-    meta = packing_metadata(setup.collator(examples))
+    meta = packing_metadata(setup.collator(edge_examples()))
     aligned = setup.collator.pad_to_multiple_of > 1
     assert not aligned or not torch.equal(meta["cu_seqlens"], meta["cu_seqlens_padded"])  # alignment slots present
-    result = compare(setup, examples)
+    result = assert_packed_exact(setup, edge_examples())
     MEASURED.setdefault(family, {}).update({f"edge_{k}": v for k, v in result.items()})
-    print(family, "edge", result)
-    assert_exact(result)
 
 
 # ------------------------------------------------------------------ corruptions: each rule matters
 
 
 BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# Families whose packed image layout only enable_packing's hook turns into model inputs (the stock model cannot take
+# a packed batch without boundaries): their position rule is checked by their own corruption tests.
+PACKED_LAYOUT_FAMILIES = ("mllama",)
 
 
 def swap_examples(seed: int = 0) -> list[dict]:
@@ -293,21 +309,25 @@ def test_corruptions_are_caught(family):
     * positions not restarted per sample (stock sdpa, boundaries read from position ids as HF does when no
       cu_seq_lens are passed: exact with per-sample positions, wrong with whole-row positions). Not for hybrid
       DeltaNet or short-convolution families, whose stock linear / conv layers cannot read boundaries from
-      positions (their restart has its own corruption test)."""
+      positions, nor PACKED_LAYOUT_FAMILIES (their restart has its own corruption test)."""
     setup = setup_for(family)
     examples = swap_examples()
-    refs = references(setup, examples)
-    batch = setup.collator(examples)
-    assert_exact(errors(batch, packed_logits(setup.packed, batch), refs))
+    batch, refs = exact_batch(setup, examples)
 
-    if not {"linear_attention", "conv"} & setup.collator.family.layer_kinds:
+    if family not in PACKED_LAYOUT_FAMILIES and not {"linear_attention", "conv"} & setup.collator.family.layer_kinds:
         no_kwargs = dict.fromkeys(BOUNDARY_KWARGS)
         refs[3].logits.check(logit_error(batch, packed_logits(setup.stock, batch, **no_kwargs), refs))
         whole_row = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["position_ids"])
         not_restarted = packed_logits(setup.stock, batch, **no_kwargs, position_ids=whole_row)
         assert refs[3].logits.is_far(logit_error(batch, not_restarted, refs))
 
-    # Give sample 0's vision rows to sample 2 and back (same-size images: the batch stays well-formed).
+    swapped = swapped_vision(setup, batch, examples)  # sample 0's vision rows given to sample 2 and back
+    assert refs[3].logits.is_far(logit_error(batch, packed_logits(setup.packed, swapped), refs))
+
+
+def swapped_vision(setup: Setup, batch: dict, examples: list[dict]) -> dict:
+    """The batch of swap_examples() with sample 0's vision rows given to sample 2 and back (same-size images: the
+    batch stays well-formed)."""
     samples = setup.collator._encode_all(examples)[0]
     swapped = dict(batch)
     for key in (k for k in samples[0] if k not in setup.collator.token_keys):
@@ -315,7 +335,7 @@ def test_corruptions_are_caught(family):
         chunks[0], chunks[2] = chunks[2], chunks[0]
         swapped[key] = torch.cat([chunk for chunk in chunks if chunk is not None])
         assert swapped[key].shape == batch[key].shape
-    assert refs[3].logits.is_far(logit_error(batch, packed_logits(setup.packed, swapped), refs))
+    return swapped
 
 
 @torch.no_grad()
@@ -506,10 +526,7 @@ def test_sliding_window_packed_equals_each_sample_alone(kind):
     collator = VLMPackingCollator(tokenizer, max_length=1024, model_config=packed.config)
     setup = Setup(kind, tokenizer, _windowed(kind, 4, len(tokenizer)), packed, collator)
     examples = text_chat_examples(3, seed=1, max_turns=2)
-    result = compare(setup, examples)
-    MEASURED[kind] = result
-    print(kind, 3, result)
-    assert_exact(result)
+    MEASURED[kind] = assert_packed_exact(setup, examples, 3)
     with torch.no_grad():  # corruption: the same weights without the window (Cohere 2 needs one: never binding)
         batch = collator(examples)
         unwindowed = packed_logits(enable_packing(_windowed(kind, None if kind == "mistral" else 4096, len(tokenizer))),

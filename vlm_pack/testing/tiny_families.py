@@ -22,7 +22,8 @@ from transformers import PreTrainedModel, ProcessorMixin
 from ..data.chat import CHATML_TEMPLATE
 from .tiny_models import TINY_VISION_TOWER, official_template, qwen_tokenizer
 
-__all__ = ["TINY_VLM_FAMILIES", "chatml_template", "tiny_vlm", "tiny_vlm_processor"]
+__all__ = ["OWN_PROOF_FAMILIES", "TINY_VLM_FAMILIES", "chatml_template", "llama4_text_config", "tiny_gemma3n_text",
+           "tiny_vlm", "tiny_vlm_processor"]
 
 _QWEN_IMAGE_MARKUP = "<|vision_start|><|image_pad|><|vision_end|>"
 _HIDDEN = 64
@@ -786,8 +787,11 @@ def _lighton_ocr_model(processor, initializer_range: float, layers: int, attn: s
 
 @dataclass(frozen=True)
 class _Builder:
+    """A family's offline processor, its tiny model ``(processor, initializer_range, layers, attn_implementation,
+    **text overrides it takes)``, and what is substituted for the checkpoint's."""
+
     processor: Callable[[], ProcessorMixin]
-    model: Callable[[ProcessorMixin, float, int, str], PreTrainedModel]
+    model: Callable[..., PreTrainedModel]
     substituted: str
 
 
@@ -933,6 +937,17 @@ from .tiny_families_round3f import ROUND3F_BUILDERS  # noqa: E402  (builds on th
 
 _BUILDERS.update(ROUND3F_BUILDERS)
 TINY_VLM_FAMILIES = tuple(_BUILDERS)
+"""The families proven by the shared harness (tests/test_vlm_families.py) and parametrised over by the trainer,
+token-budget and label tests."""
+
+from .tiny_families_round3a import ROUND3A_BUILDERS, llama4_text_config, tiny_gemma3n_text  # noqa: E402
+from .tiny_families_round3c import ROUND3C_BUILDERS  # noqa: E402  (both build on the helpers above)
+
+OWN_PROOF_FAMILIES = (*ROUND3A_BUILDERS, *ROUND3C_BUILDERS)
+"""Built here too, each proven by a test file of its own (tests/test_families_round3a.py, round3c.py, which run the
+same harness): not in TINY_VLM_FAMILIES."""
+_BUILDERS.update(ROUND3A_BUILDERS)
+_BUILDERS.update(ROUND3C_BUILDERS)
 
 
 def tiny_vlm_processor(family: str) -> ProcessorMixin:
@@ -948,16 +963,19 @@ def tiny_vlm(
     seed: int = 0,
     initializer_range: float = 0.2,
     layers: int = 2,
+    **text,
 ) -> PreTrainedModel:
     """A tiny random fp32 ``family`` model in eval mode matching ``processor`` (token ids, crop sizes); the same
-    ``seed`` gives the same weights for every ``attn_implementation``."""
+    ``seed`` gives the same weights for every ``attn_implementation``. ``text``: overrides of the text config where
+    the family's builder takes them (Llama 4's ``floor_scale``, Phi-4-multimodal's
+    ``original_max_position_embeddings``)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = _builder(family).model(processor, initializer_range, layers, attn_implementation)
+        model = _builder(family).model(processor, initializer_range, layers, attn_implementation, **text)
     return model.eval()
 
 
 def _builder(family: str) -> _Builder:
     if family not in _BUILDERS:
-        raise ValueError(f"unknown tiny VLM family {family!r}; choose one of {TINY_VLM_FAMILIES}")
+        raise ValueError(f"unknown tiny VLM family {family!r}; choose one of {tuple(_BUILDERS)}")
     return _BUILDERS[family]

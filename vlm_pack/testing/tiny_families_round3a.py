@@ -1,25 +1,21 @@
-"""Tiny random models and offline processors for the round-3 families (Llama 4, Mllama, ...).
+"""Tiny random models and offline processors for the round-3a families (Llama 4, Mllama, ...).
 
-Assembled like ``vlm_pack.testing.tiny_families``: the small Qwen tokenizer plus the family's special tokens, the
-family's own image-processor and processor classes built from parameters (tiny tiles), and the chat template the
-processor class ships (Llama 4's official template is in ``transformers.models.llama4.processing_llama4``) or,
-where no official template is installed, ChatML with the family's image placeholder. Models are built from config
-objects (hidden 64, 1-2 layers, ``initializer_range`` 0.2 so a wrong mask or position visibly changes the loss).
+Built like ``vlm_pack.testing.tiny_families``, whose ``tiny_vlm_processor`` / ``tiny_vlm`` build these too: the small
+Qwen tokenizer plus the family's special tokens, the family's own image-processor and processor classes built from
+parameters (tiny tiles), and the chat template the processor class ships (Llama 4's official template is in
+``transformers.models.llama4.processing_llama4``) or, where no official template is installed, ChatML with the
+family's image placeholder. Models are built from config objects (hidden 64, 1-2 layers, ``initializer_range`` 0.2
+so a wrong mask or position visibly changes the loss).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 from transformers import PreTrainedModel, ProcessorMixin
 
-from .tiny_families import _tokenizer
+from .tiny_families import _HIDDEN, _LLAVA_PINPOINTS, _Builder, _llava_sizes, _tokenizer, chatml_template
 
-__all__ = ["ROUND3A_FAMILIES", "round3a_processor", "round3a_vlm", "tiny_gemma3n_text"]
-
-_HIDDEN = 64
+__all__ = ["ROUND3A_BUILDERS", "llama4_text_config", "tiny_gemma3n_text"]
 
 
 # ---------------------------------------------------------------- Llama 4
@@ -102,8 +98,6 @@ def _granite4_vision_processor() -> ProcessorMixin:
     from transformers import LlavaNextImageProcessor
     from transformers.models.granite4_vision.processing_granite4_vision import Granite4VisionProcessor
 
-    from .tiny_families import _LLAVA_PINPOINTS, _llava_sizes, chatml_template
-
     return Granite4VisionProcessor(
         image_processor=LlavaNextImageProcessor(**_llava_sizes(), image_grid_pinpoints=_LLAVA_PINPOINTS),
         tokenizer=_tokenizer(["<image>"]), patch_size=7, vision_feature_select_strategy="default",
@@ -113,8 +107,6 @@ def _granite4_vision_processor() -> ProcessorMixin:
 
 def _granite4_vision_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
     from transformers import Granite4VisionConfig, Granite4VisionForConditionalGeneration
-
-    from .tiny_families import _LLAVA_PINPOINTS
 
     tokenizer = processor.tokenizer
     config = Granite4VisionConfig(
@@ -145,8 +137,6 @@ _DOCLING_TOKENS = ["<image>", "<fake_token_around_image>", "<global-img>"] + [
 def _granite_docling_processor() -> ProcessorMixin:
     from transformers.models.granite_docling.image_processing_granite_docling import GraniteDoclingImageProcessor
     from transformers.models.granite_docling.processing_granite_docling import GraniteDoclingProcessor
-
-    from .tiny_families import chatml_template
 
     return GraniteDoclingProcessor(
         image_processor=GraniteDoclingImageProcessor(size={"height": 28, "width": 28}, max_patches=4),
@@ -182,8 +172,6 @@ def _granite_docling_model(processor, initializer_range: float, layers: int, att
 
 def _mllama_processor() -> ProcessorMixin:
     from transformers import MllamaImageProcessor, MllamaProcessor
-
-    from .tiny_families import chatml_template
 
     tokenizer = _tokenizer(["<|image|>", "<|begin_of_text|>"])
     tokenizer.bos_token = "<|begin_of_text|>"
@@ -251,7 +239,6 @@ def _phi4_multimodal_processor() -> ProcessorMixin:
     from transformers import (AutoTokenizer, Phi4MultimodalFeatureExtractor, Phi4MultimodalImageProcessor,
                               Phi4MultimodalProcessor)
 
-    from .tiny_families import chatml_template
     from .tiny_models import small_qwen_tokenizer_path
 
     tokenizer = AutoTokenizer.from_pretrained(
@@ -286,14 +273,7 @@ def _phi4_multimodal_model(processor, initializer_range: float, layers: int, att
     return Phi4MultimodalForCausalLM._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
-@dataclass(frozen=True)
-class _Builder:
-    processor: Callable[[], ProcessorMixin]
-    model: Callable[..., PreTrainedModel]
-    substituted: str
-
-
-_BUILDERS = {
+ROUND3A_BUILDERS = {
     "llama4": _Builder(
         _llama4_processor, _llama4_model,
         "Qwen tokenizer + Llama 4's header and image tokens; the official Llama 4 chat template as transformers ships "
@@ -323,25 +303,3 @@ _BUILDERS = {
         "Phi4MultimodalProcessor; longrope with distinct short / long factors",
     ),
 }
-ROUND3A_FAMILIES = tuple(_BUILDERS)
-
-
-def round3a_processor(family: str) -> ProcessorMixin:
-    """The offline processor for ``family`` (module docstring: what is substituted)."""
-    return _builder(family).processor()
-
-
-def round3a_vlm(family: str, processor: ProcessorMixin, *, attn_implementation: str = "sdpa", seed: int = 0,
-                initializer_range: float = 0.2, layers: int = 2, **text) -> PreTrainedModel:
-    """A tiny random fp32 ``family`` model in eval mode matching ``processor``; the same ``seed`` gives the same
-    weights for every ``attn_implementation``. ``text``: overrides of the text config."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = _builder(family).model(processor, initializer_range, layers, attn_implementation, **text)
-    return model.eval()
-
-
-def _builder(family: str) -> _Builder:
-    if family not in _BUILDERS:
-        raise ValueError(f"unknown tiny round-3a family {family!r}; choose one of {ROUND3A_FAMILIES}")
-    return _BUILDERS[family]

@@ -1,23 +1,21 @@
 """Tiny random models and offline processors for the round-3c families (composite Gemma 3n, PaliGemma, ...).
 
-Assembled like ``vlm_pack.testing.tiny_families_round3a``: the small Qwen tokenizer plus the family's special
-tokens, the family's own image-processor / processor classes built from parameters (tiny images), and the official
-chat template where one is installed (TRL ships Gemma 3's, which Gemma 3n uses). Models are built from config
-objects (hidden 64, ``initializer_range`` 0.2 so a wrong mask or position visibly changes the loss); timm towers
-(Gemma 3n's MobileNetV5, ...) get a few-block architecture through ``vision_config.model_args``.
+Built like ``vlm_pack.testing.tiny_families``, whose ``tiny_vlm_processor`` / ``tiny_vlm`` build these too: the small
+Qwen tokenizer plus the family's special tokens, the family's own image-processor / processor classes built from
+parameters (tiny images), and the official chat template where one is installed (TRL ships Gemma 3's, which
+Gemma 3n uses). Models are built from config objects (hidden 64, ``initializer_range`` 0.2 so a wrong mask or
+position visibly changes the loss); timm towers (Gemma 3n's MobileNetV5, ...) get a few-block architecture through
+``vision_config.model_args``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 from transformers import PreTrainedModel, ProcessorMixin
 
-__all__ = ["ROUND3C_FAMILIES", "round3c_processor", "round3c_vlm"]
+from .tiny_families import _HIDDEN, _Builder, _qwen2_text, _tokenizer, chatml_template
 
-_HIDDEN = 64
+__all__ = ["ROUND3C_BUILDERS"]
 
 
 # ---------------------------------------------------------------- Gemma 3n (timm MobileNetV5 + Gemma 3n text)
@@ -138,8 +136,6 @@ _FAST_VLM_IMAGE = 128
 def _fast_vlm_processor() -> ProcessorMixin:
     from transformers import CLIPImageProcessor, LlavaProcessor
 
-    from .tiny_families import _tokenizer, chatml_template
-
     image_processor = CLIPImageProcessor(size={"shortest_edge": _FAST_VLM_IMAGE},
                                          crop_size={"height": _FAST_VLM_IMAGE, "width": _FAST_VLM_IMAGE})
     return LlavaProcessor(image_processor=image_processor, tokenizer=_tokenizer(["<image>"]), patch_size=64,
@@ -149,8 +145,6 @@ def _fast_vlm_processor() -> ProcessorMixin:
 
 def _fast_vlm_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
     from transformers import FastVlmConfig, FastVlmForConditionalGeneration
-
-    from .tiny_families import _qwen2_text
 
     config = FastVlmConfig(
         vision_config={"model_type": "timm_wrapper", "architecture": "fastvit_mci3", "do_pooling": False,
@@ -181,7 +175,6 @@ def _perception_lm_processor() -> ProcessorMixin:
     from transformers import (AutoTokenizer, PerceptionLMImageProcessor, PerceptionLMProcessor,
                               PerceptionLMVideoProcessor)
 
-    from .tiny_families import chatml_template
     from .tiny_models import small_qwen_tokenizer_path
 
     tokenizer = AutoTokenizer.from_pretrained(
@@ -208,14 +201,7 @@ def _perception_lm_model(processor, initializer_range: float, layers: int, attn:
     return PerceptionLMForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
-@dataclass(frozen=True)
-class _Builder:
-    processor: Callable[[], ProcessorMixin]
-    model: Callable[..., PreTrainedModel]
-    substituted: str
-
-
-_BUILDERS = {
+ROUND3C_BUILDERS = {
     "gemma3n": _Builder(
         _gemma3n_processor, _gemma3n_model,
         "Qwen tokenizer + Gemma 3n's image / audio / turn tokens in the checkpoint's id layout; Gemma 3's official "
@@ -246,25 +232,3 @@ _BUILDERS = {
         "Perception Encoder",
     ),
 }
-ROUND3C_FAMILIES = tuple(_BUILDERS)
-
-
-def round3c_processor(family: str) -> ProcessorMixin:
-    """The offline processor for ``family`` (module docstring: what is substituted)."""
-    return _builder(family).processor()
-
-
-def round3c_vlm(family: str, processor: ProcessorMixin, *, attn_implementation: str = "sdpa", seed: int = 0,
-                initializer_range: float = 0.2, layers: int = 2) -> PreTrainedModel:
-    """A tiny random fp32 ``family`` model in eval mode matching ``processor``; the same ``seed`` gives the same
-    weights for every ``attn_implementation``."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = _builder(family).model(processor, initializer_range, layers, attn_implementation)
-    return model.eval()
-
-
-def _builder(family: str) -> _Builder:
-    if family not in _BUILDERS:
-        raise ValueError(f"unknown tiny round-3c family {family!r}; choose one of {ROUND3C_FAMILIES}")
-    return _BUILDERS[family]
