@@ -31,6 +31,7 @@ from vlm_pack.testing.tiny_families import tiny_vlm, tiny_vlm_processor
 
 from test_attention import FakeKernels, cu_of, fake_machine, random_qkv, reference
 from test_families_round3c import _paligemma_examples
+from version_gates import require_proven
 import test_vlm_families as families
 from test_vlm_families import Setup, assert_exact, compare, errors, logit_error, packed_logits, references
 
@@ -44,6 +45,7 @@ _SETUPS: dict[str, Setup] = {}
 
 
 def paligemma2() -> Setup:
+    require_proven("paligemma")
     if "paligemma2" not in _SETUPS:
         processor = tiny_vlm_processor("paligemma2")
         stock = tiny_vlm("paligemma2", processor, attn_implementation="eager")
@@ -55,6 +57,7 @@ def paligemma2() -> Setup:
 
 def test_paligemma2_reference_is_eager():
     """transformers builds Gemma 2 under eager only (its sdpa path would drop the softcapping): the reference."""
+    require_proven("paligemma")
     processor = tiny_vlm_processor("paligemma2")
     with pytest.raises(ValueError, match="Gemma2Model does not support an attention implementation through"):
         tiny_vlm("paligemma2", processor, attn_implementation="sdpa")
