@@ -137,8 +137,9 @@ def test_preference_collator_refuses_by_name():
     from vlm_pack.preference import PreferenceCollator
     from vlm_pack.testing.tiny_models import qwen_tokenizer
 
-    with pytest.raises(UnsupportedModelError, match=r"PreferenceCollator\(shared_prompts=False\) with a qwen3 model"):
-        PreferenceCollator(qwen_tokenizer(), model_config=_config("qwen3"))
+    with refused(UnsupportedModelError, r"PreferenceCollator\(shared_prompts=False\) with a qwen3_next model",
+                 family="qwen3_next"):
+        PreferenceCollator(qwen_tokenizer(), model_config=_config("qwen3_next"))
     with refused(UnsupportedModelError, r"shared_prompts=True\) with a qwen3_5 model: its linear-attention",
                  family="qwen3_5"):
         PreferenceCollator(qwen_tokenizer(), model_config=_config("qwen3_5"), shared_prompts=True)

@@ -15,6 +15,9 @@ _PROOF = "tests/test_vlm_families.py"
 MISTRAL = register_family(FamilySpec(
     name="mistral", model_types=("mistral",), proof=_PROOF,
     proven={
+        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[mistral-packed]",
+        "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[mistral-shared]",
+        "reward": "tests/test_preference_reward.py::test_reward_step_equals_trl[mistral]",
         "rl": "tests/test_rl_families.py::test_step_equals_trl[mistral-packed]",
         "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[mistral-shared]",
         "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_mistral]",
