@@ -1,7 +1,10 @@
 """Packed reward modelling equals TRL's own unpacked ``RewardTrainer``: per-sequence scores, the pairwise loss (with
 margins and ``center_rewards_coefficient``) and the gradients of one optimizer step under gradient accumulation 2,
-for a tiny Llama and Qwen2 with a sequence-classification head. TRL 1.16's ``RewardTrainer`` is text-only (its
-collator takes token ids), so no VLM reference exists there.
+for every family with a sequence-classification head in transformers (``AutoModelForSequenceClassification``): Llama,
+Qwen2, Qwen3, Mistral, Gemma 3 (``Gemma3ForSequenceClassification``), Qwen3.5 (composite and text) and Qwen3-Next, on
+text pairs. TRL 1.16's ``RewardTrainer`` is text-only: its collator takes token ids, and a VLM processor fails in
+its constructor (measured with Gemma 3's: ``AttributeError: 'Gemma3Processor' object has no attribute
+'pad_token'``), so no VLM reference exists there; the other registered VLMs have no sequence-classification class.
 """
 
 from __future__ import annotations
@@ -11,23 +14,32 @@ import functools
 import datasets
 import pytest
 import torch
-from transformers import LlamaForSequenceClassification, Qwen2ForSequenceClassification
+from transformers import AutoModelForSequenceClassification
 from trl import RewardConfig, RewardTrainer
 
 from preference_helpers import _WORDS, TOLERANCE, GradientsAtStep, pair_examples, relative_l2, word_tokenizer
 from vlm_pack.core.batch import METADATA_KEY
 from vlm_pack.preference import PackedRewardTrainer, RewardCollator, sequence_scores
+from vlm_pack.testing.tiny_families import mistral_text_config
 from vlm_pack.testing.tiny_models import tiny_config
+from version_gates import require_proven
 
-_CLASSES = {"llama": LlamaForSequenceClassification, "qwen2": Qwen2ForSequenceClassification}
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_5", "qwen3_5_text", "qwen3_next")
+HYBRID = ("qwen3_5", "qwen3_5_text", "qwen3_next")  # 2 layers: a linear-attention and a full-attention one
 
 
 def reward_model(family: str):
-    config = tiny_config(family, layers=1)
-    config.vocab_size, config.num_labels = len(_WORDS.split()), 1
+    """``family``'s tiny model (1 layer; :data:`HYBRID`: 2) with its sequence-classification head, on the word
+    tokenizer's vocabulary."""
+    vocab, layers = len(_WORDS.split()), 2 if family in HYBRID else 1
+    config = mistral_text_config(vocab, layers=1) if family == "mistral" else tiny_config(family, layers=layers)
+    for part in {id(c): c for c in (config, config.get_text_config())}.values():
+        part.vocab_size = vocab
+    config.num_labels = 1
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return _CLASSES[family]._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+        return AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa",
+                                                              dtype=torch.float32).eval()
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,8 +68,9 @@ def tmp(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("reward"))
 
 
-@pytest.mark.parametrize("family", sorted(_CLASSES))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_reward_step_equals_trl(family, tmp, one_thread):
+    require_proven(family)
     (reference, ref_grads, ref_logs), (packed, grads, logs) = run(family, False, tmp), run(family, True, tmp)
     for key in ("loss", "margin", "accuracy", "min_reward", "mean_reward", "max_reward"):
         assert abs(logs[key] - ref_logs[key]) <= TOLERANCE * max(1.0, abs(ref_logs[key])), key
@@ -92,12 +105,12 @@ def test_refusals(tmp):
                             processing_class=word_tokenizer())
     with pytest.raises(ValueError, match="rejected_ids"):
         RewardCollator(0)([{"chosen_ids": [1, 2], "rejected_ids": []}])
-    from transformers import Qwen3ForSequenceClassification
+    from vlm_pack.testing.tiny_models import tiny_model
 
-    config = tiny_config("qwen3", layers=1)
-    config.vocab_size, config.num_labels = len(_WORDS.split()), 1
-    unproven = Qwen3ForSequenceClassification._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"PackedRewardTrainer with a qwen3 model: reward modelling .* not proven"):
+    # Every registered family with a sequence-classification class is proven; a VLM's own model is not.
+    unproven = tiny_model("qwen2_vl", layers=1)
+    unproven.config.num_labels = 1  # past TRL's own num_labels check, to ours
+    with pytest.raises(ValueError, match=r"PackedRewardTrainer with a qwen2_vl model: reward modelling .* not proven"):
         PackedRewardTrainer(model=unproven, args=RewardConfig(output_dir=tmp, use_cpu=True, report_to="none"),
                             data_collator=RewardCollator(0), processing_class=word_tokenizer(),
                             train_dataset=datasets.Dataset.from_list(pair_examples(images=False)))

@@ -67,5 +67,6 @@ GEMMA3 = register_family(FamilySpec(
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[gemma3]",
         "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[gemma3-packed]",
+        "reward": "tests/test_preference_reward.py::test_reward_step_equals_trl[gemma3]",
     },
 ))

@@ -15,6 +15,8 @@ GLM4V = register_family(FamilySpec(
     media_tokens=("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"),
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[glm4v]",
+        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[glm4v-packed]",
+        "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[glm4v-shared]",
         "rl": "tests/test_rl_families.py::test_step_equals_trl[glm4v-packed]",
         "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[glm4v-shared]",
         "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_glm4v]",

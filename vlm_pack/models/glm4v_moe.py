@@ -19,6 +19,8 @@ GLM4V_MOE = register_family(FamilySpec(
     media_tokens=("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"),
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[glm4v_moe]",
+        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[glm4v_moe-packed]",
+        "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[glm4v_moe-shared]",
         "rl": "tests/test_rl_families.py::test_step_equals_trl[glm4v_moe-packed]",
         "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[glm4v_moe-shared]",
         "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[glm4v_moe]",

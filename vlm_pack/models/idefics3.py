@@ -26,6 +26,8 @@ IDEFICS3 = register_family(FamilySpec(
     expansion_writes_text=True,  # a line break after each row of tiles
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[idefics3]",
+        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[idefics3-packed]",
+        "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[idefics3-shared]",
         "rl": "tests/test_rl_families.py::test_step_equals_trl[idefics3-packed]",
         "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[idefics3-shared]",
         "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_idefics3]",

@@ -15,6 +15,8 @@ INTERNVL = register_family(FamilySpec(
     extra_checks=(text_backbone("qwen2", "llama", "qwen3"),),
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[internvl]",
+        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[internvl-packed]",
+        "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[internvl-shared]",
         "rl": "tests/test_rl_families.py::test_step_equals_trl[internvl-packed]",
         "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[internvl-shared]",
         "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_internvl]",

@@ -23,6 +23,8 @@ LLAMA = register_family(FamilySpec(
 QWEN2 = register_family(FamilySpec(
     name="qwen2", model_types=("qwen2",), proof=_PROOF,
     proven={
+        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen2-packed]",
+        "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen2-shared]",
         "reward": "tests/test_preference_reward.py::test_reward_step_equals_trl[qwen2]",
         "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen2-packed]",
         "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen2-shared]",
@@ -33,6 +35,9 @@ QWEN2 = register_family(FamilySpec(
 QWEN3 = register_family(FamilySpec(
     name="qwen3", model_types=("qwen3",), proof=_PROOF,
     proven={
+        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen3-packed]",
+        "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen3-shared]",
+        "reward": "tests/test_preference_reward.py::test_reward_step_equals_trl[qwen3]",
         "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen3-packed]",
         "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen3-shared]",
         "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_qwen3]",

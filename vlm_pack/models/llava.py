@@ -23,6 +23,8 @@ LLAVA = register_family(FamilySpec(
     name="llava", model_types=("llava",), proof=_PROOF, vision_rows={"pixel_values": "image"}, extra_checks=_TEXT,
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[llava]",
+        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[llava-packed]",
+        "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[llava-shared]",
         "rl": "tests/test_rl_families.py::test_step_equals_trl[llava-packed]",
         "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[llava-shared]",
         "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[llava]",

@@ -27,6 +27,10 @@ def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str,
 # No reference to prove packed rollouts against (measured with TRL 1.16 on the tiny model).
 _NO_TRL_ROLLOUTS = ("TRL 1.16's own GRPOTrainer / RLOOTrainer cannot run LLaVA-OneVision (their log-prob method "
                     "rejects the processor's batch_num_images), so packed rollouts have no reference to equal")
+# Measured with TRL 1.16's DPOTrainer (which serves it) and allow_unproven=True: a collation crash, no step.
+_NO_PACKED_PAIRS = ("PreferenceCollator encodes each pair on its own, and the processor pads pixel_values to the "
+                    "most crops of each call, so pairs with images of different sizes cannot be concatenated "
+                    "(RuntimeError in torch.cat); use TRL's DPOTrainer")
 
 LLAVA_ONEVISION = register_family(FamilySpec(
     name="llava_onevision", model_types=("llava_onevision",), proof="tests/test_vlm_families.py",
@@ -38,5 +42,6 @@ LLAVA_ONEVISION = register_family(FamilySpec(
         "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_llava_onevision]",
         "context_parallel": "tests/test_vlm_families.py::test_context_parallel_alignment_equals_each_sample_alone[llava_onevision]",
     },
-    refused=dict.fromkeys(("rl", "rl_shared_prompt"), _NO_TRL_ROLLOUTS),
+    refused={**dict.fromkeys(("rl", "rl_shared_prompt"), _NO_TRL_ROLLOUTS),
+             **dict.fromkeys(("dpo", "dpo_shared_prompt"), _NO_PACKED_PAIRS)},
 ))

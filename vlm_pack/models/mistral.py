@@ -15,6 +15,9 @@ _PROOF = "tests/test_vlm_families.py"
 MISTRAL = register_family(FamilySpec(
     name="mistral", model_types=("mistral",), proof=_PROOF,
     proven={
+        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[mistral-packed]",
+        "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[mistral-shared]",
+        "reward": "tests/test_preference_reward.py::test_reward_step_equals_trl[mistral]",
         "rl": "tests/test_rl_families.py::test_step_equals_trl[mistral-packed]",
         "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[mistral-shared]",
         "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_mistral]",
@@ -24,6 +27,10 @@ MISTRAL = register_family(FamilySpec(
 _NO_TRL_ROLLOUTS = ("TRL 1.16's own GRPOTrainer / RLOOTrainer cannot tokenise a Mistral3 prompt batch "
                     "(PixtralProcessor returns tensors by default, so prompts of different lengths fail: 'Unable to "
                     "create tensor'), so packed rollouts have no reference to equal")
+# Measured with TRL 1.16's DPOTrainer (which serves it) and allow_unproven=True: a collation crash, no step.
+_NO_PACKED_PAIRS = ("PreferenceCollator encodes each pair on its own, and PixtralProcessor pads pixel_values to the "
+                    "largest image of each call, so pairs with images of different sizes cannot be concatenated "
+                    "(RuntimeError in torch.cat); use TRL's DPOTrainer")
 
 MISTRAL3 = register_family(FamilySpec(
     name="mistral3", model_types=("mistral3",), proof=_PROOF,
@@ -34,5 +41,6 @@ MISTRAL3 = register_family(FamilySpec(
         "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_mistral3]",
         "context_parallel": "tests/test_vlm_families.py::test_context_parallel_alignment_equals_each_sample_alone[mistral3]",
     },
-    refused=dict.fromkeys(("rl", "rl_shared_prompt"), _NO_TRL_ROLLOUTS),
+    refused={**dict.fromkeys(("rl", "rl_shared_prompt"), _NO_TRL_ROLLOUTS),
+             **dict.fromkeys(("dpo", "dpo_shared_prompt"), _NO_PACKED_PAIRS)},
 ))

@@ -37,14 +37,23 @@ QWEN3_5 = register_family(FamilySpec(
     token_keys=("input_ids", "labels", "mm_token_type_ids"), media_tokens=("<|vision_start|>", "<|vision_end|>"),
     prepare_model=_deltanet("Qwen3_5GatedDeltaNet"), context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
     min_transformers="5.24",  # transformers 5.17: the Gated DeltaNet boundary hooks are not reached
+    proven={
+        "reward": "tests/test_preference_reward.py::test_reward_step_equals_trl[qwen3_5]",
+    },
 ))
 QWEN3_5_TEXT = register_family(FamilySpec(
     name="qwen3_5_text", model_types=("qwen3_5_text",), proof=_PROOF, layer_kinds=_HYBRID,
     prepare_model=_deltanet("Qwen3_5GatedDeltaNet"), context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
     min_transformers="5.24",
+    proven={
+        "reward": "tests/test_preference_reward.py::test_reward_step_equals_trl[qwen3_5_text]",
+    },
 ))
 QWEN3_NEXT = register_family(FamilySpec(
     name="qwen3_next", model_types=("qwen3_next",), proof=_PROOF, layer_kinds=_HYBRID,
     prepare_model=_deltanet("Qwen3NextGatedDeltaNet"), context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
     router_loss_mask=True, min_transformers="5.24",
+    proven={
+        "reward": "tests/test_preference_reward.py::test_reward_step_equals_trl[qwen3_next]",
+    },
 ))

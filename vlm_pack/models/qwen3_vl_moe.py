@@ -19,6 +19,8 @@ QWEN3_VL_MOE = register_family(FamilySpec(
     proven={
         "video": "tests/test_video.py::test_video_packed_equals_each_sample_alone[qwen3_vl_moe]",
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen3_vl_moe]",
+        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen3_vl_moe-packed]",
+        "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen3_vl_moe-shared]",
         "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen3_vl_moe-packed]",
         "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen3_vl_moe-shared]",
         "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[qwen3_vl_moe]",

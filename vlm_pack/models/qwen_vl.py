@@ -36,6 +36,7 @@ QWEN2_5_VL = register_family(FamilySpec(
     proven={
         "video": "tests/test_video.py::test_video_packed_equals_each_sample_alone[qwen2_5_vl]",
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen2_5_vl]",
+        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen2_5_vl-packed]",
         "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen2_5_vl-shared]",
         "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen2_5_vl-packed]",
         "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen2_5_vl-shared]",
@@ -50,6 +51,8 @@ QWEN3_VL = register_family(FamilySpec(
     proven={
         "video": "tests/test_video.py::test_video_packed_equals_each_sample_alone[qwen3_vl]",
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen3_vl]",
+        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen3_vl-packed]",
+        "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen3_vl-shared]",
         "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen3_vl-packed]",
         "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen3_vl-shared]",
         "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_qwen3_vl]",
