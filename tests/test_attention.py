@@ -586,7 +586,8 @@ def test_auto_routes_half_precision_cuda_tensors_to_the_kernel(monkeypatch, inst
     """``backend="auto"`` as on a CUDA machine (the tensors stay on CPU; the device probe is faked)."""
     kernels = FakeKernels(monkeypatch)
     fake_machine(monkeypatch, cuda=True, installed=installed, torch_varlen=torch_varlen)
-    monkeypatch.setattr(attention, "_auto_backend", lambda device_type, dtype: select_backend("cuda", dtype))
+    monkeypatch.setattr(attention, "_auto_backend", lambda device_type, dtype, blocks, softcap: select_backend(
+        "cuda", dtype, image_blocks=blocks, softcap=softcap))
     cu = cu_of([2, 4])
     q, k, v = (x.half() for x in random_qkv(6, 6, 2, 2, 8, seed=4))
     varlen_attention(q, k, v, cu, cu, 4, 4)

@@ -170,8 +170,9 @@ def test_softcap_routing_and_refusals(monkeypatch):
     its real signature receives ``softcap``), else to flex, never to torch varlen or TransformerEngine, which refuse
     it by name when forced (so does a flash-attn without the keyword)."""
     kernels = FakeKernels(monkeypatch)
-    monkeypatch.setattr(attention, "_auto_softcap_backend", lambda d, dtype: select_backend("cuda", dtype,
-                                                                                            softcap=True))
+    real = attention._auto_backend  # softcapped calls without image blocks resolved as on CUDA, the rest as before
+    monkeypatch.setattr(attention, "_auto_backend", lambda d, dtype, blocks, softcap: (
+        select_backend("cuda", dtype, softcap=True) if softcap and not blocks else real(d, dtype, blocks, softcap)))
     q, k, v, cu, want = _capped_case(torch.bfloat16)
     out = varlen_attention(q, k, v, cu, cu, 13, 13, softmax_scale=0.3, window=(5, 5), softcap=SOFTCAP)
     assert [(name, call["softcap"]) for name, call in kernels.calls] == [("flash_attn", SOFTCAP)]

@@ -221,7 +221,7 @@ def test_docs_gemma_snippet_runs_as_written(setup):
 
 
 def test_corruption_image_blocks_made_causal_fails(setup, reference, floor, monkeypatch):
-    monkeypatch.setattr(ImageBlockRule, "block_ids", lambda self, token_types: torch.full_like(token_types, -1))
+    monkeypatch.setattr(ImageBlockRule, "block_ids", lambda self, token_types, **_: torch.full_like(token_types, -1))
     errors = _max_errors(setup, reference)
     floor.logits.check(max(errors[1], errors[4]))  # text-only samples do not care
     assert min(errors[0], errors[2], errors[3]) > 1e-2
@@ -262,7 +262,9 @@ def test_flex_route_builds_one_block_mask_per_layer_kind_and_batch(setup, refere
         builds.append(kwargs)
         return document_block_mask(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "_auto_block_backend", lambda device, dtype: "flex")
+    real = attention._auto_backend  # rows with image blocks routed to flex, the rest as before
+    monkeypatch.setattr(attention, "_auto_backend", lambda device, dtype, blocks, softcap: (
+        "flex" if blocks else real(device, dtype, blocks, softcap)))
     monkeypatch.setattr(attention, "_flex_kernel", lambda device_type: recording_flex)
     monkeypatch.setattr(attention, "document_block_mask", recording_build)
     for got, (ref, _) in zip(_packed_pieces(model, batch, singles), reference):

@@ -147,7 +147,7 @@ def test_packed_logits_losses_and_gradients_equal_each_sample_alone(setup, refer
 
 
 def test_corruption_image_blocks_made_causal_fails(setup, reference, floor, monkeypatch):
-    monkeypatch.setattr(ImageBlockRule, "block_ids", lambda self, token_types: torch.full_like(token_types, -1))
+    monkeypatch.setattr(ImageBlockRule, "block_ids", lambda self, token_types, **_: torch.full_like(token_types, -1))
     errors = _errors(setup, reference)
     floor.logits.check(max(errors[1], errors[3]))  # text-only samples do not care
     assert min(errors[0], errors[2]) > 1e-2

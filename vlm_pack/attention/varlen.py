@@ -201,31 +201,16 @@ def select_backend(device: torch.device | str, dtype: torch.dtype, *, image_bloc
     return "sdpa_segments"
 
 
-@lru_cache(maxsize=16)
-def _auto_backend(device_type: str, dtype: torch.dtype) -> str:
+@lru_cache(maxsize=64)
+def _auto_backend(device_type: str, dtype: torch.dtype, image_blocks: bool = False, softcap: bool = False) -> str:
     """Cached ``select_backend`` (probing imports on every layer call would be wasteful)."""
-    return select_backend(device_type, dtype)
-
-
-@lru_cache(maxsize=16)
-def _auto_block_backend(device_type: str, dtype: torch.dtype) -> str:
-    """Cached ``select_backend`` for a row with image blocks."""
-    return select_backend(device_type, dtype, image_blocks=True)
-
-
-@lru_cache(maxsize=16)
-def _auto_softcap_backend(device_type: str, dtype: torch.dtype) -> str:
-    """Cached ``select_backend`` for a softcapped call without image blocks."""
-    return select_backend(device_type, dtype, softcap=True)
+    return select_backend(device_type, dtype, image_blocks=image_blocks, softcap=softcap)
 
 
 @torch.compiler.assume_constant_result  # under torch.compile: resolved eagerly, once, never traced
 def _resolve_auto(device_type: str, dtype: torch.dtype, image_blocks: bool, softcap: bool = False) -> str:
-    """What ``backend="auto"`` runs for these tensors (cached per device type and dtype); image blocks route to
-    backends that also softcap."""
-    if image_blocks:
-        return _auto_block_backend(device_type, dtype)
-    return (_auto_softcap_backend if softcap else _auto_backend)(device_type, dtype)
+    """What ``backend="auto"`` runs for these tensors (cached per device type, dtype and rule)."""
+    return _auto_backend(device_type, dtype, image_blocks, softcap)
 
 
 def _check_window(window: tuple[int, int] | None) -> None:
@@ -738,23 +723,20 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     kernels = {"flash_attn": _flash_attn, "torch_varlen": _torch_varlen, "transformer_engine": _transformer_engine}
     if name not in kernels:
         raise ValueError(f"unknown attention backend {backend!r}; choose 'auto' or one of {BACKENDS}")
-    if softcap is not None and name != "flash_attn":
+    status = available_backends()[name]
+    if softcap is not None and not status.softcap:  # torch_varlen / TE: no score hook; flash-attn before 2.6
         raise ValueError(
             f"backend {name!r} cannot apply attention-logit softcapping (softcap={softcap}, Gemma 2 / PaliGemma 2): "
-            "its kernel has no score hook. Use backend='auto', 'flash_attn' (flash-attn >= 2.6), 'flex' or "
-            "'sdpa_segments' (see available_backends()[name].softcap)"
+            f"its kernel takes no softcap ({status.reason}). Use backend='auto', 'flash_attn' (flash-attn >= 2.6), "
+            "'flex' or 'sdpa_segments' (see available_backends()[name].softcap)"
         )
     if block_ids is not None:
         raise ValueError(
             f"backend {name!r} cannot express bidirectional image blocks (block_ids): its mask is a causal band per "
             "segment. Use backend='auto', 'flex' or 'sdpa_segments' (see available_backends()[name].image_blocks)"
         )
-    status = available_backends()[name]
     if not status.available:
         raise RuntimeError(f"attention backend {name!r} is not available here: {status.reason}")
-    if softcap is not None and not status.softcap:
-        raise ValueError(f"backend {name!r} cannot apply attention-logit softcapping (softcap={softcap}): "
-                         f"{status.reason}. Upgrade flash-attn or use backend='auto', 'flex' or 'sdpa_segments'")
     extra = {} if softcap is None else {"softcap": softcap}
     return kernels[name](q, k, v, cu_seqlens_q, cu_seqlens_k, _max_len(max_seqlen_q, cu_seqlens_q),
                          _max_len(max_seqlen_k, cu_seqlens_k), causal,

@@ -103,8 +103,7 @@ def _block_hook(rule: ImageBlockRule):
                     "packs it per token)."
                 )
             return None
-        ids = (rule.block_ids(token_types) if rule.scope == "run"
-               else rule.block_ids(token_types, cu_seqlens=kwargs.get("cu_seq_lens_q")))
+        ids = rule.block_ids(token_types, cu_seqlens=kwargs.get("cu_seq_lens_q"))  # read by scope="sample" only
         return args, {**kwargs, IMAGE_BLOCKS_KWARG: ImageBlocks(ids, rule.layer_types)}
 
     return hook
