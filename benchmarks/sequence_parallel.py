@@ -108,18 +108,24 @@ def worker(length: int, sp: int, steps: int, output: str) -> None:
     Path(f"{output}.{rank}").write_text(json.dumps(result))
 
 
-def launch(length: int, sp: int, steps: int) -> dict:
+def run_ranks(script: Path, arguments: list[str], ranks: int, what: str) -> list[dict]:
+    """``script --worker arguments --output <scratch>`` in a fresh launch of ``ranks`` processes (torchrun when more
+    than one): each rank's JSON result, rank order. A failed launch stops the benchmark naming ``what``."""
     with tempfile.TemporaryDirectory() as scratch:
         output = os.path.join(scratch, "result")
-        script = [str(Path(__file__).resolve()), "--worker", "--length", str(length), "--sp", str(sp),
-                  "--steps", str(steps), "--output", output]
-        command = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(sp)]
-                   if sp > 1 else [sys.executable]) + script
+        script_args = [str(script), "--worker", *arguments, "--output", output]
+        command = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+                   if ranks > 1 else [sys.executable]) + script_args
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode:
-            raise SystemExit(f"L={length} sp={sp} failed:\n{(done.stdout + done.stderr)[-3000:]}")
-        ranks = [json.loads(Path(f"{output}.{r}").read_text()) for r in range(sp)]
+            raise SystemExit(f"{what} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+        return [json.loads(Path(f"{output}.{r}").read_text()) for r in range(ranks)]
+
+
+def launch(length: int, sp: int, steps: int) -> dict:
+    ranks = run_ranks(Path(__file__).resolve(), ["--length", str(length), "--sp", str(sp), "--steps", str(steps)],
+                      sp, f"L={length} sp={sp}")
     return {"peak_mb": max(r["peak_mb"] for r in ranks), "step_s": max(r["step_s"] for r in ranks)}
 
 

@@ -25,15 +25,13 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sequence_parallel import SAMPLE, VOCAB, packed_row, rss_mb  # noqa: E402  (the same row and vocabulary)
+from sequence_parallel import SAMPLE, VOCAB, packed_row, rss_mb, run_ranks  # noqa: E402  (the same row and vocabulary)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LOSSES = ("chunked", "full")
@@ -76,16 +74,8 @@ def worker(length: int, loss: str, steps: int, output: str) -> None:
 
 
 def launch(length: int, loss: str, steps: int) -> dict:
-    with tempfile.TemporaryDirectory() as scratch:
-        output = os.path.join(scratch, "result")
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                   str(Path(__file__).resolve()), "--worker", "--length", str(length), "--loss", loss,
-                   "--steps", str(steps), "--output", output]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"T={length} {loss} failed:\n{(done.stdout + done.stderr)[-3000:]}")
-        ranks = [json.loads(Path(f"{output}.{r}").read_text()) for r in range(2)]
+    ranks = run_ranks(Path(__file__).resolve(), ["--length", str(length), "--loss", loss, "--steps", str(steps)], 2,
+                      f"T={length} {loss}")
     assert all(r["head_partitioned"] for r in ranks), ranks  # ZeRO-3 really partitioned the head
     return {"peak_mb": max(r["peak_mb"] for r in ranks), "step_s": max(r["step_s"] for r in ranks),
             "loss": ranks[0]["loss"]}
