@@ -1,4 +1,5 @@
-"""Granite 4 Vision (LLaVA-NeXT crops, window Q-Former) and Granite Docling (Idefics3-style page tiles) exact under packing.
+"""Granite 4 Vision (LLaVA-NeXT crops, window Q-Former) and Granite Docling (Idefics3-style page tiles) exact
+under packing.
 
 Same proof as the harness of tests/test_vlm_families.py: a packed micro-batch through ``enable_packing`` +
 ``VLMPackingCollator`` equals each sample run ALONE through the stock model (``attn_implementation="sdpa"``, fp32
@@ -7,7 +8,8 @@ CPU): logits and per-sample losses within the measured fp32 noise floor, gradien
 text-only and multi-image samples of different sizes); one corruption per family rule that must break the
 comparison; unproven variants refused by name.
 
-Tiny models and offline processors: ``vlm_pack/testing/families/granite4_vision.py, granite_docling.py`` (via ``vlm_pack.testing.tiny_families``).
+Tiny models and offline processors: ``vlm_pack/testing/families/granite4_vision.py, granite_docling.py``
+(via ``vlm_pack.testing.tiny_families``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ CPU): logits and per-sample losses within the measured fp32 noise floor, gradien
 text-only and multi-image samples of different sizes); one corruption per family rule that must break the
 comparison; unproven variants refused by name.
 
-Tiny models and offline processors: ``vlm_pack/testing/families/hunyuan_vl.py`` (via ``vlm_pack.testing.tiny_families``).
+Tiny models and offline processors: ``vlm_pack/testing/families/hunyuan_vl.py``
+(via ``vlm_pack.testing.tiny_families``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def test_corruption_hunyuan_image_ordinal_restarts_per_sample():
         batch, families.packed_logits(setup.packed, families.swapped_vision(setup, batch, examples)), refs))
 
     joint = families.VLMPackingCollator(setup.processor, max_length=2048, model_config=setup.packed.config)
-    joint.encoding = dataclasses.replace(joint.encoding, positions=dataclasses.replace(joint.encoding.positions, alone=False))  # one call on the padded batch
+    joint.encoding = dataclasses.replace(  # one call on the padded batch
+        joint.encoding, positions=dataclasses.replace(joint.encoding.positions, alone=False))
     counted = joint(examples)["position_ids"]
     assert not torch.equal(counted, batch["position_ids"])
     assert refs[3].logits.is_far(families.logit_error(

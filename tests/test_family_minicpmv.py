@@ -9,7 +9,8 @@ comparison; unproven variants refused by name.
 
 MiniCPM-V 4.7's reference is the stock sdpa model, which lays out each sample's canvas itself.
 
-Tiny models and offline processors: ``vlm_pack/testing/families/minicpmv.py`` (via ``vlm_pack.testing.tiny_families``).
+Tiny models and offline processors: ``vlm_pack/testing/families/minicpmv.py``
+(via ``vlm_pack.testing.tiny_families``).
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def test_corruption_minicpm_slices_follow_their_sample():
     with pytest.raises(RuntimeError, match="must match"):  # the batch's slices are not in that row
         families.packed_logits(setup.packed, one_row)
     rowwise = families.VLMPackingCollator(setup.processor, max_length=2048, model_config=setup.packed.config)
-    rowwise.encoding = dataclasses.replace(rowwise.encoding, vision=dataclasses.replace(rowwise.encoding.vision, width_packed=()))
+    rowwise.encoding = dataclasses.replace(
+        rowwise.encoding, vision=dataclasses.replace(rowwise.encoding.vision, width_packed=()))
     with pytest.raises(ValueError, match="processor output 'pixel_values'"):  # one row: not split per sample
         rowwise(examples)
 

@@ -13,7 +13,8 @@ attention-logit softcapping inside every attention backend the packed attention 
 flash-attn fake; torch varlen and TransformerEngine refuse it by name), the sliding window counted from each sample's
 start, the prefix block per sample in the sliding layers too, and the final logit softcapping in the chunked loss.
 
-Tiny models and offline processors: ``vlm_pack/testing/families/paligemma.py`` (via ``vlm_pack.testing.tiny_families``).
+Tiny models and offline processors: ``vlm_pack/testing/families/paligemma.py``
+(via ``vlm_pack.testing.tiny_families``).
 """
 
 from __future__ import annotations

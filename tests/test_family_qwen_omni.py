@@ -7,7 +7,8 @@ CPU): logits and per-sample losses within the measured fp32 noise floor, gradien
 text-only and multi-image samples of different sizes); one corruption per family rule that must break the
 comparison; unproven variants refused by name.
 
-Tiny models and offline processors: ``vlm_pack/testing/families/qwen_omni.py`` (via ``vlm_pack.testing.tiny_families``).
+Tiny models and offline processors: ``vlm_pack/testing/families/qwen_omni.py``
+(via ``vlm_pack.testing.tiny_families``).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ root keeps at most 10 modules besides the subpackages.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,75 @@ def test_checker_catches_an_upward_import():
     planted = path.read_text() + "\n\ndef _late():\n    from ..data.collator import VLMPackingCollator\n"
     assert _upward_imports(path) == []
     assert any("imports vlm_pack.data.collator" in line for line in _upward_imports(path, planted))
+
+
+# ------------------------------------------------------------------ house rules (issue 46)
+
+LIBRARY = [path for path in MODULES if "testing" not in path.relative_to(PACKAGE).parts]
+MANY_PARAMETERS = 12
+# Public entry points whose keywords are their documented interface.
+MAY_TAKE_MANY = {"vlm_pack.data.collator.VLMPackingCollator.__init__", "vlm_pack.attention.varlen.varlen_attention"}
+
+
+def _functions(path: Path, source: str | None = None):
+    """(qualified name, parameter count) of every function and method of ``path`` (``self`` / ``cls`` not counted;
+    ``*args`` and ``**kwargs`` one each)."""
+    tree = ast.parse(path.read_text() if source is None else source)
+    module = _module_name(path)
+
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = child.args
+                names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+                count = len(names) - (names[:1] in (["self"], ["cls"])) + (args.vararg is not None) + (
+                    args.kwarg is not None)
+                yield f"{prefix}.{child.name}", count
+                yield from walk(child, f"{prefix}.{child.name}")
+            elif isinstance(child, ast.ClassDef):
+                yield from walk(child, f"{prefix}.{child.name}")
+
+    yield from walk(tree, module)
+
+
+def test_few_functions_take_many_parameters():
+    """Internal pipelines take config objects (``PrepareOptions``, ``EncodingRules``): no library function takes
+    more than 12 parameters but the public entry points in ``MAY_TAKE_MANY``."""
+    many = {name: count for path in LIBRARY for name, count in _functions(path) if count > MANY_PARAMETERS}
+    assert set(many) <= MAY_TAKE_MANY, many
+
+
+def test_parameter_count_catches_a_long_signature():
+    """Corruption: a 13-parameter function is counted (methods without ``self``, ``*args`` / ``**kwargs`` counted)."""
+    path = PACKAGE / "data" / "chat.py"
+    planted = "class C:\n    def f(self, a, b, c, d, e, f, g, h, i, j, k, *rest, **options):\n        pass\n"
+    assert dict(_functions(path, planted)) == {"vlm_pack.data.chat.C.f": 13}
+
+
+def _family_branches(source: str) -> list[int]:
+    """Lines of ``family is None`` / ``family is not None`` tests (any name or attribute called ``family``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+            operands = [node.left, *node.comparators]
+            names = {getattr(o, "id", None) or getattr(o, "attr", None) for o in operands}
+            if "family" in names and any(isinstance(o, ast.Constant) and o.value is None for o in operands):
+                found.append(node.lineno)
+    return found
+
+
+def test_data_layer_has_no_per_family_branches():
+    """The data layer reads one ``EncodingRules`` (a text tokenizer's without a model) and never asks whether a
+    family is there: a new processor quirk touches the family's module and ``EncodingRules`` only."""
+    data = {str(path.relative_to(PACKAGE)): _family_branches(path.read_text())
+            for path in sorted((PACKAGE / "data").glob("*.py"))}
+    assert {name: lines for name, lines in data.items() if lines} == {}
+    assert _family_branches("if self.family is None or spec.family is not None:\n    pass\n") == [1, 1]
+
+
+def test_nothing_is_named_after_a_round():
+    """Modules and tests are named by what they hold (a family, a family kind), never by the round that brought
+    them."""
+    tests = Path(__file__).resolve().parent
+    named = [p.name for p in [*MODULES, *tests.glob("*.py")] if re.search(r"round_?\d", p.stem)]
+    assert named == []

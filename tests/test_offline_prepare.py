@@ -282,3 +282,27 @@ def test_packs_fit_once_samples_are_aligned(tmp_path, tokenizer):
     assert arrays.pack_loads(64).max() <= 2048
     ds = PackedSFTDataset(written[0].path, 2048, pad_seq_to_mult=64)
     assert all(ds.collate_fn([ds[i]])["input_ids"].shape[1] <= 2048 for i in range(len(ds)))
+
+
+def test_cli_and_api_share_one_options_record(monkeypatch, tmp_path):
+    """``vlm-pack prepare`` builds the same :class:`PrepareOptions` the API takes (each flag one field), the API's
+    keywords override an options record field by field, and an unknown keyword or a bad value is refused before any
+    work."""
+    from vlm_pack.offline import prepare as prepare_module
+    from vlm_pack.offline.prepare import PrepareOptions
+
+    seen = []
+    monkeypatch.setattr(prepare_module, "prepare_packed_sequence_data", lambda *args: seen.append(args) or [])
+    assert main(["prepare", "--input", str(SAMPLE), "--tokenizer", str(TOKENIZER_DIR), "--output-dir", str(tmp_path),
+                 "--pack-sizes", "512", "1024", "--seed", "7", "--algorithm", "first_fit_shuffle", "--overwrite",
+                 "--no-progress", "--validation-fraction", "0.25"]) == 0
+    (train, tokenizer, root, sizes, options), = seen
+    assert (train, tokenizer, root, sizes) == (str(SAMPLE), str(TOKENIZER_DIR), str(tmp_path), [512, 1024])
+    assert options == PrepareOptions(seed=7, algorithm="first_fit_shuffle", overwrite=True, progress=False,
+                                     validation_fraction=0.25)
+    monkeypatch.undo()
+    with pytest.raises(TypeError, match="pack_size"):
+        prepare_packed_sequence_data(SAMPLE, TOKENIZER_DIR, tmp_path, [512], pack_size=3)
+    with pytest.raises(ValueError, match="unknown packing algorithm 'nope'"):
+        prepare_packed_sequence_data(SAMPLE, TOKENIZER_DIR, tmp_path, [512], PrepareOptions(), algorithm="nope")
+    assert not any(tmp_path.iterdir())

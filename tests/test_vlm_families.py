@@ -11,7 +11,7 @@ micro-batch in tests/test_router_loss.py.
 
 Substituted (no hub here): each processor is assembled from the real Qwen tokenizer files plus the family's
 image tokens, the family's own image-processor class built with tiny crop sizes, and a ChatML template (see
-``vlm_pack/tiny_families.py`` for the per-family list). Models are tiny random ones built from config objects.
+``vlm_pack/testing/families/`` per family). Models are tiny random ones built from config objects.
 """
 
 from __future__ import annotations

@@ -179,6 +179,15 @@ def partition_for_context_parallel(batch: BatchT, cp_size: int, cp_rank: int) ->
     Splits every per-token tensor along its last dim (``tokens``, ``labels``, ``loss_mask``, ``padding_mask``,
     ``position_ids`` incl. leading mRoPE channels ``[C, 1, T]``, and any dict key shaped ``[T]`` / ``[..., 1, T]``
     such as ``mm_token_type_ids``). Shift labels on the global row first (see module docstring).
+
+    Args:
+        batch: a :class:`~vlm_pack.core.packing.PackedBatch` or a collator batch (dict), padded to a multiple of
+            ``2 * cp_size`` per sample.
+        cp_size: context-parallel ranks.
+        cp_rank: this rank.
+
+    Returns:
+        The same type with every per-token field cut to this rank's ``T / cp_size`` slots.
     """
     items = _batch_items(batch)
     cu, _ = packed_boundaries(items)

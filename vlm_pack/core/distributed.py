@@ -78,6 +78,15 @@ def reduce_per_token_loss(
     One all-reduce of ``[sum, count]``. ``loss = loss_sum / global_count``: zero (not NaN) for a rank without
     loss tokens, and zero everywhere when the whole group has none. ``grad_sync="mean"`` multiplies ``loss`` by
     the group size, for gradient sync that AVERAGES over the same group (DDP / FSDP over DP x CP).
+
+    Args:
+        loss_sum: 0-dim SUM of this rank's token losses.
+        token_count: this rank's loss tokens.
+        group: the process group (None: the default group).
+        grad_sync: ``"sum"`` or ``"mean"``: how the gradients are synchronised over ``group``.
+
+    Returns:
+        A :class:`ReducedLoss`: this rank's differentiable share and the global value (for logging).
     """
     if not isinstance(loss_sum, torch.Tensor) or loss_sum.dim() != 0:
         raise ValueError("loss_sum must be a 0-dim tensor (the SUM of this rank's token losses, not a mean)")

@@ -116,9 +116,18 @@ def packed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens_
                          reduction: Reduction = "token", ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Causal-LM cross entropy of a packed row with labels aligned to tokens (shifted here, per sample).
 
-    ``logits`` ``[1, T, V]`` or ``[T, V]``, ``labels`` ``[1, T]`` or ``[T]``. ``reduction``: ``"token"`` (mean
-    over all loss tokens), ``"sample"`` (mean of per-sample means; samples without loss tokens are skipped) or
-    ``"none"`` (per-slot losses shaped like ``labels``, 0 where ignored). Never NaN: no loss token gives 0.
+    Never NaN: no loss token gives 0.
+
+    Args:
+        logits: ``[1, T, V]`` or ``[T, V]``.
+        labels: ``[1, T]`` or ``[T]``, aligned with the tokens (unshifted; -100 where ignored).
+        cu_seqlens_padded: the row's physical sample boundaries (``[N + 1]``, ending at ``T``).
+        reduction: ``"token"`` (mean over all loss tokens), ``"sample"`` (mean of per-sample means; samples without
+            loss tokens are skipped) or ``"none"`` (per-slot losses shaped like ``labels``, 0 where ignored).
+        ignore_index: the label that carries no loss.
+
+    Returns:
+        A 0-dim loss (``"token"`` / ``"sample"``) or per-slot losses (``"none"``).
     """
     targets = shift_packed_labels(labels, cu_seqlens_padded, ignore_index)
     if reduction == "token":

@@ -499,7 +499,28 @@ def pack_batch_sequences(
     trailing fill segment.
 
     Exactly one device-to-host transfer (the row lengths, which decide the output shape); then each field is
-    cut into per-row views in one ``split`` and joined with its fill slots in one ``cat``.
+    cut into per-row views in one ``split`` and joined with its fill slots in one ``cat``. With
+    ``pad_to_multiple_of=4`` and two rows of 3 and 6 real tokens (``p``: alignment fill)::
+
+        tokens        a1 a2 a3 p | b1 b2 b3 b4 b5 b6 p  p
+        labels        a1 a2 a3 - | b1 b2 b3 b4 b5 b6 -  -      (unshifted; - is -100)
+        position_ids  0  1  2  3 | 0  1  2  3  4  5  6  7
+        cu_seqlens          [0, 3, 9]    (cumulative real lengths)
+        cu_seqlens_padded   [0, 4, 12]   (physical boundaries: what attention and the loss read)
+
+    Args:
+        tokens: ``[B, S]`` token ids.
+        labels: ``[B, S]`` targets aligned with ``tokens`` (-100 where ignored); None: none in the result.
+        loss_mask: ``[B, S]`` per-token loss weights; None: none in the result.
+        attention_mask: a 2-D ``[B, S]`` padding mask (used when ``padding_mask`` is None).
+        position_ids: ``[B, S]`` or ``[C, B, S]``; None restarts them at 0 per sequence.
+        pad_token_id: the fill token, and what marks padding when no mask is given.
+        pad_to_multiple_of: each sequence's slots are a multiple of it (context / tensor parallel splits).
+        padding_mask: ``[B, S]``, 1 on real tokens.
+        pad_to_length: the total width T (static shapes).
+
+    Returns:
+        A :class:`PackedBatch`: ``[1, T]`` fields and the row's boundaries.
     """
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be [B, S]; got shape {tuple(tokens.shape)}")
@@ -639,6 +660,15 @@ def pack_sequences(
     building that batch: each field is joined with its alignment fill in one concatenation. Lengths are known
     on the host, so there is no host sync at all. ``position_ids[i]`` is ``[n_i]`` or ``[C, n_i]`` (mRoPE
     channels); ``None`` restarts at 0 per sample. Empty samples are dropped; order is kept. Tensors on one device.
+
+    Args:
+        tokens: one sequence of ids per sample.
+        labels / loss_mask / position_ids: per sample, the same lengths as ``tokens``; None: not in the result
+            (positions: restarting at 0).
+        pad_token_id / pad_to_multiple_of / pad_to_length: as :func:`pack_batch_sequences`.
+
+    Returns:
+        A :class:`PackedBatch` equal to :func:`pack_batch_sequences`' on the right-padded batch.
     """
     _check_options(pad_token_id, pad_to_multiple_of, pad_to_length)
     token_samples = _samples("tokens", tokens, None)

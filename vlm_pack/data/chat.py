@@ -25,7 +25,7 @@ from __future__ import annotations
 import io
 import os
 import pathlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,7 +39,7 @@ from .chat_template import (
 from . import patch_index
 from ..core.packing import IGNORE_INDEX
 from ..core.versions import GAPS, has
-from ..models import UnsupportedVersionError
+from ..models import TEXT_ENCODING, EncodingRules, UnsupportedVersionError
 
 __all__ = [
     "CHATML_TEMPLATE",
@@ -407,17 +407,12 @@ def encode_conversations(
     processor: Any,
     conversations: list[list[dict]],
     chat_template: ChatTemplate,
-    vision_rows: Mapping[str, str] | None = None,
+    encoding: EncodingRules = TEXT_ENCODING,
+    *,
+    tools: Sequence[Any] | None = None,
     unlabelled_ids: Sequence[int] = (),
     unlabelled_spans: Sequence[tuple[int, int]] = (),
-    mask_before_expansion: bool = False,
-    tools: Sequence[Any] | None = None,
-    encode_alone: bool = False,
     image_token_id: int | None = None,
-    tile_tokens: Callable[[Any, Mapping[str, torch.Tensor]], list[int]] | None = None,
-    tile_stacks: Sequence[str] = (),
-    width_packed: Sequence[str] = (),
-    patch_indices: Mapping[str, str] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Render and tokenise normalised conversations in ONE processor call; returns one dict per sample.
 
@@ -427,34 +422,37 @@ def encode_conversations(
     if the sample has images or videos. Tokens are those of ``chat_template.template`` (the model's own, see
     :mod:`vlm_pack.data.chat_template`); ``labels`` equal ``input_ids`` on assistant tokens and -100 elsewhere. Image
     and video tokens never get labels: neither tokens the processor types as media (``mm_token_type_ids`` /
-    ``token_type_ids`` != 0) nor ``unlabelled_ids`` (the placeholder ids and the family's vision markers) nor
-    any token of an ``unlabelled_spans`` ``(open id, close id)`` span, both ends included.
-    ``vision_rows``: the family's ``VisionRows.rows`` (what each row of a vision tensor belongs to). If the
-    processor fails, the error names the first sample it fails on. ``mask_before_expansion``: the family's
-    ``EncodingRules.mask_before_expansion`` (the processor's assistant mask is that of the unexpanded text): the mask
-    is then carried from the template's own tokens (each placeholder one token) onto the expanded ones
-    (:func:`carry_assistant_mask`); so it is for every processor on transformers < 5.23, which does not shift the
-    mask for expanded placeholders (``vlm_pack.core.versions.GAPS``). ``tools``: each conversation's chat-level
-    tools (:func:`example_tools`).
-    ``encode_alone``: the family's ``EncodingRules.encode_alone`` (its processor cannot encode samples of different
-    lengths in one call): one call per sample, the outputs joined as one call's would be. ``image_token_id``: the
-    token each image expands into, whose count splits ``"image_token"`` vision rows (default: the processor's
-    ``image_token_id``). ``tile_tokens``: the family's ``VisionRows.tile_tokens`` (image tokens of each row of its
-    ``"tile"`` vision tensors).
-    ``tile_stacks``: the family's ``VisionRows.tile_stacks`` (keys holding one stack of tiles per image, the stacks
-    of different lengths): asked of the image processor as a list and flattened to one row per tile.
-    ``width_packed``: the family's ``VisionRows.width_packed`` (tensors of one row whose
-    last dimension runs over the patches of every image): split along that dimension, each sample's share one row.
-    ``patch_indices``: the family's ``VisionRows.patch_indices`` (tensors numbering the patches of another over the
-    whole call): each sample's share counted from its own first patch (:func:`vlm_pack.data.patch_index.localize`).
+    ``token_type_ids`` != 0) nor ``unlabelled_ids`` nor any token of an ``unlabelled_spans`` span.
+
+    Args:
+        processor: the model's processor (or a text tokenizer).
+        conversations: normalised conversations (:func:`normalize_example`), one per sample.
+        chat_template: the resolved template (:func:`resolve_chat_template`) whose assistant spans give the labels.
+        encoding: the family's :class:`~vlm_pack.models.EncodingRules`, read whole: how vision rows split between
+            samples (``vision``: rows, tile tokens and stacks, width-packed and patch-index tensors), whether the
+            processor's assistant mask is that of the unexpanded text (``mask_before_expansion``: carried onto the
+            expanded tokens by :func:`carry_assistant_mask`, as for every processor on transformers < 5.23, which
+            does not shift it; ``vlm_pack.core.versions.GAPS``), whether the processor takes one sample per call
+            (``encode_alone``: the outputs are joined as one call's would be).
+        tools: each conversation's chat-level tools (:func:`example_tools`).
+        unlabelled_ids: ids that never carry labels (the placeholders and the family's ``media_tokens``).
+        unlabelled_spans: ``(open id, close id)`` pairs; every token from an open through its close (both ends)
+            never carries a label.
+        image_token_id: the token each image expands into, whose count splits ``"image_token"`` vision rows
+            (default: the processor's ``image_token_id``).
+
+    Returns:
+        One dict per sample. If the processor fails, the error names the first sample it fails on.
     """
+    vision_rules = encoding.vision
+    tile_stacks, width_packed = vision_rules.tile_stacks, vision_rules.width_packed
     text_only = not hasattr(processor, "image_processor")  # text templates expect string content
     rendered = [template_messages(conversation, text_only) for conversation in conversations]
     tools = list(tools) if tools is not None else [None] * len(conversations)
     # A clip's features depend on the processor call (Qwen3-Omni pads the clips of a call to the longest, and the
     # Whisper frames at a clip's end see that padding): samples with audio are encoded alone, as each sample alone.
-    audio_rows = tuple(key for key, unit in (vision_rows or {}).items() if unit == "audio")
-    encode_alone = encode_alone or any(media_parts(c, "audio") for c in conversations)
+    audio_rows = tuple(key for key, unit in vision_rules.rows.items() if unit == "audio")
+    encode_alone = encoding.encode_alone or any(media_parts(c, "audio") for c in conversations)
     try:
         out = (_apply_each(processor, rendered, chat_template, tools, audio_rows) if encode_alone
                else _apply_template(processor, rendered, chat_template, tools, bool(tile_stacks)))
@@ -465,7 +463,7 @@ def encode_conversations(
             except Exception as exc:
                 raise ValueError(f"sample {index}: {_reason(exc)}") from exc
         raise batch_error
-    if mask_before_expansion:
+    if encoding.mask_before_expansion:
         out["assistant_masks"] = _expanded_masks(processor, rendered, chat_template, out["input_ids"], unlabelled_ids,
                                                  tools)
     elif hasattr(processor, "image_processor") and not has("processor_mask_shift"):
@@ -489,13 +487,14 @@ def encode_conversations(
                 raise ValueError(f"processor output {key!r} has shape {tuple(vision[key].shape)}: the family packs "
                                  "every image's patches into ONE row along the last dimension")
             vision[key] = vision[key][0].movedim(-1, 0)  # rows: positions along the patch dimension
-    vision_rows = vision_rows or {}
+    vision_rows = vision_rules.rows
     units = {vision_rows.get(key) for key in vision}  # a batch without images (or a text model) has none
     image_tokens = (_image_token_counts(processor, out["input_ids"], image_token_id)
                     if {"image_token", "tile"} & units else None)
+    tile_tokens = vision_rules.tile_tokens
     tiles = tile_tokens(processor, vision) if "tile" in units and tile_tokens is not None else None
     split = _split_vision(vision, images, videos, vision_rows, image_tokens, tiles, audios)
-    for key, source in (patch_indices or {}).items():
+    for key, source in vision_rules.patch_indices.items():
         if key in split:
             split[key] = patch_index.localize(split[key], split.get(source, [None] * len(samples)), key, source)
     for key, chunks in split.items():

@@ -44,7 +44,7 @@ __all__ = ["CollatorStats", "TOKEN_ALIGNED_KEYS", "VLMPackingCollator", "model_i
 # Per-token keys of a text tokenizer collator (no model_config): padded / packed exactly like input_ids. With a
 # model_config the family registry says which keys are per token. Every other tensor a processor returns
 # (pixel_values, image_grid_thw, video tensors, ...) is per sample: concatenated along dim 0 in sample order.
-TOKEN_ALIGNED_KEYS = ("input_ids", "labels", "token_type_ids")
+TOKEN_ALIGNED_KEYS = TEXT_ENCODING.token_keys
 _TOKEN_FILL = {"labels": IGNORE_INDEX}
 _PACKED_KEYS = ("input_ids", "labels")  # packed by the core itself; other per-token keys scatter into real slots
 
@@ -133,18 +133,22 @@ class VLMPackingCollator:
         self.on_overlong = on_overlong
         self.on_empty = on_empty
         self.pad_to_length = pad_to_length
-        self.family: FamilySpec | None = (
-            None if model_config is None else get_family(model_config, allow_unproven=allow_unproven)
-        )
-        self.encoding: EncodingRules = TEXT_ENCODING if self.family is None else self.family.encoding
-        if self.family is not None and self.encoding.encode_sample is not None:
+        if model_config is None:  # a text tokenizer on its own: no family, a text model's encoding
+            self.family: FamilySpec | None = None
+            self.encoding: EncodingRules = TEXT_ENCODING
+            self.model_name = "a text model"
+        else:
+            self.family = get_family(model_config, allow_unproven=allow_unproven)
+            self.encoding = self.family.encoding
+            self.model_name = f"the {self.family.name} family"
+        if self.encoding.encode_sample is not None:
             if chat_template is not None or template_kwargs:
-                raise ValueError(f"the {self.family.name} family encodes each sample by its processor's own rule "
+                raise ValueError(f"{self.model_name} encodes each sample by its processor's own rule "
                                  "(vlm_pack.models), not by a chat template: drop chat_template / template_kwargs")
             self.chat = self.chat_template = None
         else:
             self.chat = resolve_chat_template(processor, chat_template, template_kwargs)  # how spans are found
-            if self.family is not None and self.encoding.template_prefix is not None:
+            if self.encoding.template_prefix is not None:
                 self.chat = with_prefix(processor, self.chat, self.encoding.template_prefix(processor))
             self.chat_template = self.chat.template  # the template every sample is rendered (tokenised) with
         self.has_images = hasattr(processor, "image_processor")
@@ -153,7 +157,7 @@ class VLMPackingCollator:
         self.pad_token_id = _pad_id(tokenizer) if pad_token_id is None else pad_token_id
         placeholders = tuple(getattr(processor, f"{kind}_token", None) for kind in ("image", "video", "audio"))
         self.reserved_tokens = tuple(token for token in placeholders if token)
-        if self.family is None and self.has_images:
+        if model_config is None and self.has_images:
             raise ValueError(
                 "the collator got a multimodal processor but no model_config: pass model_config=model.config, so "
                 "positions and per-token keys follow the model's family (e.g. mRoPE computed per sample)"
@@ -162,22 +166,20 @@ class VLMPackingCollator:
                 and not has("processor_mask_shift")):
             since = GAPS["processor_mask_shift"].since
             raise UnsupportedVersionError(
-                f"the {self.family.name} processor writes text inside its image expansion, so its assistant mask (the "
+                f"{self.model_name}'s processor writes text inside its image expansion, so its assistant mask (the "
                 f"labels) is right only from transformers {since} on, which shifts it for expanded placeholders "
                 f"(found transformers {installed('transformers')}); pip install -U 'transformers>={since}'"
             )
-        self.image_token_id = _image_token_id(processor, self.family)
-        self.unlabelled_ids = _media_token_ids(processor, self.family)
-        self.unlabelled_spans = _media_span_ids(processor, self.family)
+        self.image_token_id = _image_token_id(processor, self.encoding)
+        self.unlabelled_ids = _media_token_ids(processor, self.encoding)
+        self.unlabelled_spans = _media_span_ids(processor, self.encoding)
         self.allow_unproven = allow_unproven
-        if context_parallel_size > 1 and self.family is not None:
+        if context_parallel_size > 1:
             require_proven(self.family, "context_parallel", f"context_parallel_size={context_parallel_size}",
                            allow_unproven=allow_unproven)
-        self.token_keys = TOKEN_ALIGNED_KEYS if self.family is None else self.encoding.token_keys
-        self.rope_index = (
-            MRopeIndex(model_config, self.encoding.positions.rope_index_model)
-            if self.family is not None and self.encoding.positions.rule == "mrope" else None
-        )
+        self.token_keys = self.encoding.token_keys
+        self.rope_index = (MRopeIndex(model_config, self.encoding.positions.rope_index_model)
+                           if self.encoding.positions.rule == "mrope" else None)
         if self.rope_index is not None and self.has_images:
             merge = getattr(processor.image_processor, "merge_size", None)
             if merge is not None and merge != self.rope_index.spatial_merge_size:
@@ -248,23 +250,18 @@ class VLMPackingCollator:
         for index, turns in enumerate(conversations):
             self.check_media(turns, index)
         samples, dropped, images = [], [], 0
-        vision_rows = None if self.family is None else self.encoding.vision.rows
         if self.chat is None:  # the family's own per-sample encoder (EncodingRules.encode_sample)
             encoded = [self.encoding.encode_sample(self.processor, turns, index)
                        for index, turns in enumerate(conversations)]
         else:
-            encoded = encode_conversations(self.processor, conversations, self.chat, vision_rows,
-                                           self.unlabelled_ids, self.unlabelled_spans,
-                                           self.family is not None and self.encoding.mask_before_expansion,
-                                           [example_tools(example, index) for index, example in enumerate(examples)],
-                                           self.family is not None and self.encoding.encode_alone, self.image_token_id,
-                                           None if self.family is None else self.encoding.vision.tile_tokens,
-                                           () if self.family is None else self.encoding.vision.tile_stacks,
-                                           () if self.family is None else self.encoding.vision.width_packed,
-                                           None if self.family is None else self.encoding.vision.patch_indices)
-        if self.family is not None and self.rope_index is not None:
+            tools = [example_tools(example, index) for index, example in enumerate(examples)]
+            encoded = encode_conversations(self.processor, conversations, self.chat, self.encoding, tools=tools,
+                                           unlabelled_ids=self.unlabelled_ids, unlabelled_spans=self.unlabelled_spans,
+                                           image_token_id=self.image_token_id)
+        if self.rope_index is not None:
             for index, features in enumerate(encoded):
-                _check_video_runs(features, self.processor, self.family, self.rope_index.spatial_merge_size, index)
+                _check_video_runs(features, self.processor, self.encoding.video_runs, self.family.name,
+                                  self.rope_index.spatial_merge_size, index)
         empty = []
         for index, features in enumerate(encoded):
             length = features["input_ids"].shape[1]
@@ -272,7 +269,7 @@ class VLMPackingCollator:
                 if self.on_empty == "error":
                     raise ValueError(
                         f"sample {index} has no label token once rendered with "
-                        f"{self.family.name + ' encoding' if self.chat is None else self.chat.name} (empty or "
+                        f"{self.model_name + ' encoding' if self.chat is None else self.chat.name} (empty or "
                         "whitespace-only answers, or a template that writes no assistant text); fix the sample or "
                         "pass on_empty='drop'"
                     )
@@ -309,7 +306,7 @@ class VLMPackingCollator:
         """Refuse a sample's videos / audio clips where the family's path is not proven (by name), and clips longer
         than the feature extractor takes (it would cut them silently)."""
         for kind, what in (("video", "a video"), ("audio", "an audio clip")):
-            if self.family is not None and kind not in self.family.proof.paths and media_parts(turns, kind):
+            if media_parts(turns, kind):
                 require_proven(self.family, kind, f"sample {index}: {what}", allow_unproven=self.allow_unproven)
         limit = getattr(getattr(self.processor, "feature_extractor", None), "n_samples", None)
         for turn, message in enumerate(turns):
@@ -337,18 +334,17 @@ class VLMPackingCollator:
 
     def _per_sample_keys(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         keys = dict.fromkeys(k for s in samples for k in s if k not in self.token_keys)
-        declared = {} if self.family is None else self.encoding.vision.rows
-        for key in (k for k in keys if k not in declared):  # a per-token output the family does not declare
+        vision = self.encoding.vision
+        for key in (k for k in keys if k not in vision.rows):  # a per-token output the family does not declare
             if all(key not in s or s[key].shape == s["input_ids"].shape for s in samples) and len(samples) > 1:
-                family = "a text model" if self.family is None else f"the {self.family.name} family"
                 raise ValueError(
-                    f"the processor returns {key!r} with one value per token, which {family} does not take "
+                    f"the processor returns {key!r} with one value per token, which {self.model_name} does not take "
                     f"(per-token keys: {list(self.token_keys)}): use the processor of the model you train"
                 )
-        width = () if self.family is None else self.encoding.vision.width_packed
-        indices = {} if self.family is None else self.encoding.vision.patch_indices  # re-based by the samples before them
+        indices = vision.patch_indices  # re-based by the samples before them
         return {key: patch_index.join([s.get(key) for s in samples], [s.get(indices[key]) for s in samples])
-                if key in indices else torch.cat([s[key] for s in samples if key in s], dim=-1 if key in width else 0)
+                if key in indices
+                else torch.cat([s[key] for s in samples if key in s], dim=-1 if key in vision.width_packed else 0)
                 for key in keys}
 
     def _positions(self, samples: list[dict[str, torch.Tensor]], padded: dict[str, torch.Tensor],
@@ -463,7 +459,7 @@ class VLMPackingCollator:
         )
 
 
-def _check_video_runs(features: dict[str, torch.Tensor], processor: Any, family: FamilySpec, merge: int,
+def _check_video_runs(features: dict[str, torch.Tensor], processor: Any, runs: str, family: str, merge: int,
                       index: int) -> None:
     """A video sample's runs of video tokens must be laid out as the family's rope index reads them
     (``EncodingRules.video_runs``): one run per video, or one per temporal patch (Qwen3-VL: each after its timestamp).
@@ -474,7 +470,7 @@ def _check_video_runs(features: dict[str, torch.Tensor], processor: Any, family:
         return
     frame_tokens = (grid[:, 1] * grid[:, 2] // merge**2).tolist()
     frames = grid[:, 0].tolist()
-    if family.encoding.video_runs == "frame":
+    if runs == "frame":
         want = [tokens for tokens, count in zip(frame_tokens, frames) for _ in range(count)]
     else:
         want = [tokens * count for tokens, count in zip(frame_tokens, frames)]
@@ -482,9 +478,9 @@ def _check_video_runs(features: dict[str, torch.Tensor], processor: Any, family:
     edges = inside.diff()
     got = ((edges == -1).nonzero().flatten() - (edges == 1).nonzero().flatten()).tolist()
     if got != want:
-        layout = "one run per frame, each after its timestamp" if family.encoding.video_runs == "frame" else "one run per video"
+        layout = "one run per frame, each after its timestamp" if runs == "frame" else "one run per video"
         raise ValueError(
-            f"sample {index}: its video tokens form runs of {got} tokens, but the {family.name} model's rope index "
+            f"sample {index}: its video tokens form runs of {got} tokens, but the {family} model's rope index "
             f"expects {layout} ({want}); encode with the model's own processor ({type(processor).__name__} "
             "writes another family's video layout)"
         )
@@ -497,16 +493,16 @@ def _audio_lengths(vision: dict[str, torch.Tensor]) -> torch.Tensor | None:
     return None if mask is None else mask.sum(-1)
 
 
-def _image_token_id(processor: Any, family: FamilySpec | None) -> int | None:
+def _image_token_id(processor: Any, encoding: EncodingRules) -> int | None:
     """The id each image expands into: the family's ``image_token`` where it names one (Ovis 2's ``<IMG_ATOM>``),
     else the processor's ``image_token_id`` (None for a text tokenizer)."""
-    if family is not None and family.encoding.vision.image_token is not None:
-        return _token_id(processor, family.encoding.vision.image_token)
+    if encoding.vision.image_token is not None:
+        return _token_id(processor, encoding.vision.image_token)
     token = getattr(processor, "image_token_id", None)
     return token if isinstance(token, int) else None
 
 
-def _media_token_ids(processor: Any, family: FamilySpec | None) -> tuple[int, ...]:
+def _media_token_ids(processor: Any, encoding: EncodingRules) -> tuple[int, ...]:
     """Ids that never carry labels: the processor's image / video / audio placeholders and markers (Gemma's
     ``boi_token`` / ``eoi_token``) and the family's declared ``media_tokens``; tokens the vocabulary lacks are
     skipped."""
@@ -514,19 +510,19 @@ def _media_token_ids(processor: Any, family: FamilySpec | None) -> tuple[int, ..
     ids = [getattr(owner, f"{kind}_token_id", None) for owner in (processor, tokenizer)
            for kind in ("image", "video", "audio")]
     tokens = [getattr(processor, name, None) for name in ("boi_token", "eoi_token")]
-    tokens += list(family.encoding.media_tokens) if family is not None else []
+    tokens += list(encoding.media_tokens)
     unknown = getattr(tokenizer, "unk_token_id", None)
     vocab = tokenizer.get_vocab()
     ids += [vocab.get(token) for token in tokens if isinstance(token, str)]
     return tuple(sorted({i for i in ids if isinstance(i, int) and i != unknown}))
 
 
-def _media_span_ids(processor: Any, family: FamilySpec | None) -> tuple[tuple[int, int], ...]:
+def _media_span_ids(processor: Any, encoding: EncodingRules) -> tuple[tuple[int, int], ...]:
     """The family's ``media_spans`` as id pairs (pairs the vocabulary lacks are skipped, like ``media_tokens``)."""
-    if family is None or not family.encoding.media_spans:  # no second get_vocab() (150k entries) for families without spans
+    if not encoding.media_spans:  # no second get_vocab() (150k entries) for families without spans
         return ()
     vocab = getattr(processor, "tokenizer", processor).get_vocab()
-    pairs = ((vocab.get(open_), vocab.get(close)) for open_, close in family.encoding.media_spans)
+    pairs = ((vocab.get(open_), vocab.get(close)) for open_, close in encoding.media_spans)
     return tuple((o, c) for o, c in pairs if o is not None and c is not None)
 
 

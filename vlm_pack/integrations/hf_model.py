@@ -387,6 +387,16 @@ def enable_packing(model, name: str = ATTN_IMPLEMENTATION, *, allow_unproven: bo
     the LM head applied in chunks of ``loss_chunk_tokens`` target slots (None: 64 MiB of fp32 logits per chunk) and
     recomputed in the backward, so a long row never holds its ``T x V`` logits; ``logits`` are computed only when
     used (:mod:`vlm_pack.integrations.head_loss`). ``chunked_loss=False`` keeps the model's own loss.
+
+    Args:
+        model: a transformers model of a registered family.
+        name: the attention implementation name registered for packed rows.
+        allow_unproven: warn instead of refusing an unregistered family or an unhandled config feature.
+        chunked_loss: compute the training loss from hidden states in chunks (above).
+        loss_chunk_tokens: target slots per chunk (None: 64 MiB of fp32 logits).
+
+    Returns:
+        ``model`` itself, switched in place.
     """
     family = get_family(model.config, allow_unproven=allow_unproven)
     register_attention(name)

@@ -100,8 +100,8 @@ def version_problems(spec: FamilySpec, config: Any) -> list[str]:
     found = installed("transformers")
     problems = []
     if spec.proof.min_transformers is not None and not at_least("transformers", spec.proof.min_transformers):
-        problems.append(f"the {spec.name} family is proven exact from transformers {spec.proof.min_transformers} on, not "
-                        f"on {found} ({spec.proof.sft} fails there): pip install -U "
+        problems.append(f"the {spec.name} family is proven exact from transformers {spec.proof.min_transformers} on, "
+                        f"not on {found} ({spec.proof.sft} fails there): pip install -U "
                         f"'transformers>={spec.proof.min_transformers}'")
     router = getattr(text_config(config), "output_router_logits", False) or getattr(config, "output_router_logits",
                                                                                    False)
@@ -212,8 +212,11 @@ def families_proven(path: TrainingPath) -> list[str]:
     return sorted(name for name, spec in registered_families().items() if path in spec.proof.paths)
 
 
-def require_proven(spec: FamilySpec, path: TrainingPath, what: str, *, allow_unproven: bool | None = False) -> None:
+def require_proven(spec: FamilySpec | None, path: TrainingPath, what: str, *,
+                   allow_unproven: bool | None = False) -> None:
     """Refuse ``what`` (the trainer / collator / setup being built) unless ``spec``'s family is proven on ``path``.
+    ``spec=None``: no model, so no family (a collator for a text tokenizer built without ``model_config``): nothing
+    is claimed, nothing refused.
 
     A :func:`path_refusal` raises always. An unproven pair raises :class:`UnsupportedModelError` naming the family,
     the path and the families proven on it; ``allow_unproven=True`` turns that into a warning (the caller's own
@@ -221,6 +224,8 @@ def require_proven(spec: FamilySpec, path: TrainingPath, what: str, *, allow_unp
     """
     if path not in PATHS:
         raise ValueError(f"unknown training path {path!r}; choose one of {', '.join(PATHS)}")
+    if spec is None:
+        return
     reason = path_refusal(spec, path)
     if reason is not None:
         raise UnsupportedModelError(f"{what} with a {spec.name} model: {reason}")

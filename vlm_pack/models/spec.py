@@ -252,8 +252,9 @@ class EncodingRules:
     ``image_text``."""
 
 
-TEXT_ENCODING = EncodingRules()
-"""A text model's encoding (a tokenizer, no images): what the data layer uses where no family is given."""
+TEXT_ENCODING = EncodingRules(token_keys=("input_ids", "labels", "token_type_ids"))
+"""A text tokenizer's encoding where no model (so no family) is given: 1-D positions, and ``token_type_ids`` (if
+the tokenizer writes them) per token like ``input_ids``."""
 
 
 @dataclass(frozen=True)
@@ -266,4 +267,4 @@ class FamilySpec:
     model_types: tuple[str, ...]
     proof: Proof
     model: ModelRules = ModelRules()
-    encoding: EncodingRules = TEXT_ENCODING
+    encoding: EncodingRules = EncodingRules()

@@ -31,6 +31,7 @@ _LAZY = {
     "packing_stats": "algorithms",
     "PackedDataset": "dataset",
     "PackedSFTDataset": "dataset",
+    "PrepareOptions": "prepare",
     "prepare_packed_sequence_data": "prepare",
     "PackedArrays": "storage",
     "open_packed": "storage",

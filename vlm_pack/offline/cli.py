@@ -89,7 +89,7 @@ add_parser = add_prepare_parser  # the name the `vlm-pack` dispatcher (vlm_pack/
 
 def run_prepare(args: argparse.Namespace) -> int:
     """Run ``prepare`` from parsed arguments; returns the exit code."""
-    from .prepare import prepare_packed_sequence_data  # not at module level: `prepare --help` stays light
+    from .prepare import PrepareOptions, prepare_packed_sequence_data  # not at module level: `--help` stays light
 
     chat_template = None
     if args.chat_template is not None:
@@ -97,30 +97,14 @@ def run_prepare(args: argparse.Namespace) -> int:
             chat_template = Path(args.chat_template).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
             raise ValueError(f"--chat-template {args.chat_template}: cannot read it ({err})") from None
-    prepare_packed_sequence_data(
-        args.input,
-        args.tokenizer,
-        args.output_dir,
-        args.pack_sizes,
-        validation_path=args.validation,
-        validation_fraction=args.validation_fraction,
-        template=args.template,
-        prompt_field=args.prompt_field,
-        response_field=args.response_field,
-        messages_field=args.messages_field,
-        completion_field=args.completion_field,
-        text_field=args.text_field,
-        chat_template=chat_template,
-        max_seq_length=args.max_seq_length,
-        algorithm=args.algorithm,
-        seed=args.seed,
-        pad_seq_to_mult=args.pad_seq_to_mult,
-        num_proc=args.num_proc,
-        global_batch_size=args.global_batch_size,
-        tokenizer_name=args.tokenizer_name,
-        overwrite=args.overwrite,
-        cache_dir=args.cache_dir,
-        allow_pickle=args.allow_pickle,
-        progress=not args.no_progress,
+    options = PrepareOptions(
+        validation_path=args.validation, validation_fraction=args.validation_fraction, template=args.template,
+        prompt_field=args.prompt_field, response_field=args.response_field, messages_field=args.messages_field,
+        completion_field=args.completion_field, text_field=args.text_field, chat_template=chat_template,
+        max_seq_length=args.max_seq_length, algorithm=args.algorithm, seed=args.seed,
+        pad_seq_to_mult=args.pad_seq_to_mult, num_proc=args.num_proc, global_batch_size=args.global_batch_size,
+        tokenizer_name=args.tokenizer_name, overwrite=args.overwrite, cache_dir=args.cache_dir,
+        allow_pickle=args.allow_pickle, progress=not args.no_progress,
     )
+    prepare_packed_sequence_data(args.input, args.tokenizer, args.output_dir, args.pack_sizes, options)
     return 0

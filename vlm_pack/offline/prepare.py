@@ -30,7 +30,7 @@ sha256 of every file), ...).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -65,7 +65,8 @@ from .storage import (
     write_packed,
 )
 
-__all__ = ["ALPACA_PROMPT", "TEMPLATES", "PreparedSplit", "prepare_packed_sequence_data", "tokenized_splits"]
+__all__ = ["ALPACA_PROMPT", "TEMPLATES", "PrepareOptions", "PreparedSplit", "prepare_packed_sequence_data",
+           "tokenized_splits"]
 
 
 @dataclass
@@ -250,73 +251,108 @@ def pack_split(samples: TokenizedSplit, pack_size: int, *, algorithm: str = "bes
     return arrays, packing_stats(lengths, bin_ids, pack_size)
 
 
+@dataclass(frozen=True)
+class PrepareOptions:
+    """How :func:`prepare_packed_sequence_data` reads, tokenises, packs and writes (every keyword it takes; what the
+    ``vlm-pack prepare`` flags set). Checked when built, so the CLI and the API refuse the same values."""
+
+    validation_path: str | Path | None = None
+    """Validation data (same formats as the input); or ``validation_fraction`` of the training rows (a seeded
+    random subset, taken after tokenisation), not both."""
+    validation_fraction: float = 0.0
+    template: str = "auto"
+    """``auto`` (detected from the first record: TRL's conversational ``messages``, prompt-completion or ``text``
+    formats, or alpaca prompt/response; :mod:`.encoding`), or one of ``chat``, ``prompt_completion``, ``text``,
+    ``alpaca``; the ``*_field`` options name the fields."""
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    messages_field: str = "messages"
+    completion_field: str = "completion"
+    text_field: str = "text"
+    chat_template: str | None = None
+    """Jinja text that replaces the tokenizer's own template for chats."""
+    max_seq_length: int | None = None
+    """Longer samples keep their first ``max_seq_length`` tokens (a sample whose whole response is cut off is
+    dropped); without it a sample longer than the pack size is an error naming it."""
+    algorithm: str = "best_fit_decreasing"
+    seed: int = 0
+    pad_seq_to_mult: int = 1
+    """Pack on lengths rounded up to this multiple (the collate-time alignment padding then always fits)."""
+    num_proc: int = 1
+    global_batch_size: int | None = None
+    """Samples per optimizer step: the summary then says how many packs per step keep it."""
+    tokenizer_name: str | None = None
+    """Names the output folder ``<output_root>/packed/<name>`` (default: the tokenizer folder's name)."""
+    overwrite: bool = False
+    """Replace existing output (else an error)."""
+    cache_dir: str | None = None
+    """Where tokenised splits are cached (:mod:`.cache`)."""
+    allow_pickle: bool = False
+    """Read a ``.npy`` input (already-packed data in the reference pickle format; trusted files only)."""
+    progress: bool = True
+    log: Callable[[str], None] = print
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown packing algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        if self.max_seq_length is not None:
+            _positive_int(self.max_seq_length, "max_seq_length (--max-seq-length)")
+        _positive_int(self.pad_seq_to_mult, "pad_seq_to_mult (--pad-seq-to-mult)")
+        check_seed(self.seed, "seed (--seed)")
+        _positive_int(self.num_proc, "num_proc (--num-proc)")
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise ValueError(f"validation_fraction must be in [0, 1), got {self.validation_fraction}")
+        if self.validation_path is not None and self.validation_fraction:
+            raise ValueError("give either validation_path or validation_fraction, not both")
+        if self.tokenizer_name is not None:
+            check_output_name(self.tokenizer_name, "tokenizer_name (--tokenizer-name)")
+
+
 def prepare_packed_sequence_data(
     train_path: str | Path,
     tokenizer: str | Path | Any,
     output_root: str | Path,
     pack_sizes: int | list[int],
-    *,
-    validation_path: str | Path | None = None,
-    validation_fraction: float = 0.0,
-    template: str = "auto",
-    prompt_field: str = "prompt",
-    response_field: str = "response",
-    messages_field: str = "messages",
-    completion_field: str = "completion",
-    text_field: str = "text",
-    chat_template: str | None = None,
-    max_seq_length: int | None = None,
-    algorithm: str = "best_fit_decreasing",
-    seed: int = 0,
-    pad_seq_to_mult: int = 1,
-    num_proc: int = 1,
-    global_batch_size: int | None = None,
-    tokenizer_name: str | None = None,
-    overwrite: bool = False,
-    cache_dir: str | None = None,
-    allow_pickle: bool = False,
-    progress: bool = True,
-    log: Callable[[str], None] = print,
+    options: PrepareOptions | None = None,
+    **overrides: Any,
 ) -> list[PreparedSplit]:
     """Tokenise, pack and write a dataset for every pack size; returns what was written.
 
-    ``tokenizer`` is a local folder (loaded with ``AutoTokenizer``, local files only) or a tokenizer object;
-    ``tokenizer_name`` (default: the folder's name) names the output folder ``<output_root>/packed/<name>``.
-    ``template``: ``auto`` (detected from the first record: TRL's conversational ``messages``, prompt-completion
-    or ``text`` formats, or alpaca prompt/response; :mod:`.encoding`), or one of ``chat``, ``prompt_completion``,
-    ``text``, ``alpaca``; the ``*_field`` arguments name the fields. ``chat_template`` (jinja text) replaces the
-    tokenizer's own template for chats.
-    Existing output is an error unless ``overwrite``. ``cache_dir``: where tokenised splits are cached (see
-    :mod:`.cache`). Prints, per pack size, the packing factor ``n``, the efficiency and, with
-    ``global_batch_size``, how many packs per step keep the same samples per step.
+    Prints, per pack size, the packing factor ``n``, the efficiency and, with ``global_batch_size``, how many packs
+    per step keep the same samples per step. A ``.npy`` input is taken as already-packed data in the reference
+    pickle format and converted as is (packs unchanged, one pack size; needs ``allow_pickle=True``).
 
-    A ``.npy`` input is taken as already-packed data in the reference pickle format and converted as is
-    (packs unchanged, one pack size); reading it needs ``allow_pickle=True`` (trusted files only).
+    Args:
+        train_path: the training data: a JSONL, JSON, parquet, CSV or Arrow file, a ``save_to_disk`` directory, or
+            a reference ``.npy``.
+        tokenizer: a local folder (loaded with ``AutoTokenizer``, local files only) or a tokenizer object.
+        output_root: packs go to ``<output_root>/packed/<tokenizer_name>/``.
+        pack_sizes: one or more pack sizes in tokens.
+        options: a :class:`PrepareOptions` (what ``vlm-pack prepare`` builds from its flags).
+        **overrides: any :class:`PrepareOptions` field by name, replacing ``options``' (e.g.
+            ``prepare_packed_sequence_data(path, tok, out, [2048], tokenizer_name="t", overwrite=True)``).
+
+    Returns:
+        One :class:`PreparedSplit` per split and pack size. Existing output is an error unless ``overwrite``; output
+        already made of the same content and settings is kept as it is (and returned).
     """
+    opts = replace(options or PrepareOptions(), **overrides)
     sizes = sorted({_positive_int(s, "pack size") for s in ([pack_sizes] if _is_int(pack_sizes) else pack_sizes)})
     if not sizes:
         raise ValueError("give at least one pack size")
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown packing algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-    if max_seq_length is not None:
-        _positive_int(max_seq_length, "max_seq_length (--max-seq-length)")
-    _positive_int(pad_seq_to_mult, "pad_seq_to_mult (--pad-seq-to-mult)")
-    check_seed(seed, "seed (--seed)")
-    _positive_int(num_proc, "num_proc (--num-proc)")
-    if not 0.0 <= validation_fraction < 1.0:
-        raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
-    if validation_path is not None and validation_fraction:
-        raise ValueError("give either validation_path or validation_fraction, not both")
+    validation_path, validation_fraction, seed = opts.validation_path, opts.validation_fraction, opts.seed
+    max_seq_length, chat_template, algorithm = opts.max_seq_length, opts.chat_template, opts.algorithm
+    pad_seq_to_mult, tokenizer_name, overwrite = opts.pad_seq_to_mult, opts.tokenizer_name, opts.overwrite
+    log = opts.log
     for source in (train_path, validation_path):
         if source is not None and not Path(source).exists():
             raise FileNotFoundError(f"input {source} not found; check the path (--input / --validation)")
-    fmt = SampleFormat(template, prompt_field, response_field, messages_field, completion_field, text_field)
-    if tokenizer_name is not None:
-        check_output_name(tokenizer_name, "tokenizer_name (--tokenizer-name)")
+    fmt = SampleFormat(opts.template, opts.prompt_field, opts.response_field, opts.messages_field,
+                       opts.completion_field, opts.text_field)
     if Path(train_path).suffix == ".npy":
         out_dir = Path(output_root) / "packed" / (tokenizer_name or _plain_name(tokenizer))
         inputs = {"training": train_path, "validation": validation_path}
-        return _convert_reference(inputs, out_dir, sizes, allow_pickle=allow_pickle, overwrite=overwrite, log=log)
+        return _convert_reference(inputs, out_dir, sizes, allow_pickle=opts.allow_pickle, overwrite=overwrite, log=log)
     source = TokenizerSource(tokenizer)
     out_dir = Path(output_root) / "packed" / (tokenizer_name or source.name)
 
@@ -329,13 +365,14 @@ def prepare_packed_sequence_data(
     with RunOutput(out_dir, sizes, overwrite=overwrite, current=lambda: current_output(out_dir, output_keys)) as run:
         if run.current is not None:
             for split in run.current:
-                log(summary_line(split.metadata, global_batch_size))
+                log(summary_line(split.metadata, opts.global_batch_size))
             log(f"{out_dir} is up to date (same input content, tokenizer, settings and packing code; checksums "
                 "match): nothing written")
             return run.current
         splits, template = tokenized_splits(
             train_path, source, fmt, validation_path=validation_path, max_seq_length=max_seq_length,
-            chat_template=chat_template, cache_dir=cache_dir, num_proc=num_proc, progress=progress, log=log,
+            chat_template=chat_template, cache_dir=opts.cache_dir, num_proc=opts.num_proc, progress=opts.progress,
+            log=log,
             keys=keys)
         if "validation" not in splits and validation_fraction:
             splits["training"], splits["validation"] = _split_off(splits["training"], validation_fraction, seed)
@@ -346,7 +383,8 @@ def prepare_packed_sequence_data(
                 if len(samples.source_index) == 0:
                     raise ValueError(f"the {split} split has no sample left to pack (all were dropped)")
                 arrays, stats = pack_split(samples, size, algorithm=algorithm, seed=seed,
-                                           pad_seq_to_mult=pad_seq_to_mult, split=split, cache=TokenCache(cache_dir),
+                                           pad_seq_to_mult=pad_seq_to_mult, split=split,
+                                           cache=TokenCache(opts.cache_dir),
                                            log=log)
                 final = split_path(out_dir, split, size)
                 staged = write_packed(run.staged(final), arrays)
@@ -359,7 +397,7 @@ def prepare_packed_sequence_data(
                 )
                 entries.append(entry)
                 written.append(PreparedSplit(split, size, final, entry))
-                log(summary_line(entry, global_batch_size))
+                log(summary_line(entry, opts.global_batch_size))
             write_metadata(run.staged(metadata_path(out_dir, size)), entries)
         run.commit()
     log(f"wrote {len(written)} packed split(s) to {out_dir}")

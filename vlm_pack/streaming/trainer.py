@@ -86,8 +86,8 @@ class StreamAligner:
             (logger.warning if split else logger.info)(dataset.describe_deal(workers))
 
     def state(self) -> dict:
-        return {"format": STATE_FORMAT, "fingerprint": self.dataset.fingerprint(self.workers), "epoch": self.consumed_epoch,
-                "count": self.count, "units": self.units, "last_unit": self.last_unit}
+        return {"format": STATE_FORMAT, "fingerprint": self.dataset.fingerprint(self.workers),
+                "epoch": self.consumed_epoch, "count": self.count, "units": self.units, "last_unit": self.last_unit}
 
     def restore(self, state: dict) -> None:
         self.dataset.load_state_dict(state, self.workers)
