@@ -238,3 +238,18 @@ def test_nothing_is_named_after_a_round():
     tests = Path(__file__).resolve().parent
     named = [p.name for p in [*MODULES, *tests.glob("*.py")] if re.search(r"round_?\d", p.stem)]
     assert named == []
+
+
+def _private_imports(path: Path, source: str | None = None) -> list[str]:
+    tree = ast.parse(path.read_text() if source is None else source)
+    return [f"{node.module}.{alias.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+            for alias in node.names if alias.name.startswith("_") and node.module != "__future__"]
+
+
+def test_fixtures_import_no_private_names():
+    """The family fixtures share helpers through ``vlm_pack.testing.family_parts`` (public names), never a private
+    name taken from another module."""
+    fixtures = [path for path in MODULES if "testing" in path.relative_to(PACKAGE).parts]
+    assert {str(p.relative_to(PACKAGE)): _private_imports(p) for p in fixtures if _private_imports(p)} == {}
+    planted = "def _late():\n    from ..tiny_models import _SMALL_VOCAB\n"
+    assert _private_imports(PACKAGE / "testing" / "families" / "llava.py", planted) == ["tiny_models._SMALL_VOCAB"]

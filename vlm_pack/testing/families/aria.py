@@ -12,6 +12,7 @@ from ..tiny_models import TINY_VISION_TOWER
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- Aria (Idefics3 tower, query projector, MoE text)
 
 # Aria's processor accepts only max_image_size 490 or 980: 490-px images of 14-px patches (35 x 35), a projector

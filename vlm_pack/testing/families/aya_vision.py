@@ -12,6 +12,7 @@ from ..tiny_models import TINY_VISION_TOWER
 
 __all__ = ["BUILDERS", "cohere2_text_config"]
 
+
 # ---------------------------------------------------------------- Aya Vision (SigLIP tiles, Cohere 2 text)
 
 # 28-px tiles (up to 4 + a global view) of 7-px patches, pixel-shuffled by 2: 4 <|IMG_PATCH|> tokens per tile.

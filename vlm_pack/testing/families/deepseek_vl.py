@@ -12,6 +12,7 @@ from ..tiny_models import TINY_VISION_TOWER
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- DeepSeek-VL (SigLIP, Llama text)
 
 # Images resized (longest edge) and padded to 28x28 squares of 7-px patches: 16 <image_placeholder> tokens each.

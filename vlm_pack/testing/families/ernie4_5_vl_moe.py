@@ -11,6 +11,7 @@ from ..family_parts import Builder, chatml_template, family_tokenizer, mrope_tex
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- ERNIE 4.5 VL MoE (3-D rope, text and vision experts)
 
 # As PaddleOCR-VL: 28-112 px images, 14-px patches merged 2x2. ERNIE's rope pairs height and width frequencies, so

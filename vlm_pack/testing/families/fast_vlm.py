@@ -11,6 +11,7 @@ from ..family_parts import HIDDEN, Builder, chatml_template, family_tokenizer, q
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- FastVLM (timm FastViT-MCi + Qwen2)
 
 # 128-px images (CLIP resize + centre crop), a 5-stage FastViT-MCi of one block per stage (total stride 64): a 2x2

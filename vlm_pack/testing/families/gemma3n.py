@@ -11,6 +11,7 @@ from ..family_parts import HIDDEN, Builder
 
 __all__ = ["BUILDERS", "tiny_gemma3n_text"]
 
+
 # ---------------------------------------------------------------- Gemma 3n text (Gemma3nForCausalLM)
 
 

@@ -11,6 +11,7 @@ from ..family_parts import HIDDEN, Builder, chatml_template, family_tokenizer, q
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- GLM-4V (3-D rope from the model's own get_rope_index)
 
 _GLM4V_TOKENS = {

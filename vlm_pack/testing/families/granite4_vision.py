@@ -11,6 +11,7 @@ from ..family_parts import HIDDEN, LLAVA_PINPOINTS, Builder, chatml_template, fa
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- Granite 4 Vision (LLaVA-NeXT crops, window Q-Former)
 
 # 28-px crops of 7-px patches (CLIP, CLS dropped: 16 patches), anyres pinpoints up to 2x2 crops; the Q-Former

@@ -11,6 +11,7 @@ from ..family_parts import HIDDEN, Builder, chatml_template, family_tokenizer
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- Granite Docling (Idefics3-style page tiles)
 
 # 28-px tiles of 7-px patches, pixel shuffle 2: 4 <image> tokens per tile, up to 4 tiles + the global view. One

@@ -12,6 +12,7 @@ from ..tiny_models import TINY_VISION_TOWER
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- HunYuan-VL (4-axis rope, image ordinal per sample)
 
 # Images between 32x32 and 128x128 pixels: 16-px patches merged 2x2; each image's span is h * (w + 1) + 2 tokens.

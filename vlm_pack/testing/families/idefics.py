@@ -12,6 +12,7 @@ from ..tiny_models import TINY_VISION_TOWER, official_template
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- Idefics2 (perceiver resampler, Mistral text)
 
 # Images resized to 28-56 px (7-px patches; the processor pads each batch's images to its largest and returns the

@@ -12,6 +12,7 @@ from ..tiny_models import TINY_VISION_TOWER
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- InternVL
 
 # 28-px tiles of 7-px patches, pixel-shuffled by 0.5: 4 image tokens per tile; up to 4 tiles + a thumbnail.

@@ -12,6 +12,7 @@ from ..tiny_models import TINY_VISION_TOWER, official_template
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- LFM2-VL (SigLIP2 NaFlex tiles, LFM2 conv + attention)
 
 # 7-px patches unshuffled 2x2; images up to 16 tokens (3136 px) stay one tile, larger ones become 70-px crops (25

@@ -13,6 +13,7 @@ from ..tiny_models import TINY_VISION_TOWER
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- LightOnOCR (Pixtral vision, Qwen3 text)
 
 # As mistral3: images fit in 56 px, 7-px patches merged 2x2 (h/14 * w/14 image tokens, no break tokens). The real

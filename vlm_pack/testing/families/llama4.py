@@ -11,6 +11,7 @@ from ..family_parts import HIDDEN, Builder, family_tokenizer
 
 __all__ = ["BUILDERS", "llama4_text_config"]
 
+
 # ---------------------------------------------------------------- Llama 4
 
 # 28-px tiles of 7-px patches, pixel shuffle 0.5: 4 <|patch|> tokens per tile; up to 4 tiles + the global view.

@@ -14,6 +14,7 @@ from ..tiny_models import TINY_VISION_TOWER
 
 __all__ = ["BUILDERS"]
 
+
 def _llava_processor() -> ProcessorMixin:
     from transformers import CLIPImageProcessor, LlavaProcessor
 

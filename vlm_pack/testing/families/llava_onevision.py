@@ -12,6 +12,7 @@ from ..tiny_models import TINY_VISION_TOWER
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- LLaVA-OneVision
 
 # 28-px crops of 7-px patches: 16 tokens per crop. Pinpoints up to 3 crops a side; "anyres_max_2" makes larger

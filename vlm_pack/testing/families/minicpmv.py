@@ -12,6 +12,7 @@ from ..tiny_models import TINY_VISION_TOWER, hybrid_text_config, tiny_text_confi
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- MiniCPM-V 4.6 (NaViT slices, Qwen3.5 hybrid text)
 
 # 7-px patches, 56-px slices (8 x 8 patches -> 4 tokens after the 16x merge), up to 4 slices + the source image.

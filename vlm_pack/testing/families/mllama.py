@@ -11,6 +11,7 @@ from ..family_parts import HIDDEN, Builder, chatml_template, family_tokenizer
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- Mllama (Llama 3.2 Vision)
 
 # 28-px tiles of 7-px patches (16 patches + CLS per tile), up to 4 tiles per image; text layers: 0 self-attention,

@@ -12,6 +12,7 @@ from ..tiny_models import TINY_VISION_TOWER
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- Molmo 2 (overlapping crops, pooled patches, Qwen3-like text)
 
 # 28-px crops of 7-px patches (4 x 4 patches; 1-patch overlap margins, so each crop adds a 2 x 2 patch window),

@@ -12,6 +12,7 @@ from ..tiny_models import TINY_VISION_TOWER
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- Ovis 2 (visual vocabulary, tiles, Qwen2 text)
 
 # 28-px tiles (up to 4 + a thumbnail) of 7-px patches, pixel-shuffled by hidden_stride 2: 4 <IMG_ATOM> per tile.

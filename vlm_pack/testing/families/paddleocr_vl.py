@@ -12,6 +12,7 @@ from ..tiny_models import TINY_VISION_TOWER
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- PaddleOCR-VL (NaViT SigLIP + ERNIE-4.5 text, 3-D rope)
 
 # Images between 28x28 and 112x112 pixels: 14-px patches merged 2x2 (1-16 image tokens), as Qwen2-VL's.

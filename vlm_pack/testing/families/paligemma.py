@@ -11,6 +11,7 @@ from ..family_parts import HIDDEN, Builder
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- PaliGemma (SigLIP + Gemma, prefix-LM)
 
 # 28-px images of 14-px patches: 4 <image> tokens per image; a 2-layer Gemma (no chat template: the processor's own

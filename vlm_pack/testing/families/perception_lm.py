@@ -11,6 +11,7 @@ from ..family_parts import HIDDEN, Builder, chatml_template
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- PerceptionLM (timm Perception Encoder + Llama)
 
 # 32-px tiles of 16-px patches (4 tokens per tile, no pooling), a thumbnail plus up to 4 tiles per image; a one-block

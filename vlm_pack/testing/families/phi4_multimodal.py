@@ -11,6 +11,7 @@ from ..family_parts import HIDDEN, Builder, chatml_template
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- Phi-4-multimodal
 
 # The image processor counts tokens for 448-px crops of 14-px patches only (256 + 16 per crop, hard-coded), so the

@@ -11,6 +11,7 @@ from ..family_parts import Builder
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- Qwen3-VL-MoE (Qwen3-VL with mixture-of-experts MLPs)
 
 

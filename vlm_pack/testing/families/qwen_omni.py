@@ -12,6 +12,7 @@ from ..tiny_models import qwen_vision_patching
 
 __all__ = ["BUILDERS"]
 
+
 # ---------------------------------------------------------------- Qwen2.5-Omni thinker (images, audio; no video)
 
 # Qwen2.5-VL's tiny vision tower and image processor (56-112 px images, 14-px patches merged 2x2); a real Whisper
