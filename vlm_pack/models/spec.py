@@ -264,7 +264,12 @@ class FamilySpec:
     :class:`EncodingRules`."""
 
     name: str
+    """The family's name (in messages, the docs table and ``registered_families()``)."""
     model_types: tuple[str, ...]
+    """The ``config.model_type`` values covered; a type belongs to one family only."""
     proof: Proof
+    """What the tests show, path by path."""
     model: ModelRules = ModelRules()
+    """What ``enable_packing`` and the config checks need (default: a causal text model)."""
     encoding: EncodingRules = EncodingRules()
+    """What the data layer needs from the processor (default: a text model's tokenizer)."""
