@@ -166,7 +166,7 @@ class VLMPackingCollator:
                 and not has("processor_mask_shift")):
             since = GAPS["processor_mask_shift"].since
             raise UnsupportedVersionError(
-                f"{self.model_name}'s processor writes text inside its image expansion, so its assistant mask (the "
+                f"the {self.family.name} processor writes text inside its image expansion, so its assistant mask (the "
                 f"labels) is right only from transformers {since} on, which shifts it for expanded placeholders "
                 f"(found transformers {installed('transformers')}); pip install -U 'transformers>={since}'"
             )
