@@ -17,11 +17,12 @@ import types
 import pytest
 import torch
 
+from vlm_pack.attention import gated_deltanet as gd
 from vlm_pack.attention import linear as la
 from vlm_pack.data.collator import VLMPackingCollator, model_inputs
 from vlm_pack.testing.data import photo_examples, text_chat_examples
 from vlm_pack.integrations.hf_model import enable_packing
-from vlm_pack.attention.linear import install_linear_attention_packing, remove_linear_attention_packing
+from vlm_pack.attention.packed_layers import install_linear_attention_packing, remove_linear_attention_packing
 from vlm_pack.models import get_family
 from vlm_pack.testing.tiny_models import tiny_config, tiny_model
 
@@ -133,12 +134,12 @@ def test_state_carried_across_boundaries_is_caught(text_models, monkeypatch):
     lengths = [40, 30, 20]
     error, floor = packed_logit_error(text_models, lengths)
     floor.check(error)
-    exact, whole_row = la.segmented_gated_delta_rule, whole_row_layout(lengths)
+    exact, whole_row = gd.segmented_gated_delta_rule, whole_row_layout(lengths)
 
-    def carried(reference_fn, q, k, v, g, beta, layout, l2norm):
-        return exact(reference_fn, q, k, v, g, beta, whole_row, l2norm)
+    def carried(q, k, v, g, beta, layout):
+        return exact(q, k, v, g, beta, whole_row)
 
-    monkeypatch.setattr(la, "segmented_gated_delta_rule", carried)
+    monkeypatch.setattr(gd, "segmented_gated_delta_rule", carried)
     assert floor.is_far(packed_logit_error(text_models, lengths)[0])
 
 
@@ -149,8 +150,8 @@ def test_conv_window_leaking_across_boundaries_is_caught(text_models, monkeypatc
     floor.check(error)
     exact, whole_row = la.segmented_causal_conv1d, whole_row_layout(lengths)
 
-    def leaky(reference_fn, hidden, weight, bias, activation, layout):
-        return exact(reference_fn, hidden, weight, bias, activation, whole_row)
+    def leaky(hidden, weight, bias, activation, layout):
+        return exact(hidden, weight, bias, activation, whole_row)
 
     monkeypatch.setattr(la, "segmented_causal_conv1d", leaky)
     assert floor.is_far(packed_logit_error(text_models, lengths)[0])
@@ -169,7 +170,7 @@ def test_stock_model_refuses_packed_rows_and_remove_restores(text_models):
 
 
 def test_unpacked_forward_is_untouched(text_models):
-    """Calls without boundaries (ordinary batches) take transformers' original functions: same logits."""
+    """Calls without boundaries (ordinary batches) take the stock layer forward: same logits."""
     reference, model, _ = text_models
     ids = torch.randint(0, 5000, (2, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ..attention.linear import CONTEXT_PARALLEL_REFUSAL, CONV_FUNCTION, install_linear_attention_packing
+from ..attention.linear import CONTEXT_PARALLEL_REFUSAL
+from ..attention.packed_layers import install_linear_attention_packing
 from . import FamilySpec, register_family
 
 _LAYER_KINDS = frozenset({"full_attention", "conv"})
@@ -28,7 +29,7 @@ _ROWS = {"pixel_values": "tile", "pixel_attention_mask": "tile", "spatial_shapes
 
 def _short_conv(model: Any) -> None:
     """Boundary-aware forward on every ``Lfm2ShortConv`` of the model (vlm_pack.attention.linear)."""
-    install_linear_attention_packing(model, ("Lfm2ShortConv",), functions=(CONV_FUNCTION,))
+    install_linear_attention_packing(model, ("Lfm2ShortConv",))
 
 
 def _tile_tokens(processor: Any, vision: Mapping[str, torch.Tensor]) -> list[int]:

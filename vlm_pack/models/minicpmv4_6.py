@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ..attention.linear import CONTEXT_PARALLEL_REFUSAL, install_linear_attention_packing
+from ..attention.linear import CONTEXT_PARALLEL_REFUSAL
+from ..attention.packed_layers import install_linear_attention_packing
 from . import FamilySpec, register_family, text_backbone
 
 _MARKUP = ("<image>", "</image>", "<slice>", "</slice>")

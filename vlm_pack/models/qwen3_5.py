@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..attention.linear import CONTEXT_PARALLEL_REFUSAL, install_linear_attention_packing
+from ..attention.linear import CONTEXT_PARALLEL_REFUSAL
+from ..attention.packed_layers import install_linear_attention_packing
 from . import FamilySpec, register_family
 
 _PROOF = "tests/test_linear_attention.py"
