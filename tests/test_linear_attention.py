@@ -12,7 +12,6 @@ of flash-linear-attention's functions in ``sys.modules``.
 from __future__ import annotations
 
 import sys
-import types
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from vlm_pack.attention.packed_layers import install_linear_attention_packing, r
 from vlm_pack.models import get_family
 from vlm_pack.testing.tiny_models import tiny_config, tiny_model
 
+from fla_fakes import install_fake_fla
 from tolerance import NoiseFloor, assert_grads_close, fp64_copy, fp64_inputs, max_abs
 
 DELTANET = ["Qwen3_5GatedDeltaNet"]
@@ -204,57 +204,9 @@ def test_packed_row_with_cache_is_refused(text_models):
 # ------------------------------------------------------------------ GPU route (flash-linear-attention), faked
 
 
-class Recorder:
-    """Fake fla function: records what it is passed, returns zeros of the right shape."""
-
-    def __init__(self, make_output):
-        self.calls: list[dict] = []
-        self.make_output = make_output
-
-    def __call__(self, *args, **kwargs):
-        self.calls.append({"args": args, **kwargs})
-        return self.make_output(*args, **kwargs)
-
-
-# flash-linear-attention 0.6.0's signatures (read from the installed package with inspect.signature; fla cannot
-# stay installed here: with it, transformers' Qwen3.5 modules call its Triton kernels on CPU tensors and fail).
-def fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                               use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                               state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
-                               cp_context=None, **kwargs):
-    """fla's shape rules: q, k [B, T, H, K]; v [B, T, HV, V] with HV a multiple of H (grouped values, fla >= 0.5);
-    g, beta [B, T, HV]; varlen needs B == 1."""
-    assert not kwargs, f"unknown keywords {sorted(kwargs)}"
-    assert q.shape == k.shape and v.shape[:2] == q.shape[:2] and v.shape[2] % q.shape[2] == 0
-    assert g.shape == beta.shape == v.shape[:3]
-    assert cu_seqlens is None or q.shape[0] == 1
-    return torch.zeros_like(v), None
-
-
-def fla_causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
-                      activation=None, backend="triton", cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
-                      cp_context=None, **kwargs):
-    """fla's rules: x [B, T, D], weight [D, W]; returns (y, final_state)."""
-    assert not kwargs, f"unknown keywords {sorted(kwargs)}"
-    assert x.dim() == 3 and weight.shape[0] == x.shape[-1]
-    return torch.zeros_like(x), None
-
-
 @pytest.fixture
 def fake_fla(monkeypatch):
-    """flash-linear-attention's two varlen entry points as recording fakes with the real signatures."""
-    rule = Recorder(fla_chunk_gated_delta_rule)
-    conv = Recorder(fla_causal_conv1d)
-    modules = {
-        "fla": types.ModuleType("fla"),
-        "fla.ops": types.ModuleType("fla.ops"),
-        "fla.ops.gated_delta_rule": types.SimpleNamespace(chunk_gated_delta_rule=rule),
-        "fla.modules": types.ModuleType("fla.modules"),
-        "fla.modules.convolution": types.SimpleNamespace(causal_conv1d=conv),
-    }
-    for name, module in modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    return rule, conv
+    return install_fake_fla(monkeypatch)
 
 
 def test_fla_route_passes_int32_cu_seqlens(fake_fla):

@@ -22,6 +22,7 @@ from vlm_pack.attention import linear as la
 from vlm_pack.attention import mamba2 as m2
 from vlm_pack.attention.packed_layers import install_linear_attention_packing
 
+from fla_fakes import install_fake_fla
 from tolerance import NoiseFloor, assert_grads_close, fp64_copy, max_abs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -69,10 +70,10 @@ def stock_layer(name: str) -> tuple[torch.nn.Module, object]:
     return layer, config
 
 
-def packed_copy(layer: torch.nn.Module, config: object) -> torch.nn.Module:
+def packed_copy(layer: torch.nn.Module, config: object, backend: str = "torch_segments") -> torch.nn.Module:
     """A copy of ``layer`` with vlm_pack's packed forward installed (inside a holder: install hooks the parent)."""
     holder = torch.nn.ModuleList([copy.deepcopy(layer)])
-    assert len(install_linear_attention_packing(holder, {type(layer).__name__}, "torch_segments", config)) == 1
+    assert len(install_linear_attention_packing(holder, {type(layer).__name__}, backend, config)) == 1
     return holder[0]
 
 
@@ -162,6 +163,31 @@ def test_unpacked_calls_run_the_stock_forward(layers):
     x = torch.randn(2, 9, stock.out_proj.out_features, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(packed(x), stock(x))
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_fla_route_hands_the_kernels_the_boundaries(name, monkeypatch):
+    """backend="fla" (faked on CPU, real signatures): the conv, and a DeltaNet's delta rule, get int32 cu_seqlens
+    and fla's layouts; Mamba-2's scan stays on the torch path."""
+    pytest.importorskip(f"transformers.models.{LAYERS[name][0]}")
+    rule, conv = install_fake_fla(monkeypatch)
+    stock, config = stock_layer(name)
+    packed = packed_copy(stock, config, backend="fla")
+    lengths = [7, 12, 5]
+    with torch.no_grad():
+        packed(torch.cat(samples(stock.out_proj.out_features, lengths), 1),
+               cu_seq_lens_q=cu_seqlens(lengths).long())
+    weight = (stock.conv1d if hasattr(stock, "conv1d") else stock.conv).weight
+    (call,) = conv.calls
+    assert call["cu_seqlens"].dtype == torch.int32 and call["cu_seqlens"].tolist() == [0, 7, 19, 24]
+    assert call["args"][0].shape == (1, 24, weight.shape[0]) and call["weight"].shape == (weight.shape[0], weight.shape[-1])
+    assert call["activation"] == (None if name.startswith("lfm2") else "silu")
+    assert len(rule.calls) == (1 if name.startswith("qwen") else 0)
+    for call in rule.calls:
+        q, k, v = call["args"]
+        assert q.shape == k.shape == (1, 24, config.linear_num_key_heads, config.linear_key_head_dim)
+        assert v.shape == (1, 24, config.linear_num_value_heads, config.linear_value_head_dim)
+        assert call["cu_seqlens"].tolist() == [0, 7, 19, 24] and call["use_qk_l2norm_in_kernel"] is True
 
 
 def test_unknown_parameter_layout_is_refused_at_install():
