@@ -190,6 +190,28 @@ def test_fla_route_hands_the_kernels_the_boundaries(name, monkeypatch):
         assert call["cu_seqlens"].tolist() == [0, 7, 19, 24] and call["use_qk_l2norm_in_kernel"] is True
 
 
+@pytest.mark.parametrize(("name", "targets"), [("qwen3_5", ["in_proj_qkv", "in_proj_z", "out_proj"]),
+                                               ("qwen3_next", ["in_proj_qkvz", "out_proj"]),
+                                               ("lfm2", ["in_proj", "out_proj"])])
+def test_layer_with_lora_adapters_installed_first(name, targets):
+    """PEFT LoRA applied before enable_packing wraps the projections (``in_proj_qkv.base_layer.weight``): the layer
+    is still recognised, and its packed output equals each sample alone through the adapted stock layer."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip(f"transformers.models.{LAYERS[name][0]}")
+    stock, config = stock_layer(name)
+    holder = torch.nn.ModuleList([stock])
+    peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=targets), holder)
+    with torch.no_grad():
+        for pname, param in holder.named_parameters():
+            if "lora_B" in pname:
+                param.normal_(0, 0.5)
+    adapted, adapted64 = copy.deepcopy(holder[0]), fp64_copy(holder[0])
+    install_linear_attention_packing(holder, {type(stock).__name__}, "torch_segments", config)
+    error, floor = packed_error(adapted, holder[0], adapted64)
+    floor.check(error, name)
+    assert floor.is_far(packed_error(stock_layer(name)[0], holder[0], adapted64)[0])  # the adapters count
+
+
 def test_unknown_parameter_layout_is_refused_at_install():
     """A named class whose parameters are no layer vlm_pack knows fails when installed, naming it."""
     holder = torch.nn.ModuleList([torch.nn.Linear(4, 4)])

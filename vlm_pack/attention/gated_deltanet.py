@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .linear import (
     ACTIVATIONS, CHUNK, SegmentLayout, check_covers, fla_function, packed_causal_conv1d, packed_layout,
-    require_one_row, resolve_backend,
+    parameter_shapes, require_one_row, resolve_backend,
 )
 
 __all__ = ["DeltaNetShape", "chunk_gated_delta_rule", "deltanet_forward", "packed_gated_delta_rule",
@@ -49,17 +49,17 @@ class DeltaNetShape:
     def of(cls, module: torch.nn.Module, config: Any) -> "DeltaNetShape | None":
         """The shape of ``module`` if its parameters are a Gated DeltaNet's (else None); raises when they do not
         match ``config`` (a layout vlm_pack does not know)."""
-        names = dict(module.named_parameters(recurse=True))
-        split = {"in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"}
-        grouped = {"in_proj_qkvz.weight", "in_proj_ba.weight"}
-        common = {"conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight"}
-        if not common <= names.keys() or not (split <= names.keys() or grouped <= names.keys()):
+        common = ("conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight")
+        split = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
+        grouped = ("in_proj_qkvz.weight", "in_proj_ba.weight")
+        names = parameter_shapes(module, common + split) or parameter_shapes(module, common + grouped)
+        if names is None:
             return None
         missing = [f for f in _CONFIG_FIELDS if getattr(config, f, None) is None]
         if missing:
             raise NotImplementedError(f"{type(module).__name__}: its config lacks {missing}; packed Gated DeltaNet "
                                       "reads them (pass the text config that built the layer)")
-        shape = cls("split" if split <= names.keys() else "grouped", config.linear_num_key_heads,
+        shape = cls("split" if split[0] in names else "grouped", config.linear_num_key_heads,
                     config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim,
                     config.hidden_act)
         keys, values = shape.key_heads * shape.key_dim, shape.value_heads * shape.value_dim
@@ -71,8 +71,8 @@ class DeltaNetShape:
         else:
             expected |= {"in_proj_qkvz.weight": (2 * keys + 2 * values, -1),
                          "in_proj_ba.weight": (2 * shape.value_heads, -1)}
-        wrong = {name: tuple(names[name].shape) for name, want in expected.items()
-                 if len(want) != names[name].dim() or any(w not in (-1, s) for w, s in zip(want, names[name].shape))}
+        wrong = {name: names[name] for name, want in expected.items()
+                 if len(want) != len(names[name]) or any(w not in (-1, s) for w, s in zip(want, names[name]))}
         if wrong or shape.value_heads % shape.key_heads or shape.activation not in ACTIVATIONS:
             raise NotImplementedError(
                 f"{type(module).__name__}: parameters {wrong or ''} / activation {shape.activation!r} do not match "

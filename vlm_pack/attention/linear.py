@@ -42,6 +42,7 @@ __all__ = [
     "fla_error",
     "packed_causal_conv1d",
     "packed_layout",
+    "parameter_shapes",
     "resolve_backend",
     "segmented_causal_conv1d",
     "select_linear_backend",
@@ -201,6 +202,20 @@ def packed_layout(cu_seqlens: torch.Tensor, total: int) -> SegmentLayout:
     layout = SegmentLayout.from_cu_seqlens(cu_seqlens, total)
     _layout_cache = (weakref.ref(cu_seqlens), cu_seqlens._version, total, layout)
     return layout
+
+
+def parameter_shapes(module: torch.nn.Module, names: tuple[str, ...]) -> dict[str, tuple[int, ...]] | None:
+    """Shapes of ``module``'s parameters by dotted name (``"conv1d.weight"``), or None if one is missing. Read by
+    attribute, so a layer wrapped by an adapter (PEFT LoRA exposes its base layer's ``weight``) still resolves."""
+    shapes = {}
+    for name in names:
+        value = module
+        for part in name.split("."):
+            value = getattr(value, part, None)
+        if not isinstance(value, torch.Tensor):
+            return None
+        shapes[name] = tuple(value.shape)
+    return shapes
 
 
 # ------------------------------------------------------------------ the causal depthwise conv

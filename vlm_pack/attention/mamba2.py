@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .linear import ACTIVATIONS, CHUNK, SegmentLayout, packed_causal_conv1d, packed_layout
+from .linear import ACTIVATIONS, CHUNK, SegmentLayout, packed_causal_conv1d, packed_layout, parameter_shapes
 
 __all__ = ["Mamba2Shape", "chunk_selective_scan", "mamba2_forward", "segmented_selective_scan"]
 
@@ -50,9 +50,9 @@ class Mamba2Shape:
     def of(cls, module: torch.nn.Module, config: Any) -> "Mamba2Shape | None":
         """The shape of ``module`` if its parameters are a Mamba-2 mixer's (else None); raises when they do not
         match ``config``."""
-        names = dict(module.named_parameters())
-        if not {"in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "norm.weight",
-                "out_proj.weight"} <= names.keys():
+        names = parameter_shapes(module, ("in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "norm.weight",
+                                          "out_proj.weight"))
+        if names is None:
             return None
         missing = [f for f in _CONFIG_FIELDS if getattr(config, f, None) is None]
         limit = getattr(module, "time_step_limit", None)
@@ -64,7 +64,7 @@ class Mamba2Shape:
         conv = shape.inner + 2 * shape.groups * shape.state
         expected = {"in_proj.weight": shape.inner + conv + shape.heads, "conv1d.weight": conv,
                     "dt_bias": shape.heads, "A_log": shape.heads, "D": shape.heads, "norm.weight": shape.inner}
-        wrong = {name: tuple(names[name].shape) for name, rows in expected.items() if names[name].shape[0] != rows}
+        wrong = {name: names[name] for name, rows in expected.items() if names[name][0] != rows}
         if wrong or shape.heads % shape.groups or shape.activation not in ACTIVATIONS:
             raise NotImplementedError(
                 f"{type(module).__name__}: parameters {wrong or ''} / activation {shape.activation!r} do not match "

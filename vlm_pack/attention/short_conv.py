@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .linear import packed_causal_conv1d
+from .linear import packed_causal_conv1d, parameter_shapes
 
 __all__ = ["ShortConvShape", "short_conv_forward"]
 
@@ -27,15 +27,15 @@ class ShortConvShape:
 
     @classmethod
     def of(cls, module: torch.nn.Module, config: Any = None) -> "ShortConvShape | None":
-        """The shape of ``module`` if its parameters are a short conv's (``in_proj``, ``conv``, ``out_proj`` and
-        nothing else), else None; raises when they are but their shapes do not fit together."""
-        names = {name: p for name, p in module.named_parameters() if not name.endswith(".bias")}
-        if names.keys() != {"in_proj.weight", "conv.weight", "out_proj.weight"}:
+        """The shape of ``module`` if its parameters are a short conv's (``in_proj``, ``conv``, ``out_proj``), else
+        None; raises when they are but their shapes do not fit together."""
+        names = parameter_shapes(module, ("in_proj.weight", "conv.weight", "out_proj.weight"))
+        if names is None:
             return None
-        width, kernel = names["conv.weight"].shape[0], names["conv.weight"].shape[-1]
+        width, kernel = names["conv.weight"][0], names["conv.weight"][-1]
         expected = {"in_proj.weight": (3 * width, width), "conv.weight": (width, 1, kernel),
                     "out_proj.weight": (width, width)}
-        wrong = {name: tuple(p.shape) for name, p in names.items() if tuple(p.shape) != expected[name]}
+        wrong = {name: shape for name, shape in names.items() if shape != expected[name]}
         if wrong:
             raise NotImplementedError(f"{type(module).__name__}: parameters {wrong} are not a short conv's "
                                       f"{expected}; packed linear attention does not know this layout")
