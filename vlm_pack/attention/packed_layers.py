@@ -53,8 +53,9 @@ def _packed_forward(kind: PackedLayer, shape: Any, backend: str) -> Callable:
         cu_seqlens = kwargs.get("cu_seq_lens_q")
         if cu_seqlens is None:
             return type(self).forward(self, hidden_states, *args, **kwargs)
-        if args or any(kwargs.get(name) is not None for name in _CACHE_KWARGS):
-            raise ValueError("packed rows cannot fill a cache: call the model with use_cache=False")
+        if any(arg is not None for arg in args) or any(kwargs.get(name) is not None for name in _CACHE_KWARGS):
+            raise ValueError("packed rows cannot fill a cache: call the model with use_cache=False (a packed row "
+                             "reaches the layer with keyword arguments only)")
         if kwargs.get("attention_mask") is not None:
             raise ValueError("a packed row got both cu_seq_lens_q and a padding attention_mask: drop "
                              "attention_mask (packed rows carry their boundaries in cu_seq_lens_*)")
@@ -65,6 +66,7 @@ def _packed_forward(kind: PackedLayer, shape: Any, backend: str) -> Callable:
 
 
 def _layer_of(module: torch.nn.Module, config: Any) -> tuple[PackedLayer, Any]:
+    """The first kind whose parameters ``module`` has, and its checked shape; refuses a module of no known kind."""
     for kind in PACKED_LAYERS:
         shape = kind.shape_of(module, config)
         if shape is not None:
