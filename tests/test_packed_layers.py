@@ -180,7 +180,8 @@ def test_fla_route_hands_the_kernels_the_boundaries(name, monkeypatch):
     weight = (stock.conv1d if hasattr(stock, "conv1d") else stock.conv).weight
     (call,) = conv.calls
     assert call["cu_seqlens"].dtype == torch.int32 and call["cu_seqlens"].tolist() == [0, 7, 19, 24]
-    assert call["args"][0].shape == (1, 24, weight.shape[0]) and call["weight"].shape == (weight.shape[0], weight.shape[-1])
+    assert call["args"][0].shape == (1, 24, weight.shape[0])
+    assert call["weight"].shape == (weight.shape[0], weight.shape[-1])
     assert call["activation"] == (None if name.startswith("lfm2") else "silu")
     assert len(rule.calls) == (1 if name.startswith("qwen") else 0)
     for call in rule.calls:

@@ -80,8 +80,9 @@ _checked_positions: tuple[weakref.ref, int] | None = None
 
 
 def _require_boundary_kwargs(layer: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Pre-hook on the layer that holds a packed linear layer: a packed row (position ids restarting inside a ``[1, T]`` row)
-    without ``cu_seq_lens_q`` would run the recurrence across samples, so it is refused. One check per forward."""
+    """Pre-hook on the layer that holds a packed linear layer: a packed row (position ids restarting inside a
+    ``[1, T]`` row) without ``cu_seq_lens_q`` would run the recurrence across samples, so it is refused. One check
+    per forward."""
     global _checked_positions
     positions = kwargs.get("position_ids")
     if (kwargs.get("cu_seq_lens_q") is not None or positions is None or positions.shape[0] != 1

@@ -27,7 +27,7 @@ _MARKUP = ("<image>", "</image>", "<slice>", "</slice>")
 
 
 def _deltanet(model: Any) -> None:
-    """Boundary-aware forward on every ``Qwen3_5GatedDeltaNet`` of the model (vlm_pack.attention.linear)."""
+    """Boundary-aware forward on every ``Qwen3_5GatedDeltaNet`` of the model (vlm_pack.attention.packed_layers)."""
     install_linear_attention_packing(model, ("Qwen3_5GatedDeltaNet",))
 
 

@@ -23,7 +23,7 @@ DELTANET_CLASS = "Qwen3_5MoeGatedDeltaNet"
 
 
 def _restart_deltanet(model: Any) -> None:
-    """Boundary-aware forward on every Qwen3_5MoeGatedDeltaNet of the model (vlm_pack.attention.linear)."""
+    """Boundary-aware forward on every Qwen3_5MoeGatedDeltaNet of the model (vlm_pack.attention.packed_layers)."""
     install_linear_attention_packing(model, (DELTANET_CLASS,))
 
 
