@@ -226,3 +226,30 @@ def test_deltanet_config_that_does_not_match_the_parameters_is_refused():
     config.linear_num_value_heads = 8
     with pytest.raises(NotImplementedError, match="do not match a Gated DeltaNet"):
         packed_copy(layer, config)
+
+
+def test_nemotron_h_model_packs_per_sample_through_its_mixers():
+    """A whole NemotronH model (Mamba-2 and MLP blocks, no attention) with the packed mixer installed: the row's
+    logits equal each sample alone through the stock model (the boundaries reach the mixers through the model's own
+    kwargs); position ids without boundaries are refused at the first mixer block."""
+    transformers = pytest.importorskip("transformers")
+    fields = dict(LAYERS["nemotron_h"][3], vocab_size=300, intermediate_size=64, num_hidden_layers=3,
+                  layers_block_type=["linear_attention", "mlp", "linear_attention"])
+    torch.manual_seed(0)
+    reference = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**fields))
+    reference64, model = fp64_copy(reference), copy.deepcopy(reference)
+    assert len(install_linear_attention_packing(model, {"NemotronHMamba2Mixer"})) == 2
+    lengths = [70, 5, 33, 130]
+    generator = torch.Generator().manual_seed(4)
+    ids = [torch.randint(0, 300, (1, n), generator=generator) for n in lengths]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    floor = NoiseFloor("logits")
+    with torch.no_grad():
+        alone = [reference(input_ids=x, use_cache=False).logits[0] for x in ids]
+        for x, logits in zip(ids, alone):
+            floor.observe(logits, reference64(input_ids=x, use_cache=False).logits[0])
+        row = model(input_ids=torch.cat(ids, 1), position_ids=positions, use_cache=False,
+                    **{f"cu_seq_lens_{s}": cu_seqlens(lengths) for s in "qk"}).logits[0].split(lengths)
+        floor.check(max(max_abs(p, r) for p, r in zip(row, alone)))
+        with pytest.raises(ValueError, match="without cu_seq_lens_q"):
+            model(input_ids=torch.cat(ids, 1), position_ids=positions, use_cache=False)
