@@ -41,8 +41,8 @@ class DeltaNetShape:
     layout: str  # "split" or "grouped"
     key_heads: int
     value_heads: int
-    key_dim: int
-    value_dim: int
+    key_head_dim: int
+    value_head_dim: int
     activation: str
 
     @classmethod
@@ -62,9 +62,10 @@ class DeltaNetShape:
         shape = cls("split" if split[0] in names else "grouped", config.linear_num_key_heads,
                     config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim,
                     config.hidden_act)
-        keys, values = shape.key_heads * shape.key_dim, shape.value_heads * shape.value_dim
+        keys, values = shape.key_heads * shape.key_head_dim, shape.value_heads * shape.value_head_dim
         expected = {"conv1d.weight": (2 * keys + values, 1, config.linear_conv_kernel_dim),
-                    "A_log": (shape.value_heads,), "dt_bias": (shape.value_heads,), "norm.weight": (shape.value_dim,)}
+                    "A_log": (shape.value_heads,), "dt_bias": (shape.value_heads,),
+                    "norm.weight": (shape.value_head_dim,)}
         if shape.layout == "split":
             expected |= {"in_proj_qkv.weight": (2 * keys + values, -1), "in_proj_z.weight": (values, -1),
                          "in_proj_b.weight": (shape.value_heads, -1), "in_proj_a.weight": (shape.value_heads, -1)}
@@ -85,14 +86,15 @@ def _project(module: torch.nn.Module, shape: DeltaNetShape, hidden: torch.Tensor
     ``[B, T, H_v]``, from either parameter layout."""
     batch, length, _ = hidden.shape
     if shape.layout == "split":
-        z = module.in_proj_z(hidden).reshape(batch, length, shape.value_heads, shape.value_dim)
+        z = module.in_proj_z(hidden).reshape(batch, length, shape.value_heads, shape.value_head_dim)
         return module.in_proj_qkv(hidden), z, module.in_proj_b(hidden), module.in_proj_a(hidden)
     group = shape.value_heads // shape.key_heads
     qkvz = module.in_proj_qkvz(hidden).reshape(batch, length, shape.key_heads, -1)
-    q, k, v, z = qkvz.split([shape.key_dim, shape.key_dim, group * shape.value_dim, group * shape.value_dim], -1)
+    values = group * shape.value_head_dim
+    q, k, v, z = qkvz.split([shape.key_head_dim, shape.key_head_dim, values, values], -1)
     b, a = module.in_proj_ba(hidden).reshape(batch, length, shape.key_heads, 2 * group).split([group, group], -1)
     mixed = torch.cat([x.reshape(batch, length, -1) for x in (q, k, v)], -1)
-    z = z.reshape(batch, length, shape.value_heads, shape.value_dim)
+    z = z.reshape(batch, length, shape.value_heads, shape.value_head_dim)
     return mixed, z, b.reshape(batch, length, -1), a.reshape(batch, length, -1)
 
 
@@ -104,11 +106,11 @@ def deltanet_forward(module: torch.nn.Module, shape: DeltaNetShape, hidden_state
     conv = module.conv1d
     mixed = packed_causal_conv1d(mixed.transpose(1, 2), conv.weight.squeeze(1), conv.bias, shape.activation,
                                  cu_seqlens, backend).transpose(1, 2)
-    keys = shape.key_heads * shape.key_dim
-    q, k, v = mixed.split([keys, keys, shape.value_heads * shape.value_dim], -1)
-    q = q.reshape(batch, length, shape.key_heads, shape.key_dim)
-    k = k.reshape(batch, length, shape.key_heads, shape.key_dim)
-    v = v.reshape(batch, length, shape.value_heads, shape.value_dim)
+    keys = shape.key_heads * shape.key_head_dim
+    q, k, v = mixed.split([keys, keys, shape.value_heads * shape.value_head_dim], -1)
+    q = q.reshape(batch, length, shape.key_heads, shape.key_head_dim)
+    k = k.reshape(batch, length, shape.key_heads, shape.key_head_dim)
+    v = v.reshape(batch, length, shape.value_heads, shape.value_head_dim)
     beta = b.sigmoid()
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)  # fp32: exp(A_log) overflows fp16
     out = packed_gated_delta_rule(q, k, v, g, beta, cu_seqlens, backend)
@@ -152,13 +154,13 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     ``A[t, j] = beta_t exp(G_t - G_j) k_t . k_j`` (j < t); then ``o_t = exp(G_t) q_t S0 + sum_{j<=t}
     exp(G_t - G_j) (q_t . k_j) u_j`` and ``S_end = exp(G_end) S0 + sum_j exp(G_end - G_j) k_j u_j^T``.
     """
-    batch, length, key_heads, key_dim = k.shape
+    batch, length, key_heads, key_head_dim = k.shape
     value_heads, dtype = v.shape[2], v.dtype
     if value_heads != key_heads:
         q, k = (x.repeat_interleave(value_heads // key_heads, dim=2) for x in (q, k))
     q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))  # [B, H, T, D]
     g, beta = (x.transpose(1, 2).float() for x in (g, beta))  # [B, H, T]
-    q, k = _l2norm(q) * key_dim ** -0.5, _l2norm(k)
+    q, k = _l2norm(q) * key_head_dim ** -0.5, _l2norm(k)
     pad = -length % CHUNK
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
@@ -178,7 +180,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     read = q * cum.exp().unsqueeze(-1)
     write = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
 
-    state = q.new_zeros(batch, value_heads, key_dim, v.shape[-1])
+    state = q.new_zeros(batch, value_heads, key_head_dim, v.shape[-1])
     out = torch.empty_like(v)
     for c in range(chunks):
         deltas = deltas_v[:, :, c] - deltas_s[:, :, c] @ state
