@@ -151,7 +151,7 @@ def run_stage(name: str, module: str | None, box: float, dry: bool, device: str)
                 os.waitpid(pid, 0)
             else:
                 process.join()
-            status = f"failed: timed out after {box:g} s (killed; what it had saved is kept)"
+            status = f"failed: timed out after {box:.0f} s (killed; what it had saved is kept)"
             break
         time.sleep(0.05)
     _kill_group(pid)  # leftovers of a finished child (compile workers) go with it
@@ -183,7 +183,7 @@ def render(meta: dict, stages: list[dict]) -> str:
              f"{meta['mode']}. Started {meta['started']}; python {meta['python']}; "
              f"wheels: {meta['wheels']}. Command: `{meta['command']}`.", "",
              "| stage | status | seconds (time box) |", "|---|---|---|"]
-    lines += [f"| {s['name']} | {s['status']} | {s['seconds']} ({s['box_s']:g}) |" for s in stages]
+    lines += [f"| {s['name']} | {s['status']} | {s['seconds']} ({s['box_s']:.0f}) |" for s in stages]
     probe = meta.get("probe") or {}
     lines += ["", f"Setup: stages started by `{meta['start_methods']}`; parent initialised CUDA: "
               f"{meta['parent_cuda_initialized']}; offline: {meta['offline']}; PYTHONPATH: `{meta['pythonpath']}`.",
@@ -250,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     for i, (name, module, box) in enumerate(plan):
         remaining = args.budget - (time.time() - t0)
         later = sum(boxes.get(n, b) for n, _, b in plan[i + 1:])
-        box = allot(boxes.get(name, box), later, remaining)
+        # a box set by --box or an injected stage's is exact; the others also get the time earlier stages left
+        box = min(boxes[name], remaining) if name in boxes else (
+            min(box, remaining) if module is None else allot(box, later, remaining))
         if box < 1:
             stages.append({"name": name, "status": "failed: no time left in the run's budget", "seconds": 0,
                            "box_s": 0, "start_method": "none", "markdown": [], "data": {}, "checks": {}})

