@@ -32,7 +32,6 @@ export PYTORCH_NVML_BASED_CUDA_CHECK=1
 SITE=""
 NOTE="none installed"
 PROBE_JSON=$(mktemp "${TMPDIR:-/tmp}/vlm_pack_gpu_probe.XXXXXX")
-trap 'rm -rf "$PROBE_JSON" ${SITE:+"$SITE"}' EXIT
 
 path_with_site() { echo "${SITE:+$SITE:}$PWD${PYTHONPATH:+:$PYTHONPATH}"; }
 
@@ -58,7 +57,8 @@ deep_probe() {
     PYTHONPATH="$(path_with_site)" "$PYTHON" -m benchmarks.gpu.probe --json "$PROBE_JSON"
 }
 
-main() {
+main() {  # runs in the pipeline's subshell: its own EXIT trap removes the temporary folders
+    trap 'rm -rf "$PROBE_JSON" ${SITE:+"$SITE"}' EXIT
     if [ "$USE_WHEELS" = 1 ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
         install_wheels
     elif [ "$USE_WHEELS" = 0 ]; then
