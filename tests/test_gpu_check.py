@@ -152,7 +152,7 @@ def test_the_kernel_and_exactness_checks_fail_when_packing_ignores_boundaries(mo
 
 
 def test_the_time_boxes_fit_one_540_s_call_and_the_docs_list_them():
-    # the boxes + the wheel install, deep probe and parent imports (measured 20-40 s on 2 busy CPUs) fit the budget,
+    # the boxes + the wheel install, deep probe and parent imports (~35 s measured on 2 CPUs at load 10) fit the budget,
     # and the budget fits the device tool's 540 s call with room for run.sh's last report write
     assert sum(box for _, _, box in STAGES) + 40 <= BUDGET_S <= 540 - 10
     rows = [line.split("|") for line in (ROOT / "docs" / "gpu_check.md").read_text().splitlines()
