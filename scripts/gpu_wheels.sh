@@ -18,7 +18,8 @@
 # Prints each wheel's size and the carry (tracked files + wheels); exits 1 if the carry exceeds 56 MiB (the
 # device tool carries at most 64 MiB; the rest is headroom for the venv-free run's own files).
 # --check (no download) also verifies every wheel's tags: the image runs CPython 3.12 on x86_64 Linux, so a wheel
-# must be cp312 / py312 / py3 (abi none, cp312 or abi3), platform any or manylinux x86_64; exits 1 naming any other.
+# must be cp312 / py312 / py3 (abi none or cp312) or cp3x-abi3 with x <= 12, platform any or manylinux x86_64;
+# exits 1 naming any other.
 # Usage: bash scripts/gpu_wheels.sh [--check]   (GPU_CHECK_WHEEL_DIR: another folder than .gpu_wheels)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,8 +68,10 @@ bad_tags=$(${PYTHON:-python3} - "$DEST" <<'PY'
 import pathlib, sys
 for wheel in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
     python, abi, platform = wheel.stem.split("-")[-3:]
-    ok_python = bool({"cp312", "py312", "py3"} & set(python.split(".")))
-    ok_abi = all(a in {"none", "cp312"} or (a == "abi3" and python.startswith("cp3")) for a in abi.split("."))
+    stable = abi == "abi3" and any(t.startswith("cp3") and t[3:].isdigit() and int(t[3:]) <= 12
+                                   for t in python.split("."))  # the stable ABI of 3.x <= 3.12 loads on 3.12
+    ok_python = bool({"cp312", "py312", "py3"} & set(python.split("."))) or stable
+    ok_abi = all(a in {"none", "cp312"} for a in abi.split(".")) or stable
     ok_platform = any(p == "any" or (p.startswith("manylinux") and p.endswith("x86_64")) for p in platform.split("."))
     if not (ok_python and ok_abi and ok_platform):
         print(f"  {wheel.name}: tags {python}-{abi}-{platform} do not install on CPython 3.12 x86_64 Linux")

@@ -318,3 +318,10 @@ def test_wheels_check_refuses_a_wheel_the_image_cannot_install_or_a_disagreeing_
                              env={**os.environ, "GPU_CHECK_WHEEL_DIR": str(folder)})
         assert run.returncode == 1, (case, run.stdout)
         assert ("cp311-cp311" in run.stdout) if case == "tags" else ("needs beta>=2 but beta 1.5" in run.stdout)
+    folder = tmp_path / "fine"  # the stable ABI of an older CPython (hf-xet's cp38-abi3) installs on 3.12
+    folder.mkdir()
+    _fake_wheel(folder, "stable", "1.0", {"stable/__init__.py": ""}, (), "cp38-abi3-manylinux2014_x86_64")
+    _fake_wheel(folder, "pure", "1.0", {"pure/__init__.py": ""}, ("stable>=1",), "py3-none-any")
+    run = subprocess.run(["bash", "scripts/gpu_wheels.sh", "--check"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "GPU_CHECK_WHEEL_DIR": str(folder)})
+    assert run.returncode == 0, run.stdout + run.stderr

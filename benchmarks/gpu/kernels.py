@@ -19,6 +19,7 @@ bf16 on the same rows (bf16's own rounding, independent of vlm_pack's code). A r
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import subprocess
@@ -53,6 +54,7 @@ def _shapes(ctx: Context) -> dict:
             "timing": {"min_repeats": 10, "max_seconds": 2.0, "target_spread": 0.05}}
 
 
+@functools.lru_cache(maxsize=None)
 def kv_repeat(route: str, heads: int, kv_heads: int) -> int:
     """How many times the route copies each KV head to reach the query heads (1: native GQA). Read from torch's own
     ``varlen_attn`` signature, not from vlm_pack."""

@@ -52,24 +52,40 @@ def alternative_route(ctx: Context) -> str:
 
 
 class AttentionRecorder:
-    """While active: every varlen call of the packed model (its route, KV repeat; ``force`` overrides the route)
+    """During a layout's warm-up step (``record=True``): every varlen call of the packed model (its route, KV repeat)
     and every SDPA call (the backend ``torch._fused_sdp_choice`` picks for its own tensors, GQA native or not),
-    counted by kind. A recording wrapper, read-only but for ``force``."""
+    counted by kind. ``force`` overrides the packed route in every step; timed steps record nothing (the recording
+    costs host time inside the timed region). A recording wrapper, read-only but for ``force``."""
 
     def __init__(self, force: str | None = None):
         self.force = force
         self.calls: Counter = Counter()
+        self._routes: dict[tuple, str] = {}
+
+    def _route(self, q: torch.Tensor, backend: str, blocks: bool, softcap: bool) -> str:
+        from vlm_pack.attention.varlen import select_backend
+
+        if self.force or backend != "auto":
+            return self.force or backend
+        key = (q.device.type, q.dtype, blocks, softcap)
+        if key not in self._routes:  # select_backend probes the installed kernels: once per kind
+            self._routes[key] = select_backend(q.device, q.dtype, image_blocks=blocks, softcap=softcap)
+        return self._routes[key]
 
     @contextlib.contextmanager
-    def active(self):
-        from vlm_pack.attention.varlen import select_backend
+    def active(self, record: bool = True):
         from vlm_pack.integrations import hf_model
 
+        if not record and self.force is None:
+            yield self
+            return
         varlen, sdpa = hf_model.varlen_attention, F.scaled_dot_product_attention
 
+        def forcing_varlen(q, k, v, *args, backend="auto", **kwargs):
+            return varlen(q, k, v, *args, backend=self.force, **kwargs)
+
         def recording_varlen(q, k, v, *args, backend="auto", block_ids=None, softcap=None, **kwargs):
-            route = self.force or (select_backend(q.device, q.dtype, image_blocks=block_ids is not None,
-                                                  softcap=softcap is not None) if backend == "auto" else backend)
+            route = self._route(q, backend, block_ids is not None, softcap is not None)
             repeat = kv_repeat(route, q.shape[1], k.shape[1])
             self.calls[f"varlen {route} ({q.shape[1]} q / {k.shape[1]} kv heads, "
                        + ("native GQA" if repeat == 1 else f"KV heads repeated {repeat}x") + ")"] += 1
@@ -90,7 +106,9 @@ class AttentionRecorder:
             return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                         scale=scale, enable_gqa=enable_gqa, **kwargs)
 
-        hf_model.varlen_attention, F.scaled_dot_product_attention = recording_varlen, recording_sdpa
+        hf_model.varlen_attention = recording_varlen if record else forcing_varlen
+        if record:
+            F.scaled_dot_product_attention = recording_sdpa
         try:
             yield self
         finally:
@@ -191,7 +209,7 @@ def _one(layout: str, item: dict, timed: bool, model, optimizer, runs: dict, rec
     micro = [_device_batch(b, ctx.device, settings["dtype"]) for b in item["packed" if layout.startswith("packed")
                                                                           else layout]]
     row = {"layout": layout}
-    with recorded(row, ctx.device), recorders[layout].active():
+    with recorded(row, ctx.device), recorders[layout].active(record=not timed):
         step = _step(model, optimizer, micro, ctx)
         if timed:
             run["steps"].append({**step, "round": item["round"]})
@@ -304,7 +322,8 @@ def _markdown(results: list[dict], settings: dict, ctx: Context) -> list[str]:
                          fmt(e.get("activation_peak_mib"), ".0f"), fmt(e.get("total_peak_mib"), ".0f")])
     lines += table(["model", "layout", "slots / step", "micro-batches", "fwd+bwd s", "AdamW s", "real tokens / s",
                     "MFU", "activation peak MiB", "total peak MiB"], rows)
-    lines += ["", "Attention per layout (what ran, calls counted over all its steps, recompute included: route or SDPA backend, GQA):", ""]
+    lines += ["", "Attention per layout (what ran in its warm-up step, calls counted, activation recompute included: route or "
+              "SDPA backend, GQA):", ""]
     lines += [f"- {r['model']} / {layout}: {e['attention']}" for r in done for layout, e in r["layouts"].items()]
     lines += [""]
     for r in done:
