@@ -29,7 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from datasets import Dataset  # noqa: E402
-from transformers import Trainer  # noqa: E402
+from transformers import AutoTokenizer, Trainer  # noqa: E402
 
 import test_trainer as ref  # noqa: E402  (the single-process references: each sample alone, stock sdpa)
 import vlm_pack.core.chunked_loss  # noqa: E402
@@ -512,12 +512,16 @@ def _stream_files(out: str, name: str, parts: list[list[dict]]) -> list[str]:
 
 def _stream_trainer(out: str, files: list[str], resume: str | None = None, **args) -> tuple[list, Trainer]:
     """Trainer over streaming packs of ``files`` (tiny Qwen2, pack 256, buffer 8, 2 workers, accumulation 2): every
-    forward's [epoch, samples] or "pad"."""
+    forward's [epoch, samples] or "pad". A resumed run loads the tokenizer from a folder of its own."""
     from datasets import load_dataset
 
     from vlm_pack.streaming import StreamingPackCallback, StreamingPackDataset
 
     tokenizer = qwen_tokenizer()
+    if resume is not None:  # the resumed run loads the same tokenizer from its own folder (another node's copy)
+        folder = Path(out) / f"tokenizer-rank{dist.get_rank()}"
+        tokenizer.save_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
     packs = StreamingPackDataset(load_dataset("json", data_files=files, split="train", streaming=True),
                                  VLMPackingCollator(tokenizer, max_length=1024), pack_size=256, buffer_size=8, seed=3)
     model = enable_packing(tiny_model("qwen2", layers=1, vocab_size=len(tokenizer)))
