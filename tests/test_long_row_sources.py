@@ -71,3 +71,36 @@ def test_offline_in_memory_packs_take_the_chunked_loss_path():
     with LargestTensors() as mode:
         assert not isinstance(model(**bare).logits, DeferredLogits)
     assert mode.largest >= slots * VOCAB
+
+
+def test_packed_sft_trainer_runs_trls_fused_head_in_small_tiles_exactly(tmp_path, monkeypatch):
+    """PackedSFTTrainer's step runs TRL's fused head in vlm_pack's tiles (here 7 tokens x 300 of the 5000 ids, so
+    tile edges fall inside samples and the vocabulary), restored after the step; its gradient equals TRL's own
+    SFTTrainer (TRL's tiles) on the same packs and each sample alone through the stock model."""
+    import trl.kernels.chunked_logprob as kernels
+    import trl.trainer.utils as trl_utils
+    from test_trainer import random_samples, relative_error, sft_config, text_reference, trainer_grads
+    from trl import SFTTrainer
+
+    import vlm_pack.integrations.fused_tiles as fused_tiles
+    from vlm_pack import PackedSFTTrainer, to_hf_dataset
+
+    monkeypatch.setattr(fused_tiles, "TOKEN_TILE", 7)
+    monkeypatch.setattr(fused_tiles, "VOCAB_TILE", 300)
+    trl_tiles = (kernels.TOKEN_CHUNK_SIZE, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE)
+    samples = random_samples()
+    packs = PackedDataset(Dataset.from_dict({"input_ids": [s.tolist() for s in samples]}), qwen_tokenizer(), 40)
+    grads, seen = {}, []
+    for name, trainer_cls in (("packed", PackedSFTTrainer), ("trl", SFTTrainer)):
+        model = enable_packing(tiny_model("llama", layers=1, vocab_size=5000))
+        model.register_forward_pre_hook(
+            lambda *_: seen.append((name, kernels.TOKEN_CHUNK_SIZE, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE)))
+        args = sft_config(tmp_path / name, per_device_train_batch_size=2,
+                          dataset_kwargs={"skip_prepare_dataset": True})
+        grads[name] = trainer_grads(model, to_hf_dataset(packs), packs.collate, args, trainer_cls=trainer_cls,
+                                    processing_class=qwen_tokenizer())
+    assert {tuple(tiles) for who, *tiles in seen if who == "packed"} == {(7, 300)}
+    assert {tuple(tiles) for who, *tiles in seen if who == "trl"} == {trl_tiles}
+    assert (kernels.TOKEN_CHUNK_SIZE, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE) == trl_tiles  # restored
+    assert relative_error(grads["packed"], grads["trl"]) < GRAD_REL_L2
+    assert relative_error(grads["packed"], text_reference(samples)) < GRAD_REL_L2
