@@ -3,12 +3,12 @@
 TRL 1.16's ``fused_lm_head=True`` projects ``[4096 tokens, 32,768 vocabulary]`` tiles (``TOKEN_CHUNK_SIZE`` in
 ``trl.kernels.chunked_logprob``, ``_CHUNKED_LOGPROB_CHUNK_SIZE`` in ``trl.trainer.utils``); without Triton (CPU, and
 every slot of the row is scored there) each tile is folded by whole-tile torch ops, so a T = 2048 row held 1.85x its
-``T x V`` logits (V = 151,936). ``PackedSFTTrainer`` / ``PackedDPOTrainer`` / ``PackedGRPOTrainer`` / ``PackedRLOOTrainer``
-run their steps, evaluations and rollout scoring with ``[TOKEN_TILE, VOCAB_TILE]`` tiles instead: the same kernel,
-the same online log-sum-exp, only smaller pieces (the sums change order, not value: exact against TRL's own
-trainers, tests/test_long_row_sources.py); benchmarks/results/long_rows_cpu.md gives the peaks. Both names are
-read by TRL at call time, so they are set for the duration of each call and restored after it (other trainers in
-the process keep TRL's tiles). A TRL without them keeps its own tiles, with one warning.
+``T x V`` logits (V = 151,936). ``PackedSFTTrainer`` / ``PackedDPOTrainer`` / ``PackedGRPOTrainer`` /
+``PackedRLOOTrainer`` run their steps, evaluations and rollout scoring with ``[TOKEN_TILE, VOCAB_TILE]`` tiles
+instead: the same kernel, the same online log-sum-exp, only smaller pieces (the sums change order, not value: exact
+against TRL's own trainers, tests/test_long_row_sources.py); benchmarks/results/long_rows_issue45_cpu.md gives the
+peaks. Both names are read by TRL at call time, so they are set for the duration of each call and restored after it
+(other trainers in the process keep TRL's tiles). A TRL without them keeps its own tiles, with one warning.
 """
 
 from __future__ import annotations

@@ -52,8 +52,11 @@ def source_files(source: Any) -> list[str] | None:
 
 
 def _function_name(function: Any) -> str | None:
+    """``module.qualname`` of a function or bound method (None for None)."""
     function = getattr(function, "__func__", function)
-    return None if function is None else f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', type(function).__name__)}"
+    if function is None:
+        return None
+    return f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', type(function).__name__)}"
 
 
 def _leaf(iterable: Any) -> dict:
