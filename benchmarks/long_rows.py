@@ -7,7 +7,10 @@ fp32 on CPU, one thread. Each path runs what its trainer runs per micro-batch:
 * ``trainer``: ``Trainer(model=enable_packing(model))``: ``model(**batch).loss.backward()`` (labels in the batch);
 * ``compute_loss_func``: ``Trainer(compute_loss_func=vlm_pack.compute_loss_func)``: the forward without labels,
   then ``compute_loss_func(outputs, labels, num_items_in_batch)``;
-* ``sft``: ``PackedSFTTrainer`` (TRL's fused LM head): ``model(**batch, fused_lm_head=True)``, loss from log-probs;
+* ``offline_packs``: the same over the row ``PackedDataset.collate`` builds itself (the offline in-memory recipe's
+  batches, their own ``batch["vlm_pack"]``: issue 45; before it they carried none and held 3.02x the logits);
+* ``sft``: ``PackedSFTTrainer`` (TRL's fused LM head in vlm_pack's tiles, ``vlm_pack.integrations.fused_tiles``,
+  as the trainer's step runs it): ``model(**batch, fused_lm_head=True)``, loss from log-probs;
 * ``dpo``: ``PackedDPOTrainer``: the policy's fused forward with ``shift_labels`` (gradient) and the reference
   model's (no gradient) on the row of chosen / rejected sequences, the sigmoid DPO loss over sequence sums;
 * ``grpo``: ``PackedGRPOTrainer``'s loss forward: the policy's fused forward with ``shift_labels``, token-level
@@ -20,10 +23,11 @@ fp32 on CPU, one thread. Each path runs what its trainer runs per micro-batch:
 Every configuration is a fresh process (peak RSS is a process-lifetime figure): peak = peak RSS during the steps
 minus the RSS before the first step (model, optimizer-free, batch already built), and the median time of the steps
 after the first (a warm-up that still counts for the peak). TRL's fused head (``sft``, ``dpo``, ``grpo``) scores
-rows in 32,768-token chunks, every slot on CPU, so at these lengths it holds about two ``T x V`` tensors: those
-paths run up to ``--fused-max``. Lengths
+every slot on CPU; in its own ``[4096, 32,768]`` tiles it held about two ``T x V`` tensors (1.85x at T = 2048,
+``--trl-tiles`` runs them so), in the tiles vlm_pack's trainers set a small fraction; those paths run up to
+``--fused-max``. Lengths
 are the outer loop and each full-logits run follows its chunked twin (interleaved), so load drifts hit both alike.
-Run: ``python benchmarks/long_rows.py``; writes ``benchmarks/results/long_rows_cpu.md``.
+Run: ``python benchmarks/long_rows.py``; writes ``benchmarks/results/long_rows_cpu.md`` (``--name`` another name).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import sequence_parallel  # noqa: E402  (the SP = 2 launch, same vocabulary and 
 RESULTS = Path(__file__).resolve().parent / "results"
 VOCAB = sequence_parallel.VOCAB
 SAMPLE = sequence_parallel.SAMPLE
-PATHS = ("trainer", "compute_loss_func", "sft", "dpo", "grpo", "sp2")
+PATHS = ("trainer", "compute_loss_func", "offline_packs", "sft", "dpo", "grpo", "sp2")
 FULL_PATHS = ("trainer", "compute_loss_func")
 FUSED_PATHS = ("sft", "dpo", "grpo")  # TRL's fused LM head: 32,768-token chunks, so one chunk per row here
 GiB = 2**30
@@ -76,7 +80,31 @@ def build(path: str, loss: str):
     return model, reference
 
 
-def step(path: str, model, reference, batch) -> None:
+def offline_row(length: int) -> dict:
+    """The row of :func:`sequence_parallel.packed_row`'s samples as ``PackedDataset.collate`` builds it (its own
+    bookkeeping entry, nothing added here)."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    from vlm_pack.offline.dataset import PackedDataset
+
+    ids = sequence_parallel.packed_row(length)["input_ids"][0]
+    samples = [chunk.tolist() for chunk in ids.split(SAMPLE)]
+    packs = PackedDataset(Dataset.from_dict({"input_ids": samples}), SimpleNamespace(pad_token_id=0), SAMPLE)
+    return packs.collate([packs[i] for i in range(len(packs))])
+
+
+def step(path: str, model, reference, batch, trl_tiles: bool = False) -> None:
+    import contextlib
+
+    from vlm_pack.integrations.fused_tiles import fused_tiles
+
+    with contextlib.nullcontext() if trl_tiles else fused_tiles():
+        _step(path, model, reference, batch)
+
+
+def _step(path: str, model, reference, batch) -> None:
     import torch
     import torch.nn.functional as F
 
@@ -86,7 +114,7 @@ def step(path: str, model, reference, batch) -> None:
     targets = F.pad(labels[:, 1:], (0, 1), value=-100)
     if path == "trainer":
         model(**batch).loss.backward()
-    elif path == "compute_loss_func":
+    elif path in ("compute_loss_func", "offline_packs"):
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         vlm_pack.compute_loss_func(model(**inputs), labels, (targets != -100).sum()).backward()
     elif path == "sft":
@@ -110,18 +138,21 @@ def step(path: str, model, reference, batch) -> None:
             (-F.logsigmoid(0.1 * margin).mean()).backward()
 
 
-def worker(path: str, length: int, loss: str, steps: int, output: str) -> None:
+def worker(path: str, length: int, loss: str, steps: int, output: str, trl_tiles: bool = False) -> None:
     import torch
 
     torch.set_num_threads(1)
-    batch = sequence_parallel.packed_row(length)
-    batch["vlm_pack"] = {"cu_seqlens_padded": batch["cu_seq_lens_q"]}  # the collator's bookkeeping entry
+    if path == "offline_packs":
+        batch = offline_row(length)
+    else:
+        batch = sequence_parallel.packed_row(length)
+        batch["vlm_pack"] = {"cu_seqlens_padded": batch["cu_seq_lens_q"]}  # the collator's bookkeeping entry
     model, reference = build(path, loss)
     before = sequence_parallel.rss_mb()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        step(path, model, reference, batch)
+        step(path, model, reference, batch, trl_tiles)
         model.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -151,13 +182,14 @@ def paired_worker(path: str, length: int, rounds: int, output: str) -> None:
     Path(output).write_text(json.dumps({"ratios": ratios, "median": ratios[len(ratios) // 2], **times}))
 
 
-def launch(path: str, length: int, loss: str, steps: int) -> dict:
+def launch(path: str, length: int, loss: str, steps: int, trl_tiles: bool = False) -> dict:
     if path == "sp2":
         return sequence_parallel.launch(length, 2, steps)
     with tempfile.TemporaryDirectory() as scratch:
         output = os.path.join(scratch, "result.json")
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--path", path, "--length",
-                   str(length), "--loss", loss, "--steps", str(steps), "--output", output]
+                   str(length), "--loss", loss, "--steps", str(steps), "--output", output,
+                   *(["--trl-tiles"] if trl_tiles else [])]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode:
@@ -179,6 +211,8 @@ def main() -> None:
     parser.add_argument("--length", type=int)
     parser.add_argument("--loss")
     parser.add_argument("--output")
+    parser.add_argument("--trl-tiles", action="store_true", help="TRL's own fused-head tiles (not vlm_pack's)")
+    parser.add_argument("--name", default="long_rows_cpu", help="results file name (without .md / .json)")
     parser.add_argument("--render", help="rewrite the table from a results JSON of an earlier run (same arguments)")
     parser.add_argument("--paired", type=int, default=0,
                         help="instead: ROUNDS of chunked / full steps alternating in one process per path, at "
@@ -194,7 +228,7 @@ def main() -> None:
         if args.paired:
             paired_worker(args.path, args.length, args.paired, args.output)
         else:
-            worker(args.path, args.length, args.loss, args.steps, args.output)
+            worker(args.path, args.length, args.loss, args.steps, args.output, args.trl_tiles)
         return
     if args.paired:
         paired(args)
@@ -203,7 +237,7 @@ def main() -> None:
     for path, length, loss in plan(args):
         steps = args.steps if length < 16384 else args.long_steps
         loads.append(os.getloadavg()[0])
-        results[path, length, loss] = launch(path, length, loss, steps)
+        results[path, length, loss] = launch(path, length, loss, steps, args.trl_tiles)
         print(f"T={length} {path} {loss}: {results[path, length, loss]}", flush=True)
         write(results, args, loads)  # after every configuration: a stopped run keeps what it measured
 
@@ -250,6 +284,8 @@ def plan(args) -> list[tuple[str, int, str]]:
             configs.append((path, length, "chunked"))
             if length <= args.full_max:
                 configs.append((path, length, "full"))
+        if "offline_packs" in args.paths:
+            configs.append(("offline_packs", length, "chunked"))
     if "sp2" in args.paths:
         configs += [("sp2", length, "chunked") for length in args.lengths if length <= args.sp_max]
     for length in args.lengths:
@@ -279,7 +315,8 @@ def write(results: dict, args, loads: list[float]) -> None:
         "",
         f"Command: `python benchmarks/long_rows.py --lengths {' '.join(map(str, lengths))} --steps {args.steps} "
         f"--long-steps {args.long_steps} --full-max {args.full_max} --fused-max {args.fused_max} --sp-max "
-        f"{args.sp_max}` (the defaults add T = 8192 and 16384 and more steps; cut here to fit the shared machine's "
+        f"{args.sp_max} --paths {' '.join(args.paths)}{' --trl-tiles' if args.trl_tiles else ''} --name {args.name}` "
+        "(the defaults add T = 8192 and 16384 and more steps; cut here to fit the shared machine's "
         "time and its 24 GiB).",
         "",
         "## Peak memory over baseline (MiB), and as a multiple of the row's logits (T x V fp32)",
@@ -296,7 +333,7 @@ def write(results: dict, args, loads: list[float]) -> None:
         return f"{got['peak_mb']:.0f} ({got['peak_mb'] * 2**20 / logits_bytes(length):.2f}x)"
 
     for path in args.paths:
-        if path in FUSED_PATHS:  # TRL's fused head on CPU scores every slot in 32,768-token chunks
+        if path in FUSED_PATHS:  # TRL's fused head on CPU scores every slot
             lines.append(f"| {path} | " + " | ".join(cell(path, t, "chunked") if (path, t, "chunked") in results
                                                      else f"not run (~{2 * logits_bytes(t) / GiB:.1f} GiB)"
                                                      for t in lengths) + " |")
@@ -321,8 +358,9 @@ def write(results: dict, args, loads: list[float]) -> None:
             label = path if loss == "chunked" else f"{path}, full logits"
             lines.append(f"| {label} | " + " | ".join(
                 f"{results[path, t, loss]['step_s']:.2f}" if (path, t, loss) in results else "-" for t in lengths) + " |")
-    lines += ["", "## Acceptance (issue 37)", ""]
-    for path in FULL_PATHS:
+    tiles = "TRL's own [4096, 32768]" if args.trl_tiles else "vlm_pack's [1024, 4096] (the Packed*Trainer steps')"
+    lines += ["", f"TRL's fused head (sft, dpo, grpo) ran in {tiles} tiles.", "", "## Acceptance (issues 37, 45)", ""]
+    for path in (*FULL_PATHS, "offline_packs", *FUSED_PATHS):
         if (path, 4096, "chunked") in results:
             ratio = results[path, 4096, "chunked"]["peak_mb"] * 2**20 / logits_bytes(4096)
             lines.append(f"- {path} at T = 4096: peak **{ratio:.3f}x** the logits' size (<= 0.2x: "
@@ -337,9 +375,9 @@ def write(results: dict, args, loads: list[float]) -> None:
                          "(swings with the load; the acceptance figure, <= 1.25x, is the paired one in "
                          "[long_rows_paired_cpu.md](long_rows_paired_cpu.md)).")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "long_rows_cpu.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     saved = {"results": {f"{p}|{t}|{l}": v for (p, t, l), v in results.items()}, "loads": loads}
-    (RESULTS / "long_rows_cpu.json").write_text(json.dumps(saved, indent=1))
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(saved, indent=1))
     print("\n".join(lines))
 
 

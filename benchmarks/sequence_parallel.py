@@ -155,7 +155,9 @@ def main() -> None:
         f"Tiny Llama (hidden 64, 2 layers, vocabulary {VOCAB}), one packed row of samples of {SAMPLE} tokens, forward "
         f"+ backward, loss from hidden states with the LM head in chunks (as UlyssesTrainer), median of {args.steps} steps, 1 thread per rank, gloo. Peak = peak RSS during the steps minus "
         f"RSS before them, the larger rank for SP = 2. {platform.machine()}, torch {torch.__version__}, transformers "
-        f"{transformers.__version__}. `python benchmarks/sequence_parallel.py`.",
+        f"{transformers.__version__}. `python benchmarks/sequence_parallel.py --lengths "
+        f"{' '.join(map(str, args.lengths))} --steps {args.steps}` (the default lengths reach 32768; these fit the "
+        "time of the run on a shared 2-core machine, other jobs running: step times are indicative).",
         "",
         "| row tokens | SP=1 peak (MB) | SP=2 per-rank peak (MB) | memory ratio | SP=1 step (s) | SP=2 step (s) |",
         "|---|---|---|---|---|---|",

@@ -12,6 +12,8 @@
   which TRL's own type check would refuse) is trained on as is: TRL is set up on a one-row stand-in, the packs are
   served by the dataset's ``collate_fn``, its callback is added, ``ignore_data_skip`` set (the callback restores
   the stream position on resume) and ``remove_unused_columns`` unset (packs are model-ready).
+* TRL's fused LM head runs in smaller tiles (:mod:`vlm_pack.integrations.fused_tiles`): a long row's step holds a
+  small fraction of its logits instead of about twice them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 from trl import SFTTrainer
 
+from .fused_tiles import FusedTiles
 from .hf_model import keep_batches_whole, refuse_dispatch
 
 __all__ = ["PackedSFTTrainer"]
@@ -36,7 +39,7 @@ def _stand_in(with_images: bool):
     return datasets.IterableDataset.from_generator(lambda: iter([row]))
 
 
-class PackedSFTTrainer(SFTTrainer):
+class PackedSFTTrainer(FusedTiles, SFTTrainer):
     """``SFTTrainer`` for packed batches (``VLMPackingCollator``, offline packs): same arguments, same training."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

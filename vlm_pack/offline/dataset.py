@@ -249,7 +249,9 @@ class PackedDataset(torch.utils.data.Dataset):
     (restart per sample; the boundaries are read from them, and all three are forward-argument names, so Trainer's
     default ``remove_unused_columns`` keeps them). Use ``data_collator=packed.collate``; with
     ``pad_to_multiple_of`` the collated row is filled up to a multiple with the tokenizer's pad id (a trailing
-    segment of its own, labels -100).
+    segment of its own, labels -100). The row carries its bookkeeping under ``batch["vlm_pack"]`` like every vlm_pack
+    batch (boundaries, real lengths): ``Trainer(compute_loss_func=vlm_pack.compute_loss_func)``, ``SampleMeanLoss``
+    and ``PackedEvaluation`` then score it in chunks, never holding the row's ``T x V`` logits.
     """
 
     def __init__(self, dataset, tokenizer, pack_len: int, *, algorithm: str = "best_fit_decreasing", seed: int = 0,
@@ -311,6 +313,10 @@ class PackedDataset(torch.utils.data.Dataset):
         cu = torch.from_numpy(np.concatenate(([0], np.cumsum(lengths))).astype(np.int32))
         labels = mask_first_labels(torch.cat(pieces["labels"]), cu[:-1])
         max_len = int(lengths.max())
+        real = lengths.copy()
+        real[len(real) - (1 if fill else 0):] = 0  # the trailing fill is a segment of no sample
+        meta = {"cu_seqlens_padded": cu, "cu_seqlens": torch.from_numpy(np.concatenate(([0], np.cumsum(real))).astype(
+            np.int32)), "seq_lengths": torch.from_numpy(lengths[:len(lengths) - (1 if fill else 0)].astype(np.int32))}
         return {
             "input_ids": torch.cat(pieces["input_ids"]).unsqueeze(0),
             "labels": labels.unsqueeze(0),
@@ -319,6 +325,7 @@ class PackedDataset(torch.utils.data.Dataset):
             "cu_seq_lens_k": cu,
             "max_length_q": max_len,
             "max_length_k": max_len,
+            METADATA_KEY: meta,
         }
 
     def stat(self) -> dict[str, float]:

@@ -31,6 +31,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
 from ..core.batch import METADATA_KEY
+from ..integrations.fused_tiles import FusedTiles, fused_tiles
 from ..integrations.hf_model import enable_packing, keep_batches_whole, refuse_dispatch
 from ..models import get_family, require_proven
 from .collator import OVERLONG, PREFERENCE_KEY, ROW_KEY, PreferenceCollator
@@ -76,7 +77,7 @@ def _enable(model, collator: PreferenceCollator) -> None:
     enable_packing(model, allow_unproven=collator.allow_unproven)
 
 
-class PackedDPOTrainer(DPOTrainer):
+class PackedDPOTrainer(FusedTiles, DPOTrainer):
     """``trl.DPOTrainer`` whose batches are packed rows from :class:`PreferenceCollator`.
 
     Takes ``DPOTrainer``'s arguments; ``data_collator`` must be a ``PreferenceCollator`` (it adopts
@@ -88,6 +89,7 @@ class PackedDPOTrainer(DPOTrainer):
     functions of sequence log-probs (``vlm_pack.preference.losses``), MoE auxiliary losses,
     ``return_outputs=True`` (the fused head builds no logits).
     ``last_logps``: the last micro-batch's per-pair :class:`PairLogps` (detached), for inspection.
+    TRL's fused head runs in smaller tiles (:mod:`vlm_pack.integrations.fused_tiles`).
     """
 
     def __init__(self, model, ref_model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
@@ -264,7 +266,7 @@ class PackedDPOTrainer(DPOTrainer):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Evaluation: the packed loss only (no logits exist to return)."""
         inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
+        with torch.no_grad(), self.compute_loss_context_manager(), fused_tiles():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
 

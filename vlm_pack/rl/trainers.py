@@ -23,6 +23,7 @@ import torch
 from accelerate.utils import is_peft_model
 from trl import GRPOTrainer, RLOOTrainer
 
+from ..integrations.fused_tiles import FusedTiles, fused_tiles
 from ..integrations.hf_model import enable_packing
 from ..models import get_family, require_proven
 from .layout import PackedRollouts, RolloutPacker
@@ -72,8 +73,9 @@ def _hf_model(model) -> torch.nn.Module:
     return model.get_base_model() if is_peft_model(model) else model
 
 
-class _PackedRollouts:
-    """The packed log-prob hook and the group-keeping shuffle, shared by the GRPO and RLOO subclasses."""
+class _PackedRollouts(FusedTiles):
+    """The packed log-prob hook and the group-keeping shuffle, shared by the GRPO and RLOO subclasses; TRL's fused
+    head in smaller tiles (:mod:`vlm_pack.integrations.fused_tiles`) for the loss and the rollouts' log-probs."""
 
     _trl_base: type
 
@@ -111,10 +113,11 @@ class _PackedRollouts:
 
     def _prepare_inputs(self, generation_batch):
         if not self.share_prompts:
-            return super()._prepare_inputs(generation_batch)
+            with fused_tiles():
+                return super()._prepare_inputs(generation_batch)
         module = sys.modules[self._trl_base.__module__]
         keep = lambda batch: shuffle_groups(batch, self.num_generations)  # noqa: E731
-        with _replaced(module, "shuffle_sequence_dict", keep):
+        with _replaced(module, "shuffle_sequence_dict", keep), fused_tiles():
             return super()._prepare_inputs(generation_batch)
 
     def _packed_chunk(self, model, packed: PackedRollouts, shape: tuple[int, int], compute_entropy: bool):

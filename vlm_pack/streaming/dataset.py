@@ -16,15 +16,15 @@ lengths and the unit's state after it: the read cursor (position in the unit's r
 samples' keys and lengths. Restoring that state (:meth:`StreamingPackDataset.load_state_dict`) re-reads only the
 window between the oldest waiting sample and the cursor (a bounded one: no sample waits more than ``buffer_size``
 packs), never the stream from its start, and the packs that follow equal an uninterrupted run's. A saved state
-carries the dataset's :meth:`~StreamingPackDataset.fingerprint` (source files and sizes, seed, pack and buffer
-size, collator settings, world size, workers): a resume with any of them changed is refused, naming the setting
-and both values.
+carries the dataset's :meth:`~StreamingPackDataset.fingerprint` (the source pipeline: file names and sizes, in-memory
+shards or generator and its arguments; seed, pack and buffer size, collator and processor settings, world size,
+workers; see :mod:`.fingerprint`): a resume with any of them changed is refused, naming the setting and both
+values; the same data and tokenizer loaded from other folders resume.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 import os
 from collections.abc import Iterator
@@ -35,6 +35,7 @@ import torch
 
 from ..budget.lengths import measure_lengths
 from ..core.batch import METADATA_KEY, packing_metadata
+from .fingerprint import collator_fingerprint, source_files, source_fingerprint
 from .packer import STATE_FORMAT, BufferedBestFit, Key
 
 __all__ = ["StreamingPackDataset", "deal"]
@@ -68,44 +69,15 @@ def _describe_deal(shards: int, units: int) -> str:
     return f"streaming packs: {shards} shards for {units} rank x worker units: " + "; ".join(parts)
 
 
-def _source_files(source: Any) -> list[str] | None:
-    """The file behind each shard of a ``load_dataset(..., streaming=True)`` source (None when not files)."""
-    iterable = getattr(source, "_ex_iterable", None)
-    while iterable is not None:
-        kwargs = getattr(iterable, "kwargs", None) or {}
-        files = kwargs.get("original_files") or kwargs.get("base_files")
-        if isinstance(files, list) and len(files) == source.n_shards and all(isinstance(f, str) for f in files):
-            return files
-        iterable = getattr(iterable, "ex_iterable", None)
-    return None
-
-
-def _source_fingerprint(source: Any, files: list[str] | None) -> list:
-    """Each shard as ``[file, size in bytes]`` (size None when not a local file), or, for in-memory shards,
-    ``[row count, datasets fingerprint]``; the stream's type and shard count when neither is known."""
-    if files is not None:
-        return [[f, os.path.getsize(f) if os.path.isfile(f) else None] for f in files]
-    shards = (getattr(getattr(source, "_ex_iterable", None), "kwargs", None) or {}).get("shards")
-    if isinstance(shards, list) and len(shards) == source.n_shards:
-        return [[len(s), getattr(s, "_fingerprint", None)] for s in shards]
-    return [type(source).__name__, source.n_shards]
-
-
-def _collator_fingerprint(collator: Any) -> dict:
-    """The collator settings that change a sample's length or a pack's layout."""
-    processor = getattr(collator, "processor", None)
-    template = getattr(collator, "chat_template", None) or ""
-    chat = getattr(collator, "chat", None)
-    return {
-        "class": type(collator).__name__,
-        "processor": getattr(processor, "name_or_path", None) or type(processor).__name__,
-        "chat_template": hashlib.sha256(template.encode()).hexdigest()[:16],
-        "template_kwargs": {k: repr(v) for k, v in sorted(dict(getattr(chat, "kwargs", {}) or {}).items())},
-        "family": getattr(getattr(collator, "family", None), "name", None),
-        "max_length": collator.max_length,
-        "pad_to_multiple_of": collator.pad_to_multiple_of,
-        "pad_to_length": getattr(collator, "pad_to_length", None),
-    }
+def _first_difference(name: str, was: Any, now: Any) -> tuple[str, Any, Any]:
+    """The innermost setting where two fingerprint values differ, as ``(path, was, now)`` (for messages)."""
+    if isinstance(was, dict) and isinstance(now, dict):
+        key = next(k for k in {**was, **now} if was.get(k) != now.get(k))
+        return _first_difference(f"{name}.{key}", was.get(key), now.get(key))
+    if isinstance(was, list) and isinstance(now, list) and len(was) == len(now):
+        i = next(i for i in range(len(was)) if was[i] != now[i])
+        return _first_difference(f"{name}[{i}]", was[i], now[i])
+    return name, was, now
 
 
 class StreamingPackDataset(torch.utils.data.IterableDataset):
@@ -139,7 +111,7 @@ class StreamingPackDataset(torch.utils.data.IterableDataset):
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, world_size); got rank={self.rank}, world_size={self.world_size}")
         self.source = source
-        self.files = _source_files(source)
+        self.files = source_files(source)
         self.collator = collator
         if fixed_width:
             self.collator = copy.copy(collator)
@@ -150,8 +122,8 @@ class StreamingPackDataset(torch.utils.data.IterableDataset):
         self.epoch = 0
         self._resume: dict | None = None
         self._fingerprint = {
-            "source": _source_fingerprint(source, self.files), "seed": self.seed, "pack_size": pack_size,
-            "buffer_size": buffer_size, "collator": _collator_fingerprint(self.collator),
+            "source": source_fingerprint(source), "seed": self.seed, "pack_size": pack_size,
+            "buffer_size": buffer_size, "collator": collator_fingerprint(self.collator),
             "world_size": self.world_size,
         }
 
@@ -170,18 +142,11 @@ class StreamingPackDataset(torch.utils.data.IterableDataset):
         """Refuse a saved state made with other settings, naming the first that differs and both values."""
         now = self.fingerprint(workers)
         for name, value in now.items():
-            if name not in saved or saved[name] == value:
-                continue
-            was = saved[name]
-            if isinstance(value, dict) and isinstance(was, dict):  # name the setting inside (e.g. the collator's)
-                inner = next(k for k in {**was, **value} if was.get(k) != value.get(k))
-                name, was, value = f"{name}.{inner}", was.get(inner), value.get(inner)
-            elif name == "source" and isinstance(value, list) and isinstance(was, list) and len(value) == len(was):
-                inner = next(i for i in range(len(value)) if was[i] != value[i])
-                name, was, value = f"source shard {inner}", was[inner], value[inner]
-            raise ValueError(f"the saved stream state was made with {name}={was!r}, this run has {name}={value!r}: "
-                             "resume with the settings of the run that saved it (or start a new run without "
-                             "resume_from_checkpoint)")
+            if name in saved and saved[name] != value:
+                name, was, value = _first_difference(name, saved[name], value)
+                raise ValueError(f"the saved stream state was made with {name}={was!r}, this run has "
+                                 f"{name}={value!r}: resume with the settings of the run that saved it (or start a new "
+                                 "run without resume_from_checkpoint)")
 
     def load_state_dict(self, state: dict, workers: int | None = None) -> None:
         """Continue from ``state`` (``{"format", "fingerprint", "epoch", "units": {unit: unit state}, "last_unit"}``:

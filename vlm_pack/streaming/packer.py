@@ -22,7 +22,7 @@ import numpy as np
 
 __all__ = ["STATE_FORMAT", "BufferedBestFit", "BufferedSample", "predict_fill"]
 
-STATE_FORMAT = "vlm_pack.stream_state/2"
+STATE_FORMAT = "vlm_pack.stream_state/3"
 """The stream state's format tag (saved by ``StreamingPackCallback``, checked on restore by the dataset)."""
 
 Key = tuple[int, int]  # (position of the shard in the unit's shard list, row in the shard)

@@ -183,6 +183,20 @@ class StreamAligner:
                 return
 
 
+_GROUP: list = []  # [(default process group, its gloo twin)]: one per process, shared by every streaming Trainer
+
+
+def _stream_group():
+    """The gloo group the ranks agree on (every rank calls this at the same point of each streaming train()): made
+    once per default process group and reused, not one per Trainer. A group per ``train()`` was never destroyed,
+    leaving each one's gloo threads and sockets behind until exit, copied into every DataLoader worker forked later;
+    one module-held group keeps them to one set, alive until ``destroy_process_group``."""
+    default = torch.distributed.group.WORLD
+    if not _GROUP or _GROUP[0][0] is not default:
+        _GROUP[:] = [(default, torch.distributed.new_group(backend="gloo"))]
+    return _GROUP[0][1]
+
+
 def _gloo_sync(group):
     def sync(code: int) -> int:
         flag = torch.tensor([int(code)])
@@ -276,7 +290,7 @@ class StreamingPackCallback(TrainerCallback, ExportableState):
         sync = None
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
-            self._group = torch.distributed.new_group(backend="gloo")
+            self._group = _stream_group()
             sync = _gloo_sync(self._group)
         pad = loss_free_pack(dataset)
         device = getattr(loader, "device", None)
