@@ -122,7 +122,12 @@ def write_report(entries: dict[str, dict]) -> None:
         if entry["failing"]:
             notes += ["", f"Failing or erroring on `{spec}` ({len(entry['failing'])}):", "",
                       *(f"- `{test}`" for test in entry["failing"])]
-    (RESULTS / "versions.md").write_text("\n".join(head + table + notes + [""]))
+    floor = ["", "The `floor` set is transformers 5.17.0 / accelerate 1.15.0 / PEFT 0.18.0 / datasets 4.7.0 "
+             "(scripts/floor_constraints.txt) on the virtualenv's torch, not torch 2.11: it proves the Hugging Face "
+             "floors; the torch floor needs the ~4 GB virtualenv of scripts/check_floors.sh "
+             "(benchmarks/results/floors.md). `overlay s`: resolving the set and installing what it changes (reused "
+             "while the set resolves the same); `suite s`: the pytest run, wall clock."]
+    (RESULTS / "versions.md").write_text("\n".join(head + table + floor + notes + [""]))
 
 
 def main(argv: list[str]) -> int:
