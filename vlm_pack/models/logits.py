@@ -49,7 +49,8 @@ def _name(node: ast.AST) -> str | None:
 
 def _value(owner: Any, field: str) -> Any:
     """The field's value: the owner's attribute of that name (the forward's ``self.X``), else its text config's,
-    else its config's."""
+    else its config's; None where none has it (the forward then reads it with a default and skips it: PaliGemma's
+    Gemma 1 text config has no ``final_logit_softcapping``)."""
     if field in vars(owner) or isinstance(getattr(type(owner), field, None), property):
         return getattr(owner, field)
     config = owner.config
@@ -57,7 +58,7 @@ def _value(owner: Any, field: str) -> Any:
     for source in (text, config):
         if hasattr(source, field):
             return getattr(source, field)
-    raise ValueError(f"{type(owner).__name__}.forward reads {field!r}, which neither the model nor its config has")
+    return None
 
 
 def logit_transform(owner: Any) -> LogitTransform:
@@ -87,5 +88,6 @@ def logit_transform(owner: Any) -> LogitTransform:
             raise ValueError(f"{name}.forward uses {field!r} other than as one factor or divisor of its logits: "
                              "vlm_pack's chunked loss cannot follow it; pass enable_packing(model, chunked_loss=False)")
         value = _value(owner, field)
-        scale = float(value) if found == {"*"} else 1.0 / float(value)
+        if value is not None:
+            scale = float(value) if found == {"*"} else 1.0 / float(value)
     return LogitTransform(scale, None if softcap is None else float(softcap))
