@@ -418,6 +418,7 @@ def encode_conversations(
     tile_stacks: Sequence[str] = (),
     width_packed: Sequence[str] = (),
     patch_indices: Mapping[str, str] | None = None,
+    patch_image_offsets: Callable[[Mapping[str, torch.Tensor]], torch.Tensor] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Render and tokenise normalised conversations in ONE processor call; returns one dict per sample.
 
@@ -447,6 +448,8 @@ def encode_conversations(
     last dimension runs over the patches of every image): split along that dimension, each sample's share one row.
     ``patch_indices``: the family's ``FamilySpec.patch_indices`` (tensors numbering the patches of another over the
     whole call): each sample's share counted from its own first patch (:func:`vlm_pack.data.patch_index.localize`).
+    ``patch_image_offsets``: the family's ``FamilySpec.patch_image_offsets`` where the processor numbers them per
+    image instead (the shares then stay as they are, checked to point inside their sample).
     """
     text_only = not hasattr(processor, "image_processor")  # text templates expect string content
     rendered = [template_messages(conversation, text_only) for conversation in conversations]
@@ -497,7 +500,10 @@ def encode_conversations(
     split = _split_vision(vision, images, videos, vision_rows, image_tokens, tiles, audios)
     for key, source in (patch_indices or {}).items():
         if key in split:
-            split[key] = patch_index.localize(split[key], split.get(source, [None] * len(samples)), key, source)
+            offsets = (None if patch_image_offsets is None
+                       else patch_index.image_offsets_of(split, len(samples), patch_image_offsets))
+            split[key] = patch_index.localize(split[key], split.get(source, [None] * len(samples)), key, source,
+                                              offsets)
     for key, chunks in split.items():
         for sample, chunk in zip(samples, chunks):
             if chunk is not None:

@@ -184,7 +184,20 @@ class VLMPackingCollator:
                     f"processor.image_processor.merge_size={merge} but model_config.vision_config."
                     f"spatial_merge_size={self.rope_index.spatial_merge_size}: processor and model do not match"
                 )
+        self.patch_numbering = self._patch_numbering()
         self.last_stats: CollatorStats | None = None
+
+    def _patch_numbering(self) -> patch_index.Numbering:
+        """How the processor numbers the family's patch indices (:func:`vlm_pack.data.patch_index.numbering`);
+        numbered per image needs the family's ``patch_image_offsets`` (where each image starts in its sample)."""
+        if self.family is None or not self.family.patch_indices or not self.has_images:
+            return "call"
+        (key, source), = self.family.patch_indices.items()
+        found = patch_index.numbering(self.processor.image_processor, key, source)
+        if found == "image" and self.family.patch_image_offsets is None:
+            raise ValueError(f"the {self.family.name} processor numbers {key!r} per image, and the family declares no "
+                             "patch_image_offsets (vlm_pack/models/<family>.py): its patches cannot be packed")
+        return found
 
     @classmethod
     def from_config(cls, processor: Any, config: PackingConfig, **kwargs: Any) -> "VLMPackingCollator":
@@ -260,7 +273,8 @@ class VLMPackingCollator:
                                            None if self.family is None else self.family.tile_tokens,
                                            () if self.family is None else self.family.tile_stacks,
                                            () if self.family is None else self.family.width_packed,
-                                           None if self.family is None else self.family.patch_indices)
+                                           None if self.family is None else self.family.patch_indices,
+                                           None if self.patch_numbering == "call" else self.family.patch_image_offsets)
         if self.family is not None and self.rope_index is not None:
             for index, features in enumerate(encoded):
                 _check_video_runs(features, self.processor, self.family, self.rope_index.spatial_merge_size, index)
@@ -345,8 +359,9 @@ class VLMPackingCollator:
                     f"(per-token keys: {list(self.token_keys)}): use the processor of the model you train"
                 )
         width = () if self.family is None else self.family.width_packed
-        indices = {} if self.family is None else self.family.patch_indices  # re-based by the samples before them
-        return {key: patch_index.join([s.get(key) for s in samples], [s.get(indices[key]) for s in samples])
+        indices = {} if self.family is None else self.family.patch_indices  # re-based where numbered per call
+        return {key: patch_index.join([s.get(key) for s in samples], [s.get(indices[key]) for s in samples],
+                                      self.patch_numbering)
                 if key in indices else torch.cat([s[key] for s in samples if key in s], dim=-1 if key in width else 0)
                 for key in keys}
 

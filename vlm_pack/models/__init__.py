@@ -211,7 +211,10 @@ class FamilySpec:
     and 1) of the patch key's tensor over the WHOLE processor call, ``-1`` for none (Molmo 2's ``image_token_pooling``
     into ``pixel_values`` ``[crops, patches, ...]``): the collator makes each sample's indices its own (counted from
     its first patch, every index inside its own patches) and re-bases them by the patches of the samples before it
-    wherever samples are joined.
+    wherever samples are joined. Where the processor numbers them per image instead (Molmo 2 on transformers 5.25,
+    whose model adds each image's offset), ``patch_image_offsets``: ``one sample's vision tensors -> per index row,
+    where its image's patches start in the sample``; the indices then follow their sample unchanged, checked to
+    point inside it (``vlm_pack.data.patch_index``).
     ``template_prefix``: ``processor -> text`` the family's processor puts before every rendered chat after
     ``apply_chat_template`` has recorded the assistant spans (Molmo2Processor's BOS, where the text does not start
     with it), shifting every span: the collator has the template write it instead
@@ -262,6 +265,7 @@ class FamilySpec:
     tile_tokens: Callable[[Any, Mapping[str, torch.Tensor]], list[int]] | None = None
     width_packed: tuple[str, ...] = ()
     patch_indices: Mapping[str, str] = field(default_factory=dict)
+    patch_image_offsets: Callable[[Mapping[str, torch.Tensor]], torch.Tensor] | None = None
     template_prefix: Callable[[Any], str] | None = None
     proven: Mapping[TrainingPath, str] = field(default_factory=dict)
     refused: Mapping[TrainingPath, str] = field(default_factory=dict)
