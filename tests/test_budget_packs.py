@@ -486,3 +486,26 @@ def test_gemma4_official_template_plans_edge_whitespace_without_refusing():
         text = tokenizer.decode(labels[labels != -100])
         answers = [m["content"][0]["text"].strip() for m in example["messages"] if m["role"] == "assistant"]
         assert text == "".join(f"{answer}<turn|>\n" for answer in answers), text
+
+
+# Transformers 5.25's _get_num_multimodal_tokens counts these families' image tokens only, not the markup __call__
+# writes around them (5.24: the whole expansion); planning then counts each size through __call__ (lengths.py).
+_MARKUP_FAMILIES = ["mistral3", "internvl", "idefics3", "qianfan_ocr", "molmo2"]
+
+
+@pytest.mark.parametrize("family", _MARKUP_FAMILIES)
+def test_image_counts_through_call_are_exact_and_the_hook_only_where_it_agrees(family, monkeypatch):
+    """Counting every image size through the processor's __call__ (the rule where the hook counts something else)
+    gives the processor's lengths on every release. Planning by the hook alone gives them exactly where the hook
+    agrees with __call__ on the probe size (5.24: yes; 5.25: no, the plan is stale)."""
+    from vlm_pack.budget import lengths
+
+    collator = _family_collator(family)
+    agrees = lengths._expansion_of(collator).hook_agrees(collator.processor._get_num_multimodal_tokens)
+    monkeypatch.setattr(lengths._ImageExpansion, "hook_agrees", lambda self, count: False)
+    assert_planned_lengths_are_the_processors(collator)
+    monkeypatch.setattr(lengths._ImageExpansion, "hook_agrees", lambda self, count: True)
+    examples = [_images_example(group) for group in _GROUPS]
+    hook_only = measure_lengths(examples, collator, progress=False).tokens.tolist()
+    print(family, "hook agrees" if agrees else "hook counts image tokens only", hook_only[:3])
+    assert (hook_only == _materialised_lengths(collator, examples)) == agrees

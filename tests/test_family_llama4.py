@@ -14,6 +14,7 @@ Tiny models and offline processors: ``vlm_pack/testing/families/llama4.py``
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -136,3 +137,30 @@ def test_llama4_text_model_packed_equals_each_sample_alone(monkeypatch):
     monkeypatch.setattr(hf_model, "_attention_chunk", lambda module: None)
     unchunked = text_rows(packed_model, samples)
     assert floor.is_far(max(max_abs(row, ref) for row, ref in zip(unchunked, refs)))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("return_dict", [True, False])
+def test_llama4_forward_completes_on_every_release(return_dict):
+    """transformers 5.24's Llama4ForConditionalGeneration.forward fails on every call (it reads image_outputs from
+    its language model's output, which has none); enable_packing adds the field, so the packed forward completes with
+    either return_dict and its logits equal the test model's (whose stock reference carries the same field). Caught:
+    the field's hook removed, on a release whose forward reads it."""
+    setup = setup_for("llama4")
+    model = tiny_vlm("llama4", setup.processor)
+    model.language_model._forward_hooks.clear()  # the test helper's own field: only vlm_pack's is left
+    model = enable_packing(model)
+    assert hasattr(model, "_vlm_pack_image_outputs")
+    batch = setup.collator(swap_examples())
+    inputs = {**families.model_inputs(batch), "use_cache": False, "return_dict": return_dict}
+    out = model(**inputs)
+    logits = out.logits if return_dict else out[1] if out[0].ndim == 0 else out[0]
+    assert torch.equal(logits, setup.packed(**{**inputs, "return_dict": True}).logits)
+    model._vlm_pack_image_outputs.remove()
+    reads = "image_outputs=outputs.image_outputs" in inspect.getsource(type(model).forward)
+    if reads:
+        with pytest.raises(AttributeError, match="image_outputs"):
+            model(**inputs)
+    else:
+        model(**inputs)
+    print("llama4 forward reads image_outputs from its language model:", reads)

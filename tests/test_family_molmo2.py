@@ -14,6 +14,7 @@ Tiny models and offline processors: ``vlm_pack/testing/families/molmo2.py``
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -104,17 +105,30 @@ def test_molmo2_crop_counts_and_separate_images_equal_each_sample_alone(crops):
 
 
 @torch.no_grad()
-def test_corruption_molmo2_pooling_not_rebased(crops):
-    """image_token_pooling numbers the flattened patches of the whole processor call: the collator gives each
-    sample its own indices and re-bases them by the patches of the samples before it. The samples' own indices
-    concatenated unchanged (not re-based: the third sample's tokens pool the first sample's patches) are caught."""
+def test_corruption_molmo2_pooling_numbered_the_other_way(crops):
+    """image_token_pooling is numbered per processor call (transformers 5.24: the collator gives each sample its own
+    indices and re-bases them by the patches of the samples before it) or per image (5.25: the model adds each
+    image's offset; the indices follow their sample unchanged). The other release's rule is caught: per call, the
+    samples' own indices not re-based (the third sample's tokens pool the first sample's patches); per image, the
+    indices re-based by the samples before (the third sample's tokens pool patches past its own)."""
+    from vlm_pack.data import patch_index
+
     setup, examples, refs, batch = crops
     refs[3].logits.check(families.logit_error(batch, families.packed_logits(setup.packed, batch), refs))
+    numbering = setup.collator.patch_numbering
+    assert numbering == ("image" if "image_num_crops" in inspect.signature(
+        setup.stock.model.get_image_features).parameters else "call")  # the model adds per-image offsets itself
     samples = setup.collator._encode_all(examples)[0]
-    own = torch.cat([s["image_token_pooling"] for s in samples if "image_token_pooling" in s])
-    assert own.shape == batch["image_token_pooling"].shape and not torch.equal(own, batch["image_token_pooling"])
-    error = families.logit_error(batch, families.packed_logits(setup.packed, batch, image_token_pooling=own), refs)
-    print("molmo2 pooling not re-based", error, refs[3].logits.tolerance)
+    other = patch_index.join([s.get("image_token_pooling") for s in samples], [s.get("pixel_values") for s in samples],
+                             "image" if numbering == "call" else "call")
+    assert other.shape == batch["image_token_pooling"].shape and not torch.equal(other, batch["image_token_pooling"])
+    try:
+        error = families.logit_error(batch, families.packed_logits(setup.packed, batch, image_token_pooling=other),
+                                     refs)
+    except (IndexError, RuntimeError) as exc:  # past the row's last patch: torch's bounds check stops it
+        print("molmo2 pooling numbered per", "image" if numbering == "call" else "call", "->", type(exc).__name__)
+        return
+    print("molmo2 pooling numbered per", "image" if numbering == "call" else "call", error, refs[3].logits.tolerance)
     assert refs[3].logits.is_far(error)
 
 
@@ -224,14 +238,50 @@ def test_molmo2_bos_is_written_once():
 
 def test_patch_indices_outside_their_sample_are_refused():
     """Patch indices a sample's share cannot own (pointing before its first patch or past its last) are refused,
-    naming the sample: they could not follow it into a packed row."""
+    naming the sample: they could not follow it into a packed row. At the bound: the sample's last patch (its patch
+    count - 1) is kept, its patch count refused; numbered per call (re-counted from the sample's first patch) and per
+    image (the image's offset in the sample added, as the model adds it)."""
     from vlm_pack.data import patch_index
 
     pixels = [torch.zeros(2, 4, 1), None, torch.zeros(1, 4, 1)]  # 8 patches, none, 4 patches
-    indices = [torch.tensor([[0, 7, -1]]), None, torch.tensor([[8, 11, -1]])]
+    indices = [torch.tensor([[0, 7, -1]]), None, torch.tensor([[8, 11, -1]])]  # per call: the last patch of each
     local = patch_index.localize(indices, pixels, "image_token_pooling", "pixel_values")
     assert local[2].tolist() == [[0, 3, -1]]
     assert patch_index.join(local, pixels).tolist() == [[0, 7, -1], [8, 11, -1]]
-    with pytest.raises(ValueError, match="sample 2: processor output 'image_token_pooling' indexes patches outside"):
-        patch_index.localize([indices[0], None, torch.tensor([[7, 8, -1]])], pixels, "image_token_pooling",
-                             "pixel_values")
+    for bad in ([[7, 8, -1]], [[8, 12, -1]]):  # before the third sample's first patch, at its patch count
+        with pytest.raises(ValueError, match="sample 2: processor output 'image_token_pooling' indexes patches outside"):
+            patch_index.localize([indices[0], None, torch.tensor(bad)], pixels, "image_token_pooling", "pixel_values")
+
+    # per image: the first sample's two images of 4 patches each (offsets 0, 4), one row each
+    image_indices = [torch.tensor([[0, 3], [0, 3]]), None, torch.tensor([[0, 3]])]
+    offsets = [torch.tensor([0, 4]), None, torch.tensor([0])]
+    kept = patch_index.localize(image_indices, pixels, "image_token_pooling", "pixel_values", offsets)
+    assert [k.tolist() for k in kept if k is not None] == [[[0, 3], [0, 3]], [[0, 3]]]
+    assert patch_index.join(kept, pixels, "image").tolist() == [[0, 3], [0, 3], [0, 3]]  # the model adds offsets
+    with pytest.raises(ValueError, match="sample 0: processor output 'image_token_pooling' indexes"):
+        patch_index.localize([torch.tensor([[0, 3], [0, 4]]), None, image_indices[2]], pixels,  # 4 + 4: its count
+                             "image_token_pooling", "pixel_values", offsets)
+    with pytest.raises(ValueError, match="sample 2: processor output"):
+        patch_index.localize([image_indices[0], None, torch.tensor([[0, 4]])], pixels, "image_token_pooling",
+                             "pixel_values", offsets)
+
+
+def test_molmo2_pooling_numbering_is_read_from_the_image_processor():
+    """The numbering comes from what the image processor returns for two identical images: the second image's
+    indices equal the first's (per image) or are shifted by its patches (per call); anything else is refused."""
+    from vlm_pack.data import patch_index
+
+    image_processor = families.setup_for("molmo2").processor.image_processor
+    found = patch_index.numbering(image_processor, "image_token_pooling", "pixel_values")
+    assert found in ("call", "image")
+
+    class Shifted:  # a processor numbering the second image's patches off by one
+        def __call__(self, images, return_tensors):
+            out = dict(image_processor(images=images, return_tensors=return_tensors))
+            pooling = out["image_token_pooling"].clone()
+            half = pooling.shape[0] // 2
+            pooling[half:] = torch.where(pooling[half:] >= 0, pooling[half:] + 1, pooling[half:])
+            return {**out, "image_token_pooling": pooling}
+
+    with pytest.raises(ValueError, match="numbers 'image_token_pooling' neither per call nor per image"):
+        patch_index.numbering(Shifted(), "image_token_pooling", "pixel_values")

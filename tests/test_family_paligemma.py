@@ -182,9 +182,9 @@ def test_paligemma2_each_rule_is_needed(monkeypatch):
     monkeypatch.undo()
     token_mean = sum(loss * n for loss, n in zip(refs[1], refs[2])) / sum(refs[2])
     chunked = enable_packing(tiny_vlm("paligemma2", setup.processor, attn_implementation="eager")).train()
-    assert chunked._vlm_pack_logit_transform == {"softcap": 5.0}  # LOGIT_TRANSFORMS, read by enable_packing
+    assert chunked._vlm_pack_logit_transform == {"scale": None, "softcap": 5.0}  # final_logit_softcapping, read by enable_packing
     refs[3].loss.check((chunked(**batch).loss - token_mean).abs().item(), "the chunked training loss")
-    monkeypatch.setattr(chunked, "_vlm_pack_logit_transform", {"softcap": None})
+    monkeypatch.setattr(chunked, "_vlm_pack_logit_transform", {"scale": None, "softcap": None})
     assert refs[3].loss.is_far((chunked(**batch).loss - token_mean).abs().item()), "final softcap dropped"
 
 

@@ -7,6 +7,7 @@ scripts/check_floors.sh runs the suite (benchmarks/results/floors.md): a floor n
 from __future__ import annotations
 
 import tomllib
+import warnings
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,32 @@ def test_families_and_features_proven_on_later_releases_are_refused_naming_it(mo
     with pytest.raises(UnsupportedVersionError, match=r"qwen3_5 family is proven exact from transformers 5\.24"):
         get_family(tiny_config("qwen3_5"))
     has.cache_clear()
+
+
+def test_a_release_newer_than_the_proven_range_warns_once(monkeypatch):
+    """A transformers / accelerate minor past NEWEST_PROVEN warns once per process, naming the proven range (the
+    installed pins are in range: no warning); a patch release of the newest proven minor is in range."""
+    assert versions.unproven({"transformers": Version("5.25.3"), "accelerate": Version("1.16.0")}) == {}
+    assert versions.unproven({"transformers": Version("5.26.0"), "accelerate": Version("1.16.0")}) == {
+        "transformers": Version("5.26.0")}
+    assert versions.unproven({"transformers": Version("6.0.0"), "accelerate": None}) == {
+        "transformers": Version("6.0.0")}
+    versions.warn_unproven_once.cache_clear()
+    monkeypatch.setattr(versions, "unproven", lambda: {"transformers": Version("5.26.0")})
+    with pytest.warns(UserWarning, match=r"proven on transformers 5\.17 to 5\.25\.x, accelerate up to 1\.16\.x .* "
+                                         r"found transformers 5\.26\.0"):
+        versions.warn_unproven_once()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "5.26.0" in versions.warn_unproven_once()  # once: the cached message, no second warning
+    versions.warn_unproven_once.cache_clear()
+
+
+def test_newest_proven_is_the_pinned_release_and_recorded_in_versions_md():
+    """NEWEST_PROVEN is CI's pins (scripts/constraints.txt) and a set benchmarks/results/versions.md reports."""
+    pins = dict(line.split("==") for line in (ROOT / "scripts" / "constraints.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    report = (ROOT / "benchmarks" / "results" / "versions.md").read_text()
+    for package, release in versions.NEWEST_PROVEN.items():
+        assert Version(pins[package]).release[:2] == Version(release).release
+        assert f"{package}=={pins[package]}" in report

@@ -3,7 +3,11 @@
 A sample's length is its rendered chat text tokenised (one placeholder token per image or video) plus, per
 image / video, the placeholder's expansion minus one (videos: from frame count and frame size). The expansion
 comes from the processor's own rule (``processor._get_num_multimodal_tokens``, the hook vLLM uses: min/max
-pixels, patch and merge size) applied to the image size read from the file header. Families whose processor
+pixels, patch and merge size) applied to the image size read from the file header, where that rule counts what
+``__call__`` writes: checked once per collator on a probe image. Transformers 5.25 redefined the rule for Pixtral
+(Mistral 3), InternVL, Qianfan-OCR, Idefics3 and Molmo 2 to count the image tokens only, not the markup
+``__call__`` writes around them (begin / end, row breaks, Molmo 2's column and start tokens): there each distinct
+image size is counted by the processor's own ``__call__`` on a blank image of that size (:class:`_ImageExpansion`). Families whose processor
 adds text around an image (Gemma 3's newlines and markers, Gemma 4's markers), counts multi-image samples
 differently (LLaVA-OneVision) or has no such hook (SmolVLM) declare ``EncodingRules.image_text``: the placeholder
 is replaced by that text and tokenised in context, as the processor does. Families whose expansion needs no image
@@ -16,6 +20,7 @@ loudly, never silently.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,29 +50,27 @@ class SampleLengths:
 
 
 class _VisionTokenCounter:
-    """Tokens per image size ``(h, w)`` or video size ``(frames, h, w)`` through the processor's own rule,
-    memoised per distinct size."""
+    """Tokens per image size ``(h, w)`` or video size ``(frames, h, w)`` through the processor's own rule (images:
+    its ``__call__`` where that rule counts something else, ``expansion``), memoised per distinct size."""
 
-    def __init__(self, processor: Any, needed: bool = True) -> None:
+    def __init__(self, processor: Any, expansion: _ImageExpansion | None = None) -> None:
         self._name = type(processor).__name__
+        self._expansion = expansion  # None: the family counts its images itself (image_text / expand_text)
         self._count = getattr(processor, "_get_num_multimodal_tokens", None)
         self._hop = getattr(getattr(processor, "feature_extractor", None), "hop_length", 1)
-        if self._count is None and needed:
-            raise ValueError(
-                f"{self._name} cannot count image tokens from image sizes (no _get_num_multimodal_tokens) and its "
-                "model family declares no image_text rule (vlm_pack/models/<family>.py): token-budget planning "
-                "needs one of them to stay exact; pass the model's config as model_config= to the collator"
-            )
         self._cache: dict[tuple[int, ...], int] = {}
 
     def __call__(self, sizes: list[tuple[int, ...]]) -> list[int]:
         missing = sorted({size for size in sizes if size not in self._cache})
-        if missing and self._count is None:
+        if self._count is None and any(len(size) != 2 for size in missing):
             raise ValueError(f"{self._name} cannot count video tokens from video sizes (no "
                              "_get_num_multimodal_tokens): token-budget planning cannot plan videos for it")
         for kind, dims in (("image", 2), ("video", 3), ("audio", 1)):
             wanted = [size for size in missing if len(size) == dims]
-            if wanted:
+            if wanted and kind == "image" and self._expansion is not None and not self._expansion.hook_agrees(
+                    self._count):
+                self._cache.update((size, self._expansion(size)) for size in wanted)
+            elif wanted:
                 try:
                     data = (self._count(audio_lengths=[self._whole_hops(size[0]) for size in wanted]) if kind == "audio"
                             else self._count(**{f"{kind}_sizes": [list(size) for size in wanted]}))
@@ -86,6 +89,70 @@ class _VisionTokenCounter:
         has ``ceil(samples / hop)`` ones), which processors that floor the length (Qwen3-Omni) then count exactly."""
         hop = self._hop
         return -(-samples // hop) * hop
+
+
+class _ImageExpansion:
+    """Tokens that one image of a size becomes in the collator's text, counted by the processor's own ``__call__``
+    on a blank image of that size (pixels do not change the count), memoised per size.
+
+    The probe is a one-image user turn rendered by the collator's template (``T``; ``T0`` without its image):
+    ``len(__call__(T, image)) - len(tokenize(T)) + 1`` is the image's tokens, less what ``__call__`` itself adds
+    to any text (``len(__call__(T0)) - len(tokenize(T0))``: a BOS the template does not write)."""
+
+    _PROBE = (56, 84)  # (h, w): non-square, small enough for any processor's resizing
+
+    def __init__(self, collator: Any) -> None:
+        from PIL import Image
+
+        self._collator, self._blank = collator, Image.new
+        processor = collator.processor
+        self._tokenizer = getattr(processor, "tokenizer", processor)
+        with_image, without = (self._render([{"type": "image", "image": self._blank("RGB", (28, 28))}] * images)
+                               for images in (1, 0))
+        self._text = with_image
+        self._overhead = len(self._ids(processor(text=[without])["input_ids"])) - self._length(without)
+        self._cache: dict[tuple[int, int], int] = {}
+        self._agrees: bool | None = None
+
+    def _render(self, images: list[dict]) -> str:
+        collator = self._collator
+        example = {"messages": [{"role": "user", "content": [*images, {"type": "text", "text": "x"}]},
+                                {"role": "assistant", "content": "y"}]}
+        conversation = normalize_example(example, 0, reserved_tokens=collator.reserved_tokens, allow_images=True,
+                                         decode_images=False)
+        return locate_turns(collator.processor, [template_messages(conversation, False)], collator.chat, [None])[0][0]
+
+    @staticmethod
+    def _ids(ids: Any) -> list[int]:
+        return list(ids[0])
+
+    def _length(self, text: str) -> int:
+        return len(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def __call__(self, size: tuple[int, int]) -> int:
+        if size not in self._cache:
+            height, width = size
+            ids = self._collator.processor(text=[self._text], images=[self._blank("RGB", (width, height))])["input_ids"]
+            self._cache[size] = len(self._ids(ids)) - self._length(self._text) + 1 - self._overhead
+        return self._cache[size]
+
+    def hook_agrees(self, count: Any) -> bool:
+        """Whether the processor's ``_get_num_multimodal_tokens`` counts the image's tokens as ``__call__`` writes
+        them (on the probe size; ``TokenBudgetPackDataset`` still checks every plan against its pack)."""
+        if self._agrees is None:
+            hook = None if count is None else int(count(image_sizes=[list(self._PROBE)])["num_image_tokens"][0])
+            self._agrees = hook == self(self._PROBE)
+        return self._agrees
+
+
+_EXPANSIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""One :class:`_ImageExpansion` per collator (its probes are reused by every chunk of a measurement)."""
+
+
+def _expansion_of(collator: Any) -> _ImageExpansion:
+    if collator not in _EXPANSIONS:
+        _EXPANSIONS[collator] = _ImageExpansion(collator)
+    return _EXPANSIONS[collator]
 
 
 def measure_lengths(examples: Sequence[Any], collator: Any, *, batch_size: int = 512, num_proc: int = 1,
@@ -150,7 +217,8 @@ def _measure_chunk(collator: Any, examples: Sequence[Any], first: int) -> tuple[
     processor = collator.processor
     tokenizer = getattr(processor, "tokenizer", processor)
     image_text, expand_text = collator.encoding.image_text, collator.encoding.expand_text
-    counter = (_VisionTokenCounter(processor, image_text is None and expand_text is None)
+    counted = image_text is None and expand_text is None  # the counter counts images
+    counter = (_VisionTokenCounter(processor, _expansion_of(collator) if counted else None)
                if collator.has_images else None)
     conversations = [
         normalize_example(example, first + row, reserved_tokens=collator.reserved_tokens,

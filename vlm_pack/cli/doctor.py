@@ -11,6 +11,8 @@ import argparse
 import platform
 import sys
 
+from ..core.versions import warn_unproven_once
+
 PACKAGES = ("torch", "transformers", "accelerate", "trl", "flash-attn", "transformer-engine",
             "flash-linear-attention", "megatron-core", "triton")
 
@@ -52,6 +54,8 @@ def report() -> str:
     fla = fla_error() if cuda else "not probed (CPU only: the exact torch path runs)"
     lines += ["", "linear attention (Gated DeltaNet):",
               f"  auto -> {select_linear_backend('cuda' if cuda else 'cpu')}; fla: {fla or 'usable'}"]
+    newer = warn_unproven_once()
+    lines += ["", f"proven releases: {newer}" if newer else "proven releases: the installed ones are in range"]
     return "\n".join(lines)
 
 

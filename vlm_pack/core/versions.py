@@ -11,15 +11,25 @@ Reads package metadata only (no torch or transformers import).
 from __future__ import annotations
 
 from dataclasses import dataclass
+import warnings
 from functools import lru_cache
 from importlib import metadata
 
 from packaging.version import Version
 
-__all__ = ["GAPS", "MINIMUM", "Gap", "at_least", "check_supported", "has", "installed"]
+__all__ = ["GAPS", "MINIMUM", "NEWEST_PROVEN", "Gap", "at_least", "check_supported", "has", "installed", "unproven",
+           "warn_unproven_once"]
 
 MINIMUM: dict[str, str] = {"torch": "2.11", "transformers": "5.17"}
 """The oldest release of each package vlm_pack runs on (pyproject.toml's floors)."""
+
+
+NEWEST_PROVEN: dict[str, str] = {"transformers": "5.25", "accelerate": "1.16"}
+"""The newest minor release of each package the suite is proven on (benchmarks/results/versions.md, written by
+scripts/check_versions.sh; CI runs scripts/constraints.txt's pins). A later minor is not refused (pyproject.toml has
+no upper bound: vlm_pack installs beside TRL / PEFT, which move transformers themselves, and a cap would downgrade
+it or fail to resolve), but :func:`warn_unproven_once` names the proven range: most breakage of a new release is
+refused by name where it is detected (a family hook, a plan, a logit transform), not all of it can be."""
 
 
 @dataclass(frozen=True)
@@ -107,3 +117,27 @@ def check_supported(versions: dict[str, Version | None] | None = None) -> None:
         found = ", ".join(f"{package} {version}" for package, version in too_old.items())
         needed = " ".join(f"'{package}>={MINIMUM[package]}'" for package in too_old)
         raise ImportError(f"vlm_pack needs {needed}, found {found}: pip install -U {needed}")
+
+
+def unproven(versions: dict[str, Version | None] | None = None) -> dict[str, Version]:
+    """``{package: release}`` of the installed packages newer than the minor in :data:`NEWEST_PROVEN` (``versions``:
+    ``{package: release}`` to check instead of the installed ones)."""
+    versions = versions if versions is not None else {package: installed(package) for package in NEWEST_PROVEN}
+    return {package: version for package, version in versions.items() if version is not None
+            and _release(version)[:2] > _release(NEWEST_PROVEN[package])[:2]}
+
+
+@lru_cache(maxsize=1)
+def warn_unproven_once() -> str | None:
+    """Warn (once per process) when an installed package is newer than the proven range; the message, else None."""
+    newer = unproven()
+    if not newer:
+        return None
+    found = ", ".join(f"{package} {version}" for package, version in newer.items())
+    proven = ", ".join(f"{package} {MINIMUM[package] + ' to ' if package in MINIMUM else 'up to '}{release}.x"
+                       for package, release in NEWEST_PROVEN.items())
+    message = (f"vlm_pack is proven on {proven} (benchmarks/results/versions.md); found {found}: packing may be "
+               "refused or, where no check sees the change, inexact; run `bash scripts/check_versions.sh` on it or "
+               "pin the proven release")
+    warnings.warn(message, stacklevel=3)
+    return message

@@ -413,6 +413,7 @@ def encode_conversations(
     unlabelled_ids: Sequence[int] = (),
     unlabelled_spans: Sequence[tuple[int, int]] = (),
     image_token_id: int | None = None,
+    patch_numbering: patch_index.Numbering = "call",
 ) -> list[dict[str, torch.Tensor]]:
     """Render and tokenise normalised conversations in ONE processor call; returns one dict per sample.
 
@@ -440,6 +441,9 @@ def encode_conversations(
             never carries a label.
         image_token_id: the token each image expands into, whose count splits ``"image_token"`` vision rows
             (default: the processor's ``image_token_id``).
+        patch_numbering: how the processor numbers ``vision.patch_indices``
+            (:func:`vlm_pack.data.patch_index.numbering`): ``"call"`` (over the whole call: re-based per sample) or
+            ``"image"`` (per image: each sample's share checked with ``vision.patch_image_offsets``).
 
     Returns:
         One dict per sample. If the processor fails, the error names the first sample it fails on.
@@ -496,7 +500,10 @@ def encode_conversations(
     split = _split_vision(vision, images, videos, vision_rows, image_tokens, tiles, audios)
     for key, source in vision_rules.patch_indices.items():
         if key in split:
-            split[key] = patch_index.localize(split[key], split.get(source, [None] * len(samples)), key, source)
+            offsets = (None if patch_numbering == "call"
+                       else patch_index.image_offsets_of(split, len(samples), vision_rules.patch_image_offsets))
+            split[key] = patch_index.localize(split[key], split.get(source, [None] * len(samples)), key, source,
+                                              offsets)
     for key, chunks in split.items():
         for sample, chunk in zip(samples, chunks):
             if chunk is not None:

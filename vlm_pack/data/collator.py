@@ -187,7 +187,21 @@ class VLMPackingCollator:
                     f"processor.image_processor.merge_size={merge} but model_config.vision_config."
                     f"spatial_merge_size={self.rope_index.spatial_merge_size}: processor and model do not match"
                 )
+        self.patch_numbering = self._patch_numbering()
         self.last_stats: CollatorStats | None = None
+
+    def _patch_numbering(self) -> patch_index.Numbering:
+        """How the processor numbers the family's patch indices (:func:`vlm_pack.data.patch_index.numbering`);
+        numbered per image needs the family's ``VisionRows.patch_image_offsets`` (where each image starts in its sample)."""
+        vision = self.encoding.vision
+        if not vision.patch_indices or not self.has_images:
+            return "call"
+        (key, source), = vision.patch_indices.items()
+        found = patch_index.numbering(self.processor.image_processor, key, source)
+        if found == "image" and vision.patch_image_offsets is None:
+            raise ValueError(f"{self.model_name}'s processor numbers {key!r} per image, and the family declares no "
+                             "patch_image_offsets (vlm_pack/models/<family>.py): its patches cannot be packed")
+        return found
 
     @classmethod
     def from_config(cls, processor: Any, config: PackingConfig, **kwargs: Any) -> "VLMPackingCollator":
@@ -257,7 +271,8 @@ class VLMPackingCollator:
             tools = [example_tools(example, index) for index, example in enumerate(examples)]
             encoded = encode_conversations(self.processor, conversations, self.chat, self.encoding, tools=tools,
                                            unlabelled_ids=self.unlabelled_ids, unlabelled_spans=self.unlabelled_spans,
-                                           image_token_id=self.image_token_id)
+                                           image_token_id=self.image_token_id,
+                                           patch_numbering=self.patch_numbering)
         if self.rope_index is not None:
             for index, features in enumerate(encoded):
                 _check_video_runs(features, self.processor, self.encoding.video_runs, self.family.name,
@@ -341,8 +356,9 @@ class VLMPackingCollator:
                     f"the processor returns {key!r} with one value per token, which {self.model_name} does not take "
                     f"(per-token keys: {list(self.token_keys)}): use the processor of the model you train"
                 )
-        indices = vision.patch_indices  # re-based by the samples before them
-        return {key: patch_index.join([s.get(key) for s in samples], [s.get(indices[key]) for s in samples])
+        indices = vision.patch_indices  # re-based where numbered per call
+        return {key: patch_index.join([s.get(key) for s in samples], [s.get(indices[key]) for s in samples],
+                                      self.patch_numbering)
                 if key in indices
                 else torch.cat([s[key] for s in samples if key in s], dim=-1 if key in vision.width_packed else 0)
                 for key in keys}

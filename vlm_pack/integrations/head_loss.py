@@ -34,19 +34,17 @@ per loss call and per evaluation scoring, inside the forward, where DeepSpeed ga
 Refused at the first loss, naming ``chunked_loss=False``: a partitioned head of another kind (a PEFT wrapper), and
 ``compute_loss_func`` / ``SampleMeanLoss`` (they score the deferred logits after the forward).
 
-Family rules, by name: Gemma 3 / 4's ``final_logit_softcapping`` and Cohere 2's ``logit_scale`` are applied in each
-chunk (:data:`LOGIT_TRANSFORMS`); a loss owner whose forward transforms its logits in a way not listed is refused
-when the hooks are installed. Tied embeddings, a head bias and PEFT-wrapped heads need nothing: the head module is
+What the loss owner's forward does to the head's output (Gemma's ``final_logit_softcapping``, Cohere's and Aya
+Vision's ``logit_scale``, Granite's ``logits_scaling``) is applied in each chunk, read from the config fields its
+forward uses (:func:`vlm_pack.models.logits.logit_transform`); a use of them it cannot classify is refused when the
+hooks are installed. Tied embeddings, a head bias and PEFT-wrapped heads need nothing: the head module is
 called, so gradients reach what it owns. ``logits_to_keep`` with labels in training is refused (the loss scores
 every target).
 """
 
 from __future__ import annotations
 
-import ast
 import inspect
-import textwrap
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,9 +62,9 @@ from ..core.chunked_loss import (
 )
 from ..core.packing import IGNORE_INDEX
 from ..models import text_config
+from ..models.logits import logit_transform
 
 __all__ = [
-    "LOGIT_TRANSFORMS",
     "TARGETS_KWARG",
     "DeferredLogits",
     "FUSED_PEERS",
@@ -81,26 +79,6 @@ TARGETS_KWARG = "vlm_pack_targets"
 """Forward kwarg: already-shifted next-token targets shaped like ``input_ids``; an ``enable_packing`` model returns
 ``loss`` = their summed cross entropy (chunked, formed inside the forward: where DeepSpeed ZeRO-3 gathers a
 partitioned head) and :class:`DeferredLogits`."""
-
-LOGIT_TRANSFORMS: dict[str, Callable[[torch.nn.Module], dict[str, float | None]]] = {
-    "Gemma3ForCausalLM": lambda m: {"softcap": m.config.final_logit_softcapping},
-    "Gemma4ForCausalLM": lambda m: {"softcap": m.config.final_logit_softcapping},
-    "Gemma4ForConditionalGeneration": lambda m: {"softcap": m.config.get_text_config().final_logit_softcapping},
-    "Cohere2ForCausalLM": lambda m: {"scale": m.logit_scale},
-    "Gemma3nForCausalLM": lambda m: {"softcap": m.config.final_logit_softcapping},
-    "Gemma3nForConditionalGeneration": lambda m: {"softcap": m.config.get_text_config().final_logit_softcapping},
-    "PaliGemmaForConditionalGeneration":
-        lambda m: {"softcap": getattr(m.config.get_text_config(), "final_logit_softcapping", None)},
-    # logits / logits_scaling
-    "Granite4VisionForConditionalGeneration": lambda m: {"scale": 1.0 / m.config.text_config.logits_scaling},
-    "GraniteDoclingForConditionalGeneration": lambda m: {"scale": 1.0 / m.config.text_config.logits_scaling},
-}
-"""What each loss owner's forward does to the head's output (read from transformers 5.24's forwards)."""
-
-_TRANSFORM_MARKS = frozenset({"final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling",
-                              "lm_head_multiplier", "output_multiplier"})
-"""Names whose use in a forward's code (not its docstring) means the logits are transformed after the head."""
-
 
 class DeferredLogits:
     """The LM head's input standing in for ``logits``: ``hidden`` ``[B, T, H]`` and the ``head``.
@@ -174,23 +152,6 @@ def _owns_loss(module: torch.nn.Module) -> bool:
 def loss_owner(model: torch.nn.Module) -> torch.nn.Module | None:
     """The outermost module of ``model`` whose forward computes the LM loss from its head (None when none)."""
     return next((module for module in model.modules() if _owns_loss(module)), None)
-
-
-def _logit_transform(owner: torch.nn.Module) -> dict[str, float | None]:
-    name = type(owner).__name__
-    if name in LOGIT_TRANSFORMS:
-        return LOGIT_TRANSFORMS[name](owner)
-    tree = ast.parse(textwrap.dedent(inspect.getsource(type(owner).forward)))
-    used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
-    used |= {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
-    marks = sorted(used & _TRANSFORM_MARKS)
-    if marks:
-        raise ValueError(
-            f"{name}.forward transforms its logits ({', '.join(marks)}) in a way vlm_pack's chunked loss does not "
-            "know: add the rule to vlm_pack.integrations.head_loss.LOGIT_TRANSFORMS, or pass "
-            "enable_packing(model, chunked_loss=False)"
-        )
-    return {}
 
 
 FUSED_PEERS = {"liger_kernel": "Liger's fused linear cross entropy", "cut_cross_entropy": "Cut Cross-Entropy"}
@@ -309,7 +270,7 @@ def install_hidden_loss(model: torch.nn.Module, chunk_tokens: int | None = None)
     owner = loss_owner(model)
     if owner is None:
         return False
-    owner._vlm_pack_logit_transform = _logit_transform(owner)
+    owner._vlm_pack_logit_transform = logit_transform(owner).as_kwargs()
     owner._vlm_pack_chunk_tokens = chunk_tokens
     if getattr(owner, "_vlm_pack_loss_hooks", None) is None:
         owner._vlm_pack_calls = []

@@ -35,6 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..attention.cross import CROSS_ATTENTION_FLAG, CROSS_KEYS_KWARG, segment_cross_attention
 from ..attention.varlen import dense_attention, sdpa, varlen_attention
 from ..core.packing import chunk_boundaries
+from ..core.versions import warn_unproven_once
 from ..models import ImageBlockRule, get_family, text_config
 from ..attention.shared_prefix import SHARED_PREFIX_KWARG, gather_shared_keys
 from .head_loss import install_hidden_loss
@@ -398,6 +399,7 @@ def enable_packing(model, name: str = ATTN_IMPLEMENTATION, *, allow_unproven: bo
     Returns:
         ``model`` itself, switched in place.
     """
+    warn_unproven_once()  # a transformers / accelerate newer than the proven range (vlm_pack.core.versions)
     family = get_family(model.config, allow_unproven=allow_unproven)
     register_attention(name)
     model.set_attn_implementation(name)

@@ -16,9 +16,11 @@ Rules (proven in tests/test_family_llama4.py against each sample alone through t
   (the global view included) becomes ``<|patch|>`` tokens, so the collator splits the rows in proportion to each
   sample's ``<|patch|>`` tokens (``image_token``); the image markup tokens never carry labels.
 
-Note: ``Llama4ForConditionalGeneration.forward`` in transformers 5.24 fails when it returns a dict (it reads
-``outputs.image_outputs``, which its language model does not return); ``return_dict=False`` works, and the proof
-runs that way. ``Llama4ForCausalLM`` (``llama4_text``) is unaffected.
+Note: ``Llama4ForConditionalGeneration.forward`` in transformers 5.24 fails on every call, ``return_dict=False``
+included: it reads ``outputs.image_outputs``, which its language model's output does not have (5.25 reads the
+image features it computed instead). ``enable_packing`` hooks the language model to add that field (None) where
+its output lacks it, so the forward completes on both releases with either ``return_dict``; nothing computed
+changes (tests/test_family_llama4.py). ``Llama4ForCausalLM`` (``llama4_text``) is unaffected.
 Refused: context parallelism (the zigzag split does not carry chunk boundaries).
 """
 
@@ -60,11 +62,22 @@ def _row_length_hook(limit: int):
     return hook
 
 
+def _image_outputs_field(module, args, output):
+    """The language model's output with an ``image_outputs`` field (None) where it has none: what transformers
+    5.24's ``Llama4ForConditionalGeneration.forward`` reads from it (module docstring)."""
+    if not hasattr(output, "image_outputs"):
+        output.image_outputs = None
+    return output
+
+
 def _prepare(model: torch.nn.Module) -> None:
-    """Hook every ``Llama4TextModel`` with the row-length bound of temperature tuning (once)."""
-    from transformers import Llama4TextModel
+    """Hook every ``Llama4TextModel`` with the row-length bound of temperature tuning, and every
+    ``Llama4ForConditionalGeneration``'s language model with :func:`_image_outputs_field` (once each)."""
+    from transformers import Llama4ForConditionalGeneration, Llama4TextModel
 
     for module in model.modules():
+        if isinstance(module, Llama4ForConditionalGeneration) and not hasattr(module, "_vlm_pack_image_outputs"):
+            module._vlm_pack_image_outputs = module.language_model.register_forward_hook(_image_outputs_field)
         if isinstance(module, Llama4TextModel) and _temperature_tuned(module.config):
             if getattr(module, "_vlm_pack_row_limit", None) is None:
                 limit = int(module.config.floor_scale) - 1

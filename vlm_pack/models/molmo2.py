@@ -4,9 +4,13 @@ text model): features ADDED onto the ``<im_patch>`` tokens, 1-D positions per sa
 Rules (proven in tests/test_family_molmo2.py against each sample alone through the stock sdpa model):
 
 * pooling indices per sample: ``image_token_pooling`` has one row per image token, each row the flattened patch
-  numbers (``pixel_values`` ``[crops, patches, ...]`` flattened over dims 0 and 1) that token pools, numbered over
-  the WHOLE processor call. The collator makes each sample's rows its own and re-bases them by the patches of the
-  samples before it in the packed row (``VisionRows.patch_indices``); ``pixel_values`` has one row per crop (the
+  numbers (``pixel_values`` ``[crops, patches, ...]`` flattened over dims 0 and 1) that token pools. Transformers
+  5.24's image processor numbers them over the WHOLE processor call: the collator makes each sample's rows its own
+  and re-bases them by the patches of the samples before it in the packed row (``VisionRows.patch_indices``).
+  5.25's numbers each image's patches from 0 and its model adds each image's offset (``image_num_crops`` x patches
+  per crop, in image order): the rows then follow their sample unchanged, each checked to read inside its sample
+  once its image's offset there is added (``VisionRows.patch_image_offsets``). Which one is found from what the image
+  processor returns (``vlm_pack.data.patch_index.numbering``), not from the release; ``pixel_values`` has one row per crop (the
   low-res view plus the image's overlapping crops, ``image_num_crops`` per image), each image's crops following it
   whole (``tile_tokens``: an image's tokens on its first crop); ``image_grids`` / ``image_num_crops`` one row per
   image;
@@ -50,6 +54,15 @@ def _crop_tokens(processor: Any, vision: Mapping[str, torch.Tensor]) -> list[int
     return [count if crop == 0 else 0 for count, n in zip(tokens, crops.tolist()) for crop in range(n)]
 
 
+def _image_offsets(vision: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Per ``image_token_pooling`` row of one sample, where its image's patches start among the sample's: the
+    image's rows are its tokens (``image_grids``), its patches ``image_num_crops`` x patches per crop."""
+    grids, crops = vision["image_grids"], vision["image_num_crops"]
+    tokens = grids[:, 0] * grids[:, 1] + grids[:, 2] * grids[:, 3]
+    patches = crops * vision["pixel_values"].shape[1]
+    return (patches.cumsum(0) - patches).repeat_interleave(tokens)
+
+
 def _bos(processor: Any) -> str:
     """What ``Molmo2Processor.__call__`` puts before a text that does not start with it: the tokenizer's BOS, else
     its EOS (after ``apply_chat_template`` recorded the assistant spans, which it would shift)."""
@@ -71,7 +84,8 @@ MOLMO2 = register_family(FamilySpec(
         vision=VisionRows(
             rows={"pixel_values": "tile", "image_token_pooling": "image_token", "image_grids": "image",
                   "image_num_crops": "image"},
-            patch_indices={"image_token_pooling": "pixel_values"}, tile_tokens=_crop_tokens, image_token="<im_patch>",
+            patch_indices={"image_token_pooling": "pixel_values"}, patch_image_offsets=_image_offsets,
+            tile_tokens=_crop_tokens, image_token="<im_patch>",
         ),
     ),
 ))

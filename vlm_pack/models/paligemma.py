@@ -24,7 +24,7 @@ EAGER model, the only one transformers builds for Gemma 2: its sdpa path has no 
 
 * attention-logit softcapping (``attn_logit_softcapping``) reaches the packed attention as ``softcap``, which every
   backend ``"auto"`` routes to applies (``vlm_pack.attention.varlen``); ``query_pre_attn_scalar`` reaches it as
-  ``scaling``; the final logit softcapping is the chunked loss's (``LOGIT_TRANSFORMS``);
+  ``scaling``; the final logit softcapping is the chunked loss's (``vlm_pack.models.logits``);
 * sliding layers keep their window inside each sample, counted from its start; the prefix block holds in the
   sliding layers too (``PaliGemmaModel`` ORs it into both masks). transformers' sliding mask is
   ``(window AND causal) OR prefix`` while the packed attention's is ``(causal OR prefix) AND window``: the two agree

@@ -199,6 +199,11 @@ class VisionRows:
     """``{processor key: patch key}`` for tensors whose values index the flattened patches (dims 0 and 1) of the
     patch key's tensor over the WHOLE processor call, ``-1`` for none (Molmo 2's ``image_token_pooling``): the
     collator makes each sample's indices its own and re-bases them by the patches of the samples before it."""
+    patch_image_offsets: Callable[[Mapping[str, torch.Tensor]], torch.Tensor] | None = None
+    """Where the processor numbers ``patch_indices`` per image instead (Molmo 2 on transformers 5.25, whose model
+    adds each image's offset): ``one sample's vision tensors -> per index row, where its image's patches start in
+    the sample``; the indices then follow their sample unchanged, checked to point inside it
+    (``vlm_pack.data.patch_index``)."""
     tile_stacks: tuple[str, ...] = ()
     """Keys holding one stack of tiles per image (``[tiles, C, H, W]``) of different lengths (PerceptionLM's
     ``pixel_values``): the collator asks the image processor for them unstacked and flattens them to one row per

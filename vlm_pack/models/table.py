@@ -2,7 +2,8 @@
 
 :func:`family_table` renders one row per registered family and one column per training path (:data:`PATHS`):
 ``yes`` links the test that proves the pair, ``refused`` is a pair :func:`path_refusal` rules out (the reasons
-follow the table), ``-`` is unproven (refused by :func:`require_proven`). ``scripts/families_table.py`` writes it
+follow the table), ``-`` is unproven (refused by :func:`require_proven`); it reads the registry only (the same on every transformers
+release). ``scripts/families_table.py`` writes it
 between :data:`MARKERS` in docs/families.md; tests/test_registry.py fails when the page differs.
 """
 
@@ -27,7 +28,9 @@ def _link(node_id: str) -> str:
 
 
 def vlm_coverage() -> tuple[int, int, str]:
-    """(registered model types that transformers maps to an image-text-to-text model, all such types, version)."""
+    """(registered model types that the installed transformers maps to an image-text-to-text model, all such types,
+    its version): per release in benchmarks/results/versions.md (scripts/check_versions.sh), never in the generated
+    table, which depends on the registry alone."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as vlms
 
@@ -57,11 +60,9 @@ def family_table() -> str:
         reasons += [f"- {spec.name}, {' / '.join(paths)}: {refusal}" for refusal, paths in why.items()]
         types = ", ".join(f"`{kind}`" for kind in spec.model_types)
         lines.append(f"| {spec.name} ({types}) | " + " | ".join(cells) + " |")
-    matched, total, version = vlm_coverage()
     counts = ", ".join(f"{_HEADERS[p]} {sum(p in s.proof.paths for s in families)}" for p in PATHS)
-    head = [f"{len(families)} families, {sum(len(s.model_types) for s in families)} model types; {matched} of the "
-            f"{total} image-text-to-text model types of transformers {version} "
-            "(`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`) are registered.", "",
+    head = [f"{len(families)} families, {sum(len(s.model_types) for s in families)} model types (how many of each "
+            "transformers release's image-text-to-text model types they cover: benchmarks/results/versions.md).", "",
             f"Families proven per path: {counts}.", ""]
     tail = ["", "Refused (cannot be served as implemented; `allow_unproven=True` does not lift these):", "", *reasons]
     return "\n".join(head + lines + tail) + "\n"

@@ -74,8 +74,9 @@ def _llama4_model(processor, initializer_range: float, layers: int, attn: str, *
 
 def _no_image_outputs(module, args, output):
     """transformers 5.24's ``Llama4ForConditionalGeneration.forward`` reads ``image_outputs`` from its language
-    model's output, which has none, and fails on every call (``return_dict=False`` included); this hook adds the
-    missing attribute (None) so the stock forward completes. Nothing computed changes."""
+    model's output, which has none, and fails on every call (``return_dict=False`` included; 5.25 does not read it);
+    this hook adds the missing attribute (None) so the STOCK reference completes (``enable_packing`` adds the same
+    field itself: vlm_pack.models.llama4). Nothing computed changes."""
     if not hasattr(output, "image_outputs"):
         output.image_outputs = None
     return output
