@@ -936,6 +936,10 @@ _BUILDERS.update(ROUND3E_BUILDERS)
 from .tiny_families_round3f import ROUND3F_BUILDERS  # noqa: E402  (builds on the helpers above)
 
 _BUILDERS.update(ROUND3F_BUILDERS)
+
+from .tiny_families_round4 import ROUND4_BUILDERS  # noqa: E402  (builds on the helpers above)
+
+_BUILDERS.update(ROUND4_BUILDERS)
 TINY_VLM_FAMILIES = tuple(_BUILDERS)
 """The families proven by the shared harness (tests/test_vlm_families.py) and parametrised over by the trainer,
 token-budget and label tests."""
