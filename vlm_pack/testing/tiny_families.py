@@ -946,12 +946,14 @@ token-budget and label tests."""
 
 from .tiny_families_round3a import ROUND3A_BUILDERS, llama4_text_config, tiny_gemma3n_text  # noqa: E402
 from .tiny_families_round3c import ROUND3C_BUILDERS  # noqa: E402  (both build on the helpers above)
+from .tiny_families_round4 import ROUND4_AUDIO_BUILDERS  # noqa: E402
 
-OWN_PROOF_FAMILIES = (*ROUND3A_BUILDERS, *ROUND3C_BUILDERS)
+OWN_PROOF_FAMILIES = (*ROUND3A_BUILDERS, *ROUND3C_BUILDERS, *ROUND4_AUDIO_BUILDERS)
 """Built here too, each proven by a test file of its own (tests/test_families_round3a.py, round3c.py, which run the
-same harness): not in TINY_VLM_FAMILIES."""
+same harness; tests/test_families_round4.py: the audio LLMs, on audio batches): not in TINY_VLM_FAMILIES."""
 _BUILDERS.update(ROUND3A_BUILDERS)
 _BUILDERS.update(ROUND3C_BUILDERS)
+_BUILDERS.update(ROUND4_AUDIO_BUILDERS)
 
 
 def tiny_vlm_processor(family: str) -> ProcessorMixin:

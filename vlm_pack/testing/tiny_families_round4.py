@@ -14,7 +14,7 @@ from transformers import PreTrainedModel, ProcessorMixin
 from .tiny_families import _Builder, _qwen2_text, _tokenizer, chatml_template
 from .tiny_models import TINY_VISION_TOWER, qwen_tokenizer
 
-__all__ = ["ROUND4_BUILDERS"]
+__all__ = ["ROUND4_AUDIO_BUILDERS", "ROUND4_BUILDERS"]
 
 
 # ---------------------------------------------------------------- VideoLLaMA 3 (NaViT SigLIP tower + Qwen2 text)
@@ -48,6 +48,32 @@ def _video_llama_3_model(processor, initializer_range: float, layers: int, attn:
     return VideoLlama3ForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
+# ---------------------------------------------------------------- Qwen2-Audio (Whisper-style audio tower + Qwen2 text)
+
+_QWEN2_AUDIO_TOKENS = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
+
+
+def _qwen2_audio_processor() -> ProcessorMixin:
+    """The official template: ``Qwen2AudioProcessor.default_chat_template``, shipped in transformers (no generation
+    blocks: the collator locates the assistant turns by rendering prefixes)."""
+    from transformers import Qwen2AudioProcessor, WhisperFeatureExtractor
+
+    return Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=16),
+                               tokenizer=_tokenizer(_QWEN2_AUDIO_TOKENS))
+
+
+def _qwen2_audio_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
+
+    config = Qwen2AudioConfig(
+        text_config=_qwen2_text(len(processor.tokenizer), initializer_range, layers),
+        audio_config={"num_mel_bins": 16, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
+                      "d_model": 32, "initializer_range": initializer_range},
+        audio_token_index=processor.audio_token_id,
+    )
+    return Qwen2AudioForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
 ROUND4_BUILDERS = {
     "video_llama_3": _Builder(
         _video_llama_3_processor,
@@ -57,3 +83,14 @@ ROUND4_BUILDERS = {
     ),
 }
 """Round-4 families exact under packing (issue 47)."""
+
+ROUND4_AUDIO_BUILDERS = {
+    "qwen2_audio": _Builder(
+        _qwen2_audio_processor,
+        _qwen2_audio_model,
+        "Qwen tokenizer + Qwen2-Audio's audio tokens instead of the checkpoint's; the official template "
+        "(Qwen2AudioProcessor.default_chat_template); real WhisperFeatureExtractor (16 mel bins) and "
+        "Qwen2AudioProcessor; Qwen2 text",
+    ),
+}
+"""Round-4 audio LLMs (no image processor: proven on audio batches of their own, not by the image-batch harness)."""
