@@ -24,7 +24,7 @@ from test_audio_packing import wave
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROUND4 = ["video_llama_3"]
+ROUND4 = ["gemma4_unified", "video_llama_3"]
 
 
 @pytest.mark.parametrize("family", ROUND4)
@@ -131,3 +131,49 @@ def test_qwen2_audio_budget_planning_is_refused_by_reason():
     assert not hasattr(collator.processor, "_get_num_multimodal_tokens")
     with pytest.raises(UnsupportedModelError, match="no _get_num_multimodal_tokens"):
         measure_lengths(audio_edge_examples(), collator, progress=False)
+
+
+# ------------------------------------------------------------------ Gemma 4 unified: image blocks on every layer
+
+
+@torch.no_grad()
+def test_gemma4_unified_each_rule_is_needed(monkeypatch):
+    """Each Gemma 4 unified rule dropped breaks the comparison the clean edge batch passes: image blocks made causal;
+    blocks on the sliding layers only (Gemma 4's own rule); the sliding window dropped; the swapped images of two
+    samples (same size)."""
+    from vlm_pack.integrations import hf_model
+
+    setup = families.setup_for("gemma4_unified")
+    examples = families.edge_examples()
+    batch, refs = families.exact_batch(setup, examples)
+    lengths = families.packing_metadata(batch)["seq_lengths"].tolist()
+    assert max(lengths) > setup.packed.config.text_config.sliding_window  # the window bites
+    plain = hf_model.varlen_attention
+    corruptions = {
+        "blocks made causal": lambda *a, **k: plain(*a, **{**k, "block_ids": None}),
+        "blocks on sliding layers only": lambda *a, **k: plain(*a, **({**k, "block_ids": None} if k["window"] is None
+                                                                      else k)),
+        "window dropped": lambda *a, **k: plain(*a, **{**k, "window": None}),
+    }
+    for name, corrupt in corruptions.items():
+        monkeypatch.setattr(hf_model, "varlen_attention", corrupt)
+        error = families.logit_error(batch, families.packed_logits(setup.packed, batch), refs)
+        print("gemma4_unified", name, error)
+        assert refs[3].logits.is_far(error), name
+    monkeypatch.undo()
+    swap = families.swap_examples()
+    swap_batch, swap_refs = families.exact_batch(setup, swap)
+    swapped = families.swapped_vision(setup, swap_batch, swap)
+    assert swap_refs[3].logits.is_far(families.logit_error(swap_batch, families.packed_logits(setup.packed, swapped),
+                                                           swap_refs))
+
+
+@torch.no_grad()
+def test_gemma4_unified_image_longer_than_the_window_is_refused(monkeypatch):
+    """The stock sliding layers let an image block see itself past the window, the packed attention does not: an image
+    longer than the window is refused by name, not approximated."""
+    setup = families.setup_for("gemma4_unified")
+    batch = setup.collator(families.edge_examples())
+    monkeypatch.setattr(setup.packed.config.text_config, "sliding_window", 40)
+    with pytest.raises(ValueError, match=r"an image of 65 tokens > sliding_window=40"):
+        families.packed_logits(setup.packed, batch)

@@ -86,6 +86,9 @@ LOGIT_TRANSFORMS: dict[str, Callable[[torch.nn.Module], dict[str, float | None]]
     "Gemma3ForCausalLM": lambda m: {"softcap": m.config.final_logit_softcapping},
     "Gemma4ForCausalLM": lambda m: {"softcap": m.config.final_logit_softcapping},
     "Gemma4ForConditionalGeneration": lambda m: {"softcap": m.config.get_text_config().final_logit_softcapping},
+    "Gemma4UnifiedForCausalLM": lambda m: {"softcap": m.config.final_logit_softcapping},
+    "Gemma4UnifiedForConditionalGeneration":
+        lambda m: {"softcap": m.config.get_text_config().final_logit_softcapping},
     "Cohere2ForCausalLM": lambda m: {"scale": m.logit_scale},
     "Gemma3nForCausalLM": lambda m: {"softcap": m.config.final_logit_softcapping},
     "Gemma3nForConditionalGeneration": lambda m: {"softcap": m.config.get_text_config().final_logit_softcapping},
