@@ -24,7 +24,7 @@ from test_audio_packing import wave
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROUND4 = ["gemma4_unified", "video_llama_3"]
+ROUND4 = ["gemma4_unified", "mistral4", "video_llama_3"]
 
 
 @pytest.mark.parametrize("family", ROUND4)
@@ -177,3 +177,21 @@ def test_gemma4_unified_image_longer_than_the_window_is_refused(monkeypatch):
     monkeypatch.setattr(setup.packed.config.text_config, "sliding_window", 40)
     with pytest.raises(ValueError, match=r"an image of 65 tokens > sliding_window=40"):
         families.packed_logits(setup.packed, batch)
+
+
+# ------------------------------------------------------------------ Mistral 4 inside Mistral3
+
+
+def test_mistral3_accepts_yarn_for_a_mistral4_language_model_only():
+    """YaRN is proven for Mistral 4's language model (its edge batch above runs YaRN + Llama-4 scaling past their
+    original context); a Mistral (v1) language model with YaRN is still refused, by that family's own check."""
+    from vlm_pack.models import UnsupportedModelError, get_family
+
+    config = families.setup_for("mistral4").packed.config
+    assert config.text_config.rope_parameters["rope_type"] == "yarn"
+    assert get_family(config).name == "mistral3"
+    mistral = families.setup_for("mistral3").packed.config
+    mistral = mistral.__class__.from_dict(mistral.to_dict())
+    mistral.text_config.rope_parameters = {**config.text_config.rope_parameters}
+    with pytest.raises(UnsupportedModelError, match=r"language model 'mistral' with rope_type \['yarn'\]"):
+        get_family(mistral)

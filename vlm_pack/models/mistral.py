@@ -5,10 +5,11 @@ window inside each sample (proven with a window shorter than the samples). Mistr
 runs all images of the batch as ONE sequence with its own block-diagonal mask (per image, built from
 ``image_sizes``; it never receives the text kwargs), the patch merger and ``masked_scatter`` place each image's
 features on its ``[IMG]`` tokens in sample order. ``pixel_values`` (padded to the batch's largest image) and
-``image_sizes`` have one row per image. Proofs: tests/test_vlm_families.py.
+``image_sizes`` have one row per image. The language model is Mistral or Mistral 4 (vlm_pack/models/mistral4.py).
+Proofs: tests/test_vlm_families.py (Mistral text), tests/test_families_round4.py (Mistral 4 text).
 """
 
-from . import FamilySpec, register_family, text_backbone
+from . import STATIC_ROPE_TYPES, FamilySpec, register_family, text_backbone
 
 _PROOF = "tests/test_vlm_families.py"
 
@@ -35,7 +36,8 @@ _NO_PACKED_PAIRS = ("PreferenceCollator encodes each pair on its own, and Pixtra
 MISTRAL3 = register_family(FamilySpec(
     name="mistral3", model_types=("mistral3",), proof=_PROOF,
     vision_rows={"pixel_values": "image", "image_sizes": "image"}, media_tokens=("[IMG_BREAK]", "[IMG_END]"),
-    extra_checks=(text_backbone("mistral"),),
+    # YaRN: Mistral 4's (its own check, through text_backbone, refuses it for a Mistral text model)
+    rope_types=STATIC_ROPE_TYPES | {"yarn"}, extra_checks=(text_backbone("mistral", "mistral4"),),
     proven={
         "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[mistral3]",
         "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_mistral3]",

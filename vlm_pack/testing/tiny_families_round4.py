@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, ProcessorMixin
 
-from .tiny_families import _Builder, _qwen2_text, _tokenizer, chatml_template
+from .tiny_families import _Builder, _mistral3_processor, _qwen2_text, _tokenizer, chatml_template
 from .tiny_models import TINY_VISION_TOWER, qwen_tokenizer
 
 __all__ = ["ROUND4_AUDIO_BUILDERS", "ROUND4_BUILDERS"]
@@ -123,7 +123,50 @@ def _gemma4_unified_model(processor, initializer_range: float, layers: int, attn
     return Gemma4UnifiedForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
+# ---------------------------------------------------------------- Mistral 4 (Mistral3 VLM, Mistral 4 MLA + MoE text)
+
+
+def mistral4_text_config(vocab_size: int, initializer_range: float = 0.2, layers: int = 2) -> dict:
+    """A tiny Mistral 4 language model: multi-head latent attention (low-rank q / kv, a decoupled 8-dim rope part,
+    interleaved), YaRN RoPE with Llama-4 attention scaling by position (both left at the config's defaults, with
+    an original context of 16 tokens so both bite inside our samples), a dense first layer then 4 routed experts (2
+    per token) + a shared one."""
+    from transformers import Mistral4Config
+
+    config = Mistral4Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=4096,
+        initializer_range=initializer_range, attention_dropout=0.0,
+    )
+    config.rope_parameters = {**config.rope_parameters, "original_max_position_embeddings": 16, "factor": 4.0}
+    return config.to_dict()
+
+
+def _mistral4_model(processor, initializer_range: float, layers: int, attn: str) -> PreTrainedModel:
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    from .tiny_families import _PIXTRAL_MERGE, _PIXTRAL_PATCH
+
+    tokenizer = processor.tokenizer
+    config = Mistral3Config(
+        vision_config={"model_type": "pixtral", **TINY_VISION_TOWER, "head_dim": 16, "image_size": 56,
+                       "patch_size": _PIXTRAL_PATCH, "initializer_range": initializer_range},
+        text_config=mistral4_text_config(len(tokenizer), initializer_range, layers),
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), spatial_merge_size=_PIXTRAL_MERGE,
+        vision_feature_layer=-1,
+    )
+    return Mistral3ForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
 ROUND4_BUILDERS = {
+    "mistral4": _Builder(
+        _mistral3_processor,
+        _mistral4_model,
+        "as mistral3 (Qwen tokenizer + Pixtral's image tokens, ChatML; real PixtralImageProcessor / PixtralProcessor), "
+        "the language model a tiny Mistral 4 (MLA, YaRN + Llama-4 scaling, MoE)",
+    ),
     "gemma4_unified": _Builder(
         _gemma4_unified_processor,
         _gemma4_unified_model,
