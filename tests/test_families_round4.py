@@ -24,7 +24,7 @@ from test_audio_packing import wave
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROUND4 = ["gemma4_unified", "mistral4", "video_llama_3"]
+ROUND4 = ["gemma4_unified", "kimi_k25", "mistral4", "video_llama_3"]
 
 
 @pytest.mark.parametrize("family", ROUND4)
