@@ -176,7 +176,6 @@ def test_corruption_lfm2_conv_window_carried_across_samples(monkeypatch):
 
 @pytest.mark.parametrize(("model_type", "rule"), [
     ("deepseek_ocr2", "local crops"),
-    ("lfm3_vl", "short-convolution layers over each image's patches"),
 ])
 def test_round3b_families_not_proven_are_refused_by_name(model_type, rule):
     """The families of this round whose packing needs a rule vlm_pack lacks: refused, naming the rule."""

@@ -24,7 +24,7 @@ from test_audio_packing import wave
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROUND4 = ["gemma4_unified", "kimi_k25", "mistral4", "video_llama_3"]
+ROUND4 = ["gemma4_unified", "kimi_k25", "lfm3_vl", "mistral4", "video_llama_3"]
 
 
 @pytest.mark.parametrize("family", ROUND4)
@@ -195,3 +195,38 @@ def test_mistral3_accepts_yarn_for_a_mistral4_language_model_only():
     mistral.text_config.rope_parameters = {**config.text_config.rope_parameters}
     with pytest.raises(UnsupportedModelError, match=r"language model 'mistral' with rope_type \['yarn'\]"):
         get_family(mistral)
+
+
+# ------------------------------------------------------------------ LFM3-VL: conv window, sliding window
+
+
+@torch.no_grad()
+def test_lfm3_vl_each_rule_is_needed(monkeypatch):
+    """LFM3's short-convolution layers restart their window per sample (enable_packing installs the boundary-aware
+    forward on its Lfm3ShortConv modules) and its sliding layers keep their window: the conv window carried over the
+    whole row (boundaries ignored) and the sliding window dropped are each caught."""
+    from vlm_pack.attention import linear as la
+    from vlm_pack.integrations import hf_model
+
+    setup = families.setup_for("lfm3_vl")
+    convs = [m for m in setup.packed.modules() if type(m).__name__ == "Lfm3ShortConv"]
+    assert convs and all(getattr(m.forward, "__vlm_pack_linear__", False) for m in convs)
+    examples = families.edge_examples()
+    batch, refs = families.exact_batch(setup, examples)
+    assert max(families.packing_metadata(batch)["seq_lengths"].tolist()) > setup.packed.config.text_config.sliding_window
+    plain = hf_model.varlen_attention
+    monkeypatch.setattr(hf_model, "varlen_attention", lambda *a, **k: plain(*a, **{**k, "window": None}))
+    error = families.logit_error(batch, families.packed_logits(setup.packed, batch), refs)
+    print("lfm3_vl window dropped", error)
+    assert refs[3].logits.is_far(error)
+    monkeypatch.undo()
+    exact, total = la.segmented_causal_conv1d, batch["input_ids"].shape[1]
+    whole_row = la.SegmentLayout.from_cu_seqlens(torch.tensor([0, total]), total)
+
+    def carried(reference_fn, hidden_states, weight, bias, activation, layout):
+        return exact(reference_fn, hidden_states, weight, bias, activation, whole_row)
+
+    monkeypatch.setattr(la, "segmented_causal_conv1d", carried)
+    error = families.logit_error(batch, families.packed_logits(setup.packed, batch), refs)
+    print("lfm3_vl conv window carried", error)
+    assert refs[3].logits.is_far(error)

@@ -504,4 +504,4 @@ def _load_builtin() -> None:
     )
     from . import aria, ernie4_5_vl_moe, hunyuan_vl, lfm2_vl, ovis2, paddleocr_vl, qianfan_ocr, qwen_omni  # noqa: F401
     from . import minicpmv4_6, minicpmv4_7, molmo2  # noqa: F401
-    from . import gemma4_unified, kimi_k25, mistral4, qwen2_audio, video_llama_3  # noqa: F401
+    from . import gemma4_unified, kimi_k25, lfm3_vl, mistral4, qwen2_audio, video_llama_3  # noqa: F401

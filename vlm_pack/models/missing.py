@@ -36,11 +36,6 @@ MISSING_RULES: dict[str, MissingRule] = {
         "splitting them by that count, and its SAM + query-encoder tower is not proven under packing",
         "untested: crop rows would be attributed by guess",
     ),
-    "lfm3_vl": MissingRule(
-        "LFM3-VL's vision tower has short-convolution layers over each image's patches and its LFM3 text adds "
-        "sliding-window layers next to the convolutions; neither is proven under packing (LFM2-VL is)",
-        "untested: convolution windows could cross images or samples",
-    ),
     "got_ocr2": MissingRule(
         "chats cannot be encoded for GOT-OCR2: transformers' GotOcr2Processor builds its own OCR prompt and rejects "
         "what apply_chat_template hands it (each sample's images as a list: 'Nested images are only supported with "
