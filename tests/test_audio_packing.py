@@ -2,7 +2,7 @@
 
 The collator encodes each sample with audio alone (a clip's Whisper features depend on the processor call's
 padding), gives each sample its clips' rows of ``input_features`` / ``feature_attention_mask`` in row order
-(``FamilySpec.vision_rows`` ``"audio"``), and computes positions per sample with the thinker's own
+(``VisionRows.rows`` ``"audio"``), and computes positions per sample with the thinker's own
 ``get_rope_index`` (``audio_seqlens`` from the frame mask). The audio tower cuts each clip into windows of its own
 (``cu_seqlens`` over the clip's chunks), so clips never attend across clips or samples. Proof: a micro-batch mixing
 an audio sample holding two clips, an image sample, an audio + image sample and a text-only chat, packed through

@@ -54,19 +54,19 @@ def family_batch(family: str, processor, tokenizer, **kwargs) -> dict:
 
 
 def test_every_registered_family_is_covered():
-    # Families built by vlm_pack.testing.tiny_families (and Mistral, Cohere 2 text) call model(**batch) with the metadata entry in
+    # Families built by vlm_pack.testing.tiny_families (and Mistral, Cohere 2, DeepSeek-V3 text, inside Mistral3, Aya Vision,
+    # Kimi K2.5) call model(**batch) with the metadata entry in
     # tests/test_vlm_families.py (compare: logits and the model's own loss vs each sample alone).
-    # OWN_PROOF_FAMILIES: tests/test_families_round3a.py (the same compare; Gemma 3n's text model through the
-    # collator), tests/test_families_round3c.py (the same compare for Gemma 3n, FastVLM, PerceptionLM; PaliGemma's
-    # own encoder).
+    # OWN_PROOF_FAMILIES: tests/test_family_<family>.py (the same compare; Gemma 3n's text model through the
+    # collator; PaliGemma's own encoder).
     covered = (set(TINY_FAMILIES) | set(TINY_VLM_FAMILIES) | set(OWN_PROOF_FAMILIES)
-               | {"mistral", "cohere2", "gemma3n_text"})
+               | {"mistral", "cohere2", "gemma3n_text", "deepseek_v3"})
     assert {spec.name for spec in registered_families().values()} <= covered
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_metadata_entry_is_inert_for_every_family(family, processor, tokenizer):
-    hybrid = "linear_attention" in registered_families()[family].layer_kinds  # needs a full-attention layer too
+    hybrid = "linear_attention" in registered_families()[family].model.layer_kinds  # needs a full-attention layer too
     model = enable_packing(tiny_model(family, layers=2 if hybrid else 1))
     batch = family_batch(family, processor, tokenizer)
     assert set(batch[METADATA_KEY]) == {"cu_seqlens", "cu_seqlens_padded", "seq_lengths", "stats"}

@@ -341,7 +341,7 @@ def _family_collator(family: str) -> VLMPackingCollator:
 def test_planned_length_equals_the_real_processor_for_every_family(family):
     """Every registered VLM family but Qwen2-VL (the shipped-mix and any-size tests above)."""
     spec = registered_families().get(family)
-    if not has("processor_mask_shift") and spec is not None and spec.expansion_writes_text:
+    if not has("processor_mask_shift") and spec is not None and spec.encoding.expansion_writes_text:
         with pytest.raises(ValueError, match=r"transformers>=5\.23"):  # no exact labels there: refused
             _family_collator(family)
         return
@@ -376,8 +376,8 @@ def test_idefics2_plan_needs_the_processor_text_expansion():
     collator = _family_collator("idefics2")
     latents = collator.processor.image_seq_len
     image = f"<fake_token_around_image>{'<image>' * latents}<fake_token_around_image>"
-    collator.family = dataclasses.replace(collator.family, expand_text=None,
-                                          image_text=lambda _, sizes: [(image, latents)] * len(sizes))
+    collator.encoding = dataclasses.replace(collator.encoding, expand_text=None,
+                                            image_text=lambda _, sizes: [(image, latents)] * len(sizes))
     examples = [_images_example(group) for group in _GROUPS]
     planned = measure_lengths(examples, collator, progress=False).tokens.tolist()
     assert planned != _materialised_lengths(collator, examples)

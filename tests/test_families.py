@@ -83,9 +83,9 @@ def test_registry_lists_each_family_with_its_proof():
     families = registered_families()
     assert {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", *TEXT_FAMILIES} <= families.keys()
     for spec in families.values():
-        assert spec.proof.startswith("tests/")
-    assert families["qwen2_vl"].positions == "mrope"
-    assert families["llama"].positions == "arange"
+        assert spec.proof.sft.startswith("tests/")
+    assert families["qwen2_vl"].encoding.positions.rule == "mrope"
+    assert families["llama"].encoding.positions.rule == "arange"
 
 
 def test_unknown_family_is_refused():

@@ -352,7 +352,7 @@ def test_block_ids_follow_transformers():
     from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
 
     token_types = torch.tensor([[0, 1, 1, 0, 1, 0, 0, 1, 1, 1], [1, 1, 0, 0, 0, 0, 1, 1, 0, 1]])
-    rule = get_family(tiny_config("gemma3")).image_blocks(tiny_config("gemma3"))
+    rule = get_family(tiny_config("gemma3")).model.image_blocks(tiny_config("gemma3"))
     assert torch.equal(rule.block_ids(token_types), get_block_sequence_ids_for_mask(token_types))
 
 

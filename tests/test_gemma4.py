@@ -175,10 +175,10 @@ def test_corruption_boundaries_dropped_fails(setup, reference, floor, boundaries
 def test_rule_follows_the_config():
     config = tiny_config("gemma4")
     spec = get_family(config)
-    rule = spec.image_blocks(config)
+    rule = spec.model.image_blocks(config)
     assert rule.layer_types == {"sliding_attention"} and rule.block_types == (1, 2)
     config.text_config.use_bidirectional_attention = None  # smaller Gemma 4: images causal, like transformers
-    assert spec.image_blocks(config) is None
+    assert spec.model.image_blocks(config) is None
 
 
 @pytest.mark.parametrize("change,match", [

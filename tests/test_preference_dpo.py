@@ -98,7 +98,7 @@ def tmp(tmp_path_factory) -> str:
 
 
 # Each case is one TRL step (cached per family) and one packed step: ~0.5 s (text) to ~2 s (VLM) here. Gemma 3
-# refuses shared prompts (image blocks). LLaVA-OneVision and Mistral3 are refused (FamilySpec.refused: the packed
+# refuses shared prompts (image blocks). LLaVA-OneVision and Mistral3 are refused (Proof.refused: the packed
 # collator cannot concatenate their per-call padded pixel_values, measured with allow_unproven=True, while TRL's
 # DPOTrainer serves them); GLM-4.6V is GLM-4V's code path (measured exact, left out for time).
 CASES = [(family, mode) for family in ("llama", "qwen2", "qwen3", "mistral", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
@@ -235,7 +235,7 @@ def test_refusals(tmp):
         PackedDPOTrainer(model=tiny_model("qwen3_next", layers=1), ref_model=None, args=dpo_config(tmp), data_collator=text,
                          train_dataset=datasets.Dataset.from_list(pair_examples(images=False)),
                          processing_class=word_tokenizer())
-    for family in ("mistral3", "llava_onevision"):  # refused (FamilySpec.refused), even with allow_unproven=True
+    for family in ("mistral3", "llava_onevision"):  # refused (Proof.refused), even with allow_unproven=True
         config = tiny_policy(family, 0).config
         with pytest.raises(ValueError, match=rf"shared_prompts=False\) with a {family} model: .*torch.cat"):
             PreferenceCollator(processor_of(family), model_config=config, allow_unproven=True)

@@ -4,7 +4,10 @@ the registry's, a family declared without claims gets in-batch SFT only, and eve
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import os
+import pkgutil
 import re
 import subprocess
 import sys
@@ -12,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from vlm_pack.models import (PATHS, FamilySpec, UnsupportedModelError, families_proven, get_family, path_refusal,
-                             registered_families, require_proven)
+from vlm_pack import models
+from vlm_pack.models import (PATHS, FamilySpec, ModelRules, Positions, Proof, UnsupportedModelError, families_proven,
+                             get_family, path_refusal, registered_families, require_proven)
 from vlm_pack.models.table import family_table, vlm_coverage, with_family_table
 
 from version_gates import refused
@@ -50,9 +54,9 @@ def test_every_claim_names_a_collected_test(request):
     each family's SFT ``proof`` is a test file. The session's own items answer when it collected the claimed tests
     (the whole suite: free); the others are collected once, in a subprocess."""
     claims = {(spec.name, path): node for spec in registered_families().values() for path, node in
-              spec.proven.items()}
+              spec.proof.proven.items()}
     for spec in registered_families().values():
-        assert (ROOT / spec.proof.split("::")[0]).is_file(), (spec.name, spec.proof)
+        assert (ROOT / spec.proof.sft.split("::")[0]).is_file(), (spec.name, spec.proof.sft)
     session = {item.nodeid for item in request.session.items}
     unseen = {claim: node for claim, node in claims.items() if node not in session}
     if unseen:
@@ -69,8 +73,8 @@ def test_acceptance_counts():
 
 
 def test_a_family_declared_without_claims_gets_in_batch_sft_only():
-    spec = FamilySpec(name="newcomer", model_types=("newcomer",), proof="tests/test_families.py")
-    assert spec.paths == {"sft"}
+    spec = FamilySpec(name="newcomer", model_types=("newcomer",), proof=Proof("tests/test_families.py"))
+    assert spec.proof.paths == {"sft"}
     for path in PATHS[1:]:
         with pytest.raises(UnsupportedModelError, match=rf"PackedThing with a newcomer model: .* not proven .*"
                                                          r"allow_unproven=True"):
@@ -84,11 +88,26 @@ def test_a_family_declared_without_claims_gets_in_batch_sft_only():
 
 def test_claims_are_validated():
     with pytest.raises(ValueError, match="unknown training paths"):
-        FamilySpec(name="x", model_types=("x",), proof="p", proven={"grpo": "t"})
+        Proof("p", proven={"grpo": "t"})
     with pytest.raises(ValueError, match="in-batch SFT is always proven"):
-        FamilySpec(name="x", model_types=("x",), proof="p", proven={"sft": "t"})
+        Proof("p", proven={"sft": "t"})
     with pytest.raises(ValueError, match="both proven and refused"):
-        FamilySpec(name="x", model_types=("x",), proof="p", proven={"rl": "t"}, refused={"rl": "why"})
+        Proof("p", proven={"rl": "t"}, refused={"rl": "why"})
+    with pytest.raises(ValueError, match="rope_index_model is required exactly when"):
+        Positions("mrope")
+    with pytest.raises(ValueError, match="image_blocks is required exactly when"):
+        ModelRules(attention="causal_image_blocks")
+
+
+def test_records_stay_small():
+    """Each record of the registry holds at most 15 fields (one job per record; a new quirk goes to the record of
+    its job, or a new record)."""
+    modules = [importlib.import_module(f"vlm_pack.models.{info.name}") for info in pkgutil.iter_modules(models.__path__)]
+    records = [value for module in modules for value in vars(module).values()
+               if isinstance(value, type) and dataclasses.is_dataclass(value) and value.__module__ == module.__name__]
+    assert {record.__name__ for record in records} >= {"FamilySpec", "Proof", "ModelRules", "EncodingRules"}
+    assert {record.__name__: len(dataclasses.fields(record)) for record in records if
+            len(dataclasses.fields(record)) > 15} == {}
 
 
 def test_refusals_hold_even_with_allow_unproven():
@@ -98,7 +117,7 @@ def test_refusals_hold_even_with_allow_unproven():
         require_proven(gemma3, "rl", "X", allow_unproven=True)
     for path in PATHS:  # a claim never contradicts a refusal
         for spec in registered_families().values():
-            assert not (path in spec.paths and path_refusal(spec, path)), (spec.name, path)
+            assert not (path in spec.proof.paths and path_refusal(spec, path)), (spec.name, path)
 
 
 # ---------------------------------------------------------------- each entry point refuses by name when built
@@ -116,7 +135,7 @@ def test_collator_refuses_context_parallel_by_name():
     from vlm_pack.testing.tiny_families import mistral_text_config
 
     tokenizer, config = qwen_tokenizer(), mistral_text_config(1000, layers=1)
-    assert "context_parallel" not in get_family(config).paths
+    assert "context_parallel" not in get_family(config).proof.paths
     with pytest.raises(UnsupportedModelError, match=r"context_parallel_size=2 with a mistral model: .* not proven"):
         VLMPackingCollator(tokenizer, max_length=64, model_config=config, context_parallel_size=2)
     with pytest.warns(UserWarning, match="context_parallel_size=2 with a mistral model"):
@@ -129,7 +148,7 @@ def test_budget_planning_refuses_by_name():
     from vlm_pack.testing.tiny_models import qwen_tokenizer
 
     collator = VLMPackingCollator(qwen_tokenizer(), max_length=64, model_config=_config("qwen3"))
-    assert "budget" not in get_family(_config("qwen3")).paths
+    assert "budget" not in get_family(_config("qwen3")).proof.paths
     with pytest.raises(UnsupportedModelError, match=r"measure_lengths with a qwen3 model: token-budget packing"):
         measure_lengths([], collator, progress=False)
 

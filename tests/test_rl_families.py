@@ -8,7 +8,7 @@ The full matrix (every loss type, temperature, masking, the corruption tests) ru
 tests/test_rl_grpo.py; the families here share its code path (one log-prob hook) and differ in what a family brings:
 positions (1-D, mRoPE, GLM's 3-D RoPE), vision tensors (per image with grids, per image, InternVL's tiles counted
 per rollout, Idefics3's tile stack per rollout), mixtures of experts (router auxiliary loss off: refused on packed rollouts). A family TRL itself cannot
-run is refused by name when the trainer is built (``FamilySpec.refused``), as is every family not proven here.
+run is refused by name when the trainer is built (``Proof.refused``), as is every family not proven here.
 Tolerance: tests/test_rl_grpo.py's.
 """
 

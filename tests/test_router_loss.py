@@ -150,7 +150,7 @@ def test_packed_router_loss_equals_the_padded_micro_batch(family):
 
 
 def test_every_registered_moe_family_is_covered_and_its_flag_accepted():
-    moe = {name for name, spec in registered_families().items() if spec.router_loss_mask}
+    moe = {name for name, spec in registered_families().items() if spec.model.router_loss_mask}
     assert moe == set(FAMILIES)
     config = tiny_model("qwen3_next", layers=2).config
     config.output_router_logits = True

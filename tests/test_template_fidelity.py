@@ -115,7 +115,7 @@ def test_collator_tokens_are_the_official_templates_and_labels_trls(name):
         assert processor.chat_template == official  # the shipped tiny processor carries it
     training = official_template(f"{name}_training")
     config = _config(name, processor)
-    if not has("processor_mask_shift") and get_family(config).expansion_writes_text:
+    if not has("processor_mask_shift") and get_family(config).encoding.expansion_writes_text:
         with pytest.raises(ValueError, match=r"transformers>=5\.23"):  # the mask cannot be carried: refused
             VLMPackingCollator(processor, max_length=4096, model_config=config)
         return
@@ -338,7 +338,7 @@ MEDIA_TOKENS.update({name: ["<image>"] for name in ("llava", "llava_next", "llav
 MEDIA_TOKENS.update({name: ["<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>"]
                      for name in ("aya_vision", "cohere2_vision")})
 MEDIA_TOKENS.update({name: ["<image_placeholder>"] for name in ("deepseek_vl", "deepseek_vl_hybrid")})
-# Round-3b families (tests/test_families_round3b.py).
+# Families with tests of their own (tests/test_family_<family>.py).
 MEDIA_TOKENS.update({name: ["<|IMAGE_START|>", "<|IMAGE_PLACEHOLDER|>", "<|IMAGE_END|>"] for name in ("paddleocr_vl", "ernie4_5_vl_moe")})
 MEDIA_TOKENS["ovis2"] = ["<IMG_ATOM>", "<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"]
 MEDIA_TOKENS.update({name: ["<|vision_bos|>", "<|IMAGE|>", "<|vision_eos|>"] for name in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")})
@@ -441,20 +441,20 @@ def test_image_inside_an_assistant_turn_is_never_a_target(name):
     return no mm_token_type_ids) and Qwen-VL / GLM-4V the vision start/end markers."""
     processor, model = _family(name)
     family = get_family(model.config)
-    if not has("processor_mask_shift") and family.expansion_writes_text:
+    if not has("processor_mask_shift") and family.encoding.expansion_writes_text:
         with pytest.raises(ValueError, match=r"transformers>=5\.23"):  # the mask cannot be carried: refused
             VLMPackingCollator(processor, max_length=4096, model_config=model.config)
         return
     chat = _assistant_image_chat()
     template = _training_template(processor)
-    if family.template_prefix is not None:  # what the processor would put first AFTER recording the mask, shifting
-        template = "{% raw %}" + family.template_prefix(processor) + "{% endraw %}" + template  # it (Molmo 2's BOS)
+    if family.encoding.template_prefix is not None:  # what the processor would put first AFTER recording the mask, shifting
+        template = "{% raw %}" + family.encoding.template_prefix(processor) + "{% endraw %}" + template  # it (Molmo 2's BOS)
     out = processor.apply_chat_template([chat], chat_template=template, tokenize=True,
                                         return_dict=True, return_assistant_tokens_mask=True, return_tensors="pt")
     ids = out["input_ids"][0]
     media = torch.tensor(processor.tokenizer.convert_tokens_to_ids(MEDIA_TOKENS[name]))
     assistant = torch.as_tensor(out["assistant_masks"][0]).bool()
-    if family.mask_before_expansion or not has("processor_mask_shift"):  # the processor's mask is off by the expansion
+    if family.encoding.mask_before_expansion or not has("processor_mask_shift"):  # the processor's mask is off by the expansion
         # TRL's training variants (the official templates) label the newline after the end-of-turn token too
         trl_variant = _training_template(processor) != processor.chat_template
         assistant = _answer_span(processor, chat, len(ids), newline=trl_variant)

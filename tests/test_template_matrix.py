@@ -461,7 +461,7 @@ def test_vlm_templates_through_the_processor_are_exact():
     shifted = has("processor_mask_shift")
     for name in VLM_TEMPLATES:
         processor, config, official = _vlm_processor(name)
-        if not shifted and get_family(config).expansion_writes_text:
+        if not shifted and get_family(config).encoding.expansion_writes_text:
             with pytest.raises(ValueError, match=r"transformers>=5\.23"):
                 VLMPackingCollator(processor, max_length=1 << 16, model_config=config, chat_template=official)
             continue

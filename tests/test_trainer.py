@@ -49,7 +49,7 @@ VLM_FAMILIES = tuple(f for f in TINY_FAMILIES if hasattr(tiny_config(f), "vision
 
 def layers_for(family: str) -> int:
     """One layer; two for hybrid families, whose first layer is linear attention (a full-attention one too)."""
-    return 2 if "linear_attention" in get_family(tiny_config(family)).layer_kinds else 1
+    return 2 if "linear_attention" in get_family(tiny_config(family)).model.layer_kinds else 1
 
 
 class GradCapture(TrainerCallback):
@@ -174,8 +174,9 @@ def test_trainer_gradient_accumulation_equals_unpacked(family, processor, tokeni
 
 def test_corruption_without_accepts_loss_kwargs(processor, tokenizer, references, tmp_path, monkeypatch):
     """Qwen2.5-VL declares accepts_loss_kwargs=False: without our fix Trainer averages micro-batch means."""
-    registry = vlm_pack.models._REGISTRY
-    unfixed = dataclasses.replace(registry["qwen2_5_vl"], loss_honours_num_items=False)
+    registry = vlm_pack.models.registry._REGISTRY
+    spec = registry["qwen2_5_vl"]
+    unfixed = dataclasses.replace(spec, model=dataclasses.replace(spec.model, loss_honours_num_items=False))
     monkeypatch.setitem(registry, "qwen2_5_vl", unfixed)
     grads = run_recipe("qwen2_5_vl", processor, tokenizer, tmp_path)
     assert relative_error(grads, references("qwen2_5_vl")) > 1e-3

@@ -28,7 +28,7 @@ from vlm_pack.core.batch import packing_metadata
 from vlm_pack.data.collator import VLMPackingCollator, model_inputs
 from vlm_pack.testing.data import easy_vqa_examples, photo_examples, text_chat_examples
 from vlm_pack.integrations.hf_model import enable_packing
-from vlm_pack.models import UnsupportedModelError, get_family
+from vlm_pack.models import UnsupportedModelError, get_family, path_refusal
 from vlm_pack.testing.tiny_families import tiny_vlm, tiny_vlm_processor
 from vlm_pack.testing.tiny_models import qwen_tokenizer, tiny_config
 
@@ -90,6 +90,22 @@ def alone(setup: Setup, example: dict) -> tuple[dict, torch.Tensor]:
 def shifted_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Plain HF causal-LM loss of ONE sample: mean cross entropy of logits[:-1] against labels[1:]."""
     return F.cross_entropy(logits[:-1], labels[1:], ignore_index=-100)
+
+
+def text_rows(model, samples, **overrides):
+    """Packed logits of ``samples`` (one row, boundaries passed) split per sample."""
+    from vlm_pack import pack_batch_sequences
+
+    width = max(len(s) for s in samples)
+    padded = torch.zeros(len(samples), width, dtype=torch.long)
+    mask = torch.zeros_like(padded)
+    for row, sample in enumerate(samples):
+        padded[row, :len(sample)], mask[row, :len(sample)] = sample, 1
+    packed = pack_batch_sequences(padded, padding_mask=mask, pad_to_multiple_of=2)
+    inputs = {"input_ids": packed.tokens, "position_ids": packed.position_ids, **packed.attention_kwargs(),
+              **overrides}
+    logits = model(**inputs, use_cache=False).logits[0]
+    return [logits[start:start + len(s)] for start, s in zip(packed.cu_seqlens_padded.tolist(), samples)]
 
 
 def packed_logits(model, batch: dict, **overrides) -> torch.Tensor:
@@ -264,7 +280,7 @@ def test_edge_batch_equals_each_sample_alone(family):
     different sizes) packed with context-parallel alignment (each sample padded to a multiple of 4, as cp=2
     needs) where the family allows it, against each sample alone: logits, losses, the model's own loss, grads."""
     setup = setup_for(family)
-    if setup.collator.family.context_parallel_refusal is None:
+    if path_refusal(setup.collator.family, "context_parallel") is None:
         collator = VLMPackingCollator(setup.processor, max_length=2048, model_config=setup.packed.config,
                                       context_parallel_size=2)
         setup = dataclasses.replace(setup, collator=collator)
@@ -314,7 +330,7 @@ def test_corruptions_are_caught(family):
     examples = swap_examples()
     batch, refs = exact_batch(setup, examples)
 
-    if family not in PACKED_LAYOUT_FAMILIES and not {"linear_attention", "conv"} & setup.collator.family.layer_kinds:
+    if family not in PACKED_LAYOUT_FAMILIES and not {"linear_attention", "conv"} & setup.collator.family.model.layer_kinds:
         no_kwargs = dict.fromkeys(BOUNDARY_KWARGS)
         refs[3].logits.check(logit_error(batch, packed_logits(setup.stock, batch, **no_kwargs), refs))
         whole_row = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["position_ids"])
@@ -428,7 +444,8 @@ def test_internvl_tiles_split_by_image_tokens_or_refused(monkeypatch):
     "image_token" row rule the collator cannot attribute them and refuses, naming the key."""
     setup = setup_for("internvl")
     examples = mixed_examples(3, seed=2)
-    monkeypatch.setattr(setup.collator, "family", dataclasses.replace(setup.collator.family, vision_rows={}))
+    monkeypatch.setattr(setup.collator, "encoding", dataclasses.replace(
+        setup.collator.encoding, vision=dataclasses.replace(setup.collator.encoding.vision, rows={})))
     with pytest.raises(ValueError, match="processor output 'pixel_values' has shape"):
         setup.collator(examples)
 
@@ -556,7 +573,7 @@ def test_labels_carried_through_the_expansion_equal_the_processors_shifted_mask(
     carries the tokenizer's mask of the unexpanded chat through the expansion (vlm_pack.core.versions GAPS). Where
     transformers shifts it (5.23+), both give the same labels, for every family, on the edge batch: its image
     inside an assistant turn puts labelled tokens after an expansion, where an unshifted mask would be off.
-    Families whose expansion writes text (``FamilySpec.expansion_writes_text``) cannot be carried: refused there."""
+    Families whose expansion writes text (``EncodingRules.expansion_writes_text``) cannot be carried: refused there."""
     import vlm_pack.data.chat as chat
     from vlm_pack.core.versions import has
 
@@ -566,12 +583,12 @@ def test_labels_carried_through_the_expansion_equal_the_processors_shifted_mask(
 
     setup = setup_for(family)
     collator = setup.collator
-    if collator.family.mask_before_expansion:
+    if collator.family.encoding.mask_before_expansion:
         pytest.skip(f"the {family} processor's mask is never shifted: the collator always carries it")
     shifted = collator(edge_examples())
     before_5_23 = lambda gap: gap != "processor_mask_shift" and has(gap)  # noqa: E731
     monkeypatch.setattr(chat, "has", before_5_23)
-    if collator.family.expansion_writes_text:  # the carry must fail (the flag is true), so the collator refuses
+    if collator.family.encoding.expansion_writes_text:  # the carry must fail (the flag is true), so the collator refuses
         with pytest.raises(ValueError, match="cannot be carried"):
             collator(edge_examples())
         monkeypatch.setattr(collator_module, "has", before_5_23)

@@ -1,4 +1,4 @@
-"""Tests that depend on the installed transformers: a family proven from a later release (``FamilySpec.min_transformers``)
+"""Tests that depend on the installed transformers: a family proven from a later release (``Proof.min_transformers``)
 or a feature behind a gap (``vlm_pack.core.versions.GAPS``) is refused there with ``UnsupportedVersionError`` naming
 the release. Its tiny fixture may not even build on the older release (transformers 5.17 has no Granite Docling,
 its AriaProcessor no ``images_kwargs``), so a test of such a family is skipped before building it, with the release
@@ -19,7 +19,7 @@ from vlm_pack.models import UnsupportedVersionError, registered_families
 def proven_from(family: str) -> str | None:
     """The release ``family`` is proven from where the installed transformers is older, else None."""
     spec = registered_families().get(family)
-    release = spec.min_transformers if spec is not None else None
+    release = spec.proof.min_transformers if spec is not None else None
     return release if release is not None and not at_least("transformers", release) else None
 
 

@@ -5,9 +5,9 @@ image / video, the placeholder's expansion minus one (videos: from frame count a
 comes from the processor's own rule (``processor._get_num_multimodal_tokens``, the hook vLLM uses: min/max
 pixels, patch and merge size) applied to the image size read from the file header. Families whose processor
 adds text around an image (Gemma 3's newlines and markers, Gemma 4's markers), counts multi-image samples
-differently (LLaVA-OneVision) or has no such hook (SmolVLM) declare ``FamilySpec.image_text``: the placeholder
+differently (LLaVA-OneVision) or has no such hook (SmolVLM) declare ``EncodingRules.image_text``: the placeholder
 is replaced by that text and tokenised in context, as the processor does. Families whose expansion needs no image
-size but rewrites the text around images (Idefics2) declare ``FamilySpec.expand_text``: the processor's own text
+size but rewrites the text around images (Idefics2) declare ``EncodingRules.expand_text``: the processor's own text
 expansion gives the ids. ``TokenBudgetPackDataset`` checks
 every planned length against the materialised one, so a family whose processor expands differently fails
 loudly, never silently.
@@ -149,8 +149,7 @@ def _measure_chunk(collator: Any, examples: Sequence[Any], first: int) -> tuple[
         return _measure_encoded(collator, examples, first)
     processor = collator.processor
     tokenizer = getattr(processor, "tokenizer", processor)
-    image_text = getattr(collator.family, "image_text", None)
-    expand_text = getattr(collator.family, "expand_text", None)
+    image_text, expand_text = collator.encoding.image_text, collator.encoding.expand_text
     counter = (_VisionTokenCounter(processor, image_text is None and expand_text is None)
                if collator.has_images else None)
     conversations = [
@@ -170,7 +169,7 @@ def _measure_chunk(collator: Any, examples: Sequence[Any], first: int) -> tuple[
         turns = [(turn, part) for turn, message in enumerate(conversation) for part in message["content"]
                  if part["type"] != "text"]
         parts = [part for _, part in turns]
-        if getattr(collator.family, "video_runs", "video") == "frame" and any(p["type"] == "video" for p in parts):
+        if collator.encoding.video_runs == "frame" and any(p["type"] == "video" for p in parts):
             raise ValueError(
                 f"{where}: token-budget planning cannot count a {collator.family.name} video: its processor writes a "
                 "timestamp and markers around every frame, whose text depends on its frame sampling, not on the "
@@ -199,7 +198,7 @@ def _measure_chunk(collator: Any, examples: Sequence[Any], first: int) -> tuple[
 
 
 def _measure_encoded(collator: Any, examples: Sequence[Any], first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Counts for a family with its own per-sample encoder (``FamilySpec.encode_sample``): that encoder run on each
+    """Counts for a family with its own per-sample encoder (``EncodingRules.encode_sample``): that encoder run on each
     conversation with a blank image of each image's size (its token count depends on nothing else)."""
     from PIL import Image
 
@@ -219,7 +218,7 @@ def _measure_encoded(collator: Any, examples: Sequence[Any], first: int) -> tupl
                     images[row] += 1
                 parts.append(part)
             blank.append({**message, "content": parts})
-        ids = collator.family.encode_sample(collator.processor, blank, first + row)["input_ids"]
+        ids = collator.encoding.encode_sample(collator.processor, blank, first + row)["input_ids"]
         tokens[row] = ids.shape[-1]
         image_tokens[row] = int((ids == image_id).sum()) if image_id is not None else 0
     return tokens, image_tokens, images

@@ -36,7 +36,7 @@ class MRopeIndex:
 
     config: PreTrainedConfig
     rope_index_model: str
-    """transformers class whose ``get_rope_index`` runs (the family registry's ``FamilySpec.rope_index_model``)."""
+    """transformers class whose ``get_rope_index`` runs (the family registry's ``Positions.rope_index_model``)."""
 
     def __post_init__(self) -> None:
         if getattr(self.config, "vision_config", None) is None:

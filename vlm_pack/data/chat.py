@@ -429,23 +429,23 @@ def encode_conversations(
     and video tokens never get labels: neither tokens the processor types as media (``mm_token_type_ids`` /
     ``token_type_ids`` != 0) nor ``unlabelled_ids`` (the placeholder ids and the family's vision markers) nor
     any token of an ``unlabelled_spans`` ``(open id, close id)`` span, both ends included.
-    ``vision_rows``: the family's ``FamilySpec.vision_rows`` (what each row of a vision tensor belongs to). If the
+    ``vision_rows``: the family's ``VisionRows.rows`` (what each row of a vision tensor belongs to). If the
     processor fails, the error names the first sample it fails on. ``mask_before_expansion``: the family's
-    ``FamilySpec.mask_before_expansion`` (the processor's assistant mask is that of the unexpanded text): the mask
+    ``EncodingRules.mask_before_expansion`` (the processor's assistant mask is that of the unexpanded text): the mask
     is then carried from the template's own tokens (each placeholder one token) onto the expanded ones
     (:func:`carry_assistant_mask`); so it is for every processor on transformers < 5.23, which does not shift the
     mask for expanded placeholders (``vlm_pack.core.versions.GAPS``). ``tools``: each conversation's chat-level
     tools (:func:`example_tools`).
-    ``encode_alone``: the family's ``FamilySpec.encode_alone`` (its processor cannot encode samples of different
+    ``encode_alone``: the family's ``EncodingRules.encode_alone`` (its processor cannot encode samples of different
     lengths in one call): one call per sample, the outputs joined as one call's would be. ``image_token_id``: the
     token each image expands into, whose count splits ``"image_token"`` vision rows (default: the processor's
-    ``image_token_id``). ``tile_tokens``: the family's ``FamilySpec.tile_tokens`` (image tokens of each row of its
+    ``image_token_id``). ``tile_tokens``: the family's ``VisionRows.tile_tokens`` (image tokens of each row of its
     ``"tile"`` vision tensors).
-    ``tile_stacks``: the family's ``FamilySpec.tile_stacks`` (keys holding one stack of tiles per image, the stacks
+    ``tile_stacks``: the family's ``VisionRows.tile_stacks`` (keys holding one stack of tiles per image, the stacks
     of different lengths): asked of the image processor as a list and flattened to one row per tile.
-    ``width_packed``: the family's ``FamilySpec.width_packed`` (tensors of one row whose
+    ``width_packed``: the family's ``VisionRows.width_packed`` (tensors of one row whose
     last dimension runs over the patches of every image): split along that dimension, each sample's share one row.
-    ``patch_indices``: the family's ``FamilySpec.patch_indices`` (tensors numbering the patches of another over the
+    ``patch_indices``: the family's ``VisionRows.patch_indices`` (tensors numbering the patches of another over the
     whole call): each sample's share counted from its own first patch (:func:`vlm_pack.data.patch_index.localize`).
     """
     text_only = not takes_media(processor)  # text templates expect string content
@@ -610,7 +610,7 @@ def _apply_template(
     # (Aya Vision's processor left-pads by default: pad tokens would enter the packed row). The top-level
     # return_tensors stays "auto" (no global override; SmolVLM's own default would clash).
     images = takes_media(processor)
-    # image_lists: one tensor per image, unstacked (tile stacks of different lengths, FamilySpec.tile_stacks).
+    # image_lists: one tensor per image, unstacked (tile stacks of different lengths, VisionRows.tile_stacks).
     per_kind = {"images_kwargs": {"return_tensors": None if image_lists else "pt"},
                 "text_kwargs": {"return_tensors": None, "padding": False}}
     if hasattr(processor, "feature_extractor"):  # audio features as tensors too (one row per clip)
@@ -691,7 +691,7 @@ def _split_vision(
             expected = f"one row per {unit}" if unit else f"the {len(owner)} {kind} or {len(per_sample)} samples"
             raise ValueError(
                 f"processor output {key!r} has shape {tuple(value.shape)}, which does not match {expected}; the "
-                "collator cannot split it per sample (declare its rows in the family's FamilySpec.vision_rows)"
+                "collator cannot split it per sample (declare its rows in the family's VisionRows.rows)"
             )
         split[key] = [chunk if count else None for chunk, count in zip(torch.split(value, counts), counts)]
     return split

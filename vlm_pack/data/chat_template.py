@@ -115,7 +115,7 @@ def with_prefix(processor: Any, chat: ChatTemplate, prefix: str) -> ChatTemplate
     """``chat`` writing ``prefix`` first where its rendering does not start with it already.
 
     For processors that put ``prefix`` before every rendered chat AFTER ``apply_chat_template`` has recorded the
-    assistant spans (``FamilySpec.template_prefix``: Molmo2Processor's BOS), which shifts every span by its length:
+    assistant spans (``EncodingRules.template_prefix``: Molmo2Processor's BOS), which shifts every span by its length:
     written by the template instead, the processor adds nothing, the tokens are the same and the spans line up."""
     probe = [{"role": "user", "content": _probe_content(processor, "Hi")},
              {"role": "assistant", "content": _probe_content(processor, "Hello.")}]

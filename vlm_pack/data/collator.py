@@ -35,7 +35,7 @@ from .chat import encode_conversations, example_tools, media_parts, normalize_ex
 from .chat_template import with_prefix
 from ..core.config import PackingConfig
 from ..core.packing import IGNORE_INDEX, PackedBatch, pack_batch_sequences, pack_sequences, pad_multiple
-from ..models import FamilySpec, UnsupportedVersionError, get_family, require_proven
+from ..models import TEXT_ENCODING, EncodingRules, FamilySpec, UnsupportedVersionError, get_family, require_proven
 from ..core.rope_index import MRopeIndex
 from ..core.versions import GAPS, has, installed
 
@@ -136,15 +136,16 @@ class VLMPackingCollator:
         self.family: FamilySpec | None = (
             None if model_config is None else get_family(model_config, allow_unproven=allow_unproven)
         )
-        if self.family is not None and self.family.encode_sample is not None:
+        self.encoding: EncodingRules = TEXT_ENCODING if self.family is None else self.family.encoding
+        if self.family is not None and self.encoding.encode_sample is not None:
             if chat_template is not None or template_kwargs:
                 raise ValueError(f"the {self.family.name} family encodes each sample by its processor's own rule "
                                  "(vlm_pack.models), not by a chat template: drop chat_template / template_kwargs")
             self.chat = self.chat_template = None
         else:
             self.chat = resolve_chat_template(processor, chat_template, template_kwargs)  # how spans are found
-            if self.family is not None and self.family.template_prefix is not None:
-                self.chat = with_prefix(processor, self.chat, self.family.template_prefix(processor))
+            if self.family is not None and self.encoding.template_prefix is not None:
+                self.chat = with_prefix(processor, self.chat, self.encoding.template_prefix(processor))
             self.chat_template = self.chat.template  # the template every sample is rendered (tokenised) with
         self.has_images = hasattr(processor, "image_processor")
         self.has_audio = any(hasattr(processor, name) for name in ("feature_extractor", "audio_processor"))
@@ -157,7 +158,7 @@ class VLMPackingCollator:
                 "the collator got a multimodal processor but no model_config: pass model_config=model.config, so "
                 "positions and per-token keys follow the model's family (e.g. mRoPE computed per sample)"
             )
-        if (self.has_images and self.family.expansion_writes_text and not self.family.mask_before_expansion
+        if (self.has_images and self.encoding.expansion_writes_text and not self.encoding.mask_before_expansion
                 and not has("processor_mask_shift")):
             since = GAPS["processor_mask_shift"].since
             raise UnsupportedVersionError(
@@ -172,10 +173,10 @@ class VLMPackingCollator:
         if context_parallel_size > 1 and self.family is not None:
             require_proven(self.family, "context_parallel", f"context_parallel_size={context_parallel_size}",
                            allow_unproven=allow_unproven)
-        self.token_keys = TOKEN_ALIGNED_KEYS if self.family is None else self.family.token_keys
+        self.token_keys = TOKEN_ALIGNED_KEYS if self.family is None else self.encoding.token_keys
         self.rope_index = (
-            MRopeIndex(model_config, self.family.rope_index_model)
-            if self.family is not None and self.family.positions == "mrope" else None
+            MRopeIndex(model_config, self.encoding.positions.rope_index_model)
+            if self.family is not None and self.encoding.positions.rule == "mrope" else None
         )
         if self.rope_index is not None and self.has_images:
             merge = getattr(processor.image_processor, "merge_size", None)
@@ -247,20 +248,20 @@ class VLMPackingCollator:
         for index, turns in enumerate(conversations):
             self.check_media(turns, index)
         samples, dropped, images = [], [], 0
-        vision_rows = None if self.family is None else self.family.vision_rows
-        if self.chat is None:  # the family's own per-sample encoder (FamilySpec.encode_sample)
-            encoded = [self.family.encode_sample(self.processor, turns, index)
+        vision_rows = None if self.family is None else self.encoding.vision.rows
+        if self.chat is None:  # the family's own per-sample encoder (EncodingRules.encode_sample)
+            encoded = [self.encoding.encode_sample(self.processor, turns, index)
                        for index, turns in enumerate(conversations)]
         else:
             encoded = encode_conversations(self.processor, conversations, self.chat, vision_rows,
                                            self.unlabelled_ids, self.unlabelled_spans,
-                                           self.family is not None and self.family.mask_before_expansion,
+                                           self.family is not None and self.encoding.mask_before_expansion,
                                            [example_tools(example, index) for index, example in enumerate(examples)],
-                                           self.family is not None and self.family.encode_alone, self.image_token_id,
-                                           None if self.family is None else self.family.tile_tokens,
-                                           () if self.family is None else self.family.tile_stacks,
-                                           () if self.family is None else self.family.width_packed,
-                                           None if self.family is None else self.family.patch_indices)
+                                           self.family is not None and self.encoding.encode_alone, self.image_token_id,
+                                           None if self.family is None else self.encoding.vision.tile_tokens,
+                                           () if self.family is None else self.encoding.vision.tile_stacks,
+                                           () if self.family is None else self.encoding.vision.width_packed,
+                                           None if self.family is None else self.encoding.vision.patch_indices)
         if self.family is not None and self.rope_index is not None:
             for index, features in enumerate(encoded):
                 _check_video_runs(features, self.processor, self.family, self.rope_index.spatial_merge_size, index)
@@ -308,7 +309,7 @@ class VLMPackingCollator:
         """Refuse a sample's videos / audio clips where the family's path is not proven (by name), and clips longer
         than the feature extractor takes (it would cut them silently)."""
         for kind, what in (("video", "a video"), ("audio", "an audio clip")):
-            if self.family is not None and kind not in self.family.paths and media_parts(turns, kind):
+            if self.family is not None and kind not in self.family.proof.paths and media_parts(turns, kind):
                 require_proven(self.family, kind, f"sample {index}: {what}", allow_unproven=self.allow_unproven)
         limit = getattr(getattr(self.processor, "feature_extractor", None), "n_samples", None)
         for turn, message in enumerate(turns):
@@ -336,7 +337,7 @@ class VLMPackingCollator:
 
     def _per_sample_keys(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         keys = dict.fromkeys(k for s in samples for k in s if k not in self.token_keys)
-        declared = {} if self.family is None else self.family.vision_rows
+        declared = {} if self.family is None else self.encoding.vision.rows
         for key in (k for k in keys if k not in declared):  # a per-token output the family does not declare
             if all(key not in s or s[key].shape == s["input_ids"].shape for s in samples) and len(samples) > 1:
                 family = "a text model" if self.family is None else f"the {self.family.name} family"
@@ -344,8 +345,8 @@ class VLMPackingCollator:
                     f"the processor returns {key!r} with one value per token, which {family} does not take "
                     f"(per-token keys: {list(self.token_keys)}): use the processor of the model you train"
                 )
-        width = () if self.family is None else self.family.width_packed
-        indices = {} if self.family is None else self.family.patch_indices  # re-based by the samples before them
+        width = () if self.family is None else self.encoding.vision.width_packed
+        indices = {} if self.family is None else self.encoding.vision.patch_indices  # re-based by the samples before them
         return {key: patch_index.join([s.get(key) for s in samples], [s.get(indices[key]) for s in samples])
                 if key in indices else torch.cat([s[key] for s in samples if key in s], dim=-1 if key in width else 0)
                 for key in keys}
@@ -360,8 +361,8 @@ class VLMPackingCollator:
         positions the stock model computes for it alone."""
         if self.rope_index is None:
             return None
-        skip = 0 if self.family.mrope_text_row else 1
-        if not self.family.rope_index_alone:
+        skip = 0 if self.encoding.positions.text_row else 1
+        if not self.encoding.positions.alone:
             return self._rope_index(padded, vision)[skip:]
         width = padded["input_ids"].shape[1]
         rows = [self._rope_index({**sample, "attention_mask": torch.ones_like(sample["input_ids"])}, sample)[skip:, 0]
@@ -465,7 +466,7 @@ class VLMPackingCollator:
 def _check_video_runs(features: dict[str, torch.Tensor], processor: Any, family: FamilySpec, merge: int,
                       index: int) -> None:
     """A video sample's runs of video tokens must be laid out as the family's rope index reads them
-    (``FamilySpec.video_runs``): one run per video, or one per temporal patch (Qwen3-VL: each after its timestamp).
+    (``EncodingRules.video_runs``): one run per video, or one per temporal patch (Qwen3-VL: each after its timestamp).
     A processor of another family writes the other layout, and the frames' positions would be misplaced."""
     grid = features.get("video_grid_thw")
     video_id = getattr(processor, "video_token_id", None)
@@ -473,7 +474,7 @@ def _check_video_runs(features: dict[str, torch.Tensor], processor: Any, family:
         return
     frame_tokens = (grid[:, 1] * grid[:, 2] // merge**2).tolist()
     frames = grid[:, 0].tolist()
-    if family.video_runs == "frame":
+    if family.encoding.video_runs == "frame":
         want = [tokens for tokens, count in zip(frame_tokens, frames) for _ in range(count)]
     else:
         want = [tokens * count for tokens, count in zip(frame_tokens, frames)]
@@ -481,7 +482,7 @@ def _check_video_runs(features: dict[str, torch.Tensor], processor: Any, family:
     edges = inside.diff()
     got = ((edges == -1).nonzero().flatten() - (edges == 1).nonzero().flatten()).tolist()
     if got != want:
-        layout = "one run per frame, each after its timestamp" if family.video_runs == "frame" else "one run per video"
+        layout = "one run per frame, each after its timestamp" if family.encoding.video_runs == "frame" else "one run per video"
         raise ValueError(
             f"sample {index}: its video tokens form runs of {got} tokens, but the {family.name} model's rope index "
             f"expects {layout} ({want}); encode with the model's own processor ({type(processor).__name__} "
@@ -499,8 +500,8 @@ def _audio_lengths(vision: dict[str, torch.Tensor]) -> torch.Tensor | None:
 def _image_token_id(processor: Any, family: FamilySpec | None) -> int | None:
     """The id each image expands into: the family's ``image_token`` where it names one (Ovis 2's ``<IMG_ATOM>``),
     else the processor's ``image_token_id`` (None for a text tokenizer)."""
-    if family is not None and family.image_token is not None:
-        return _token_id(processor, family.image_token)
+    if family is not None and family.encoding.vision.image_token is not None:
+        return _token_id(processor, family.encoding.vision.image_token)
     token = getattr(processor, "image_token_id", None)
     return token if isinstance(token, int) else None
 
@@ -513,7 +514,7 @@ def _media_token_ids(processor: Any, family: FamilySpec | None) -> tuple[int, ..
     ids = [getattr(owner, f"{kind}_token_id", None) for owner in (processor, tokenizer)
            for kind in ("image", "video", "audio")]
     tokens = [getattr(processor, name, None) for name in ("boi_token", "eoi_token")]
-    tokens += list(family.media_tokens) if family is not None else []
+    tokens += list(family.encoding.media_tokens) if family is not None else []
     unknown = getattr(tokenizer, "unk_token_id", None)
     vocab = tokenizer.get_vocab()
     ids += [vocab.get(token) for token in tokens if isinstance(token, str)]
@@ -522,10 +523,10 @@ def _media_token_ids(processor: Any, family: FamilySpec | None) -> tuple[int, ..
 
 def _media_span_ids(processor: Any, family: FamilySpec | None) -> tuple[tuple[int, int], ...]:
     """The family's ``media_spans`` as id pairs (pairs the vocabulary lacks are skipped, like ``media_tokens``)."""
-    if family is None or not family.media_spans:  # no second get_vocab() (150k entries) for families without spans
+    if family is None or not family.encoding.media_spans:  # no second get_vocab() (150k entries) for families without spans
         return ()
     vocab = getattr(processor, "tokenizer", processor).get_vocab()
-    pairs = ((vocab.get(open_), vocab.get(close)) for open_, close in family.media_spans)
+    pairs = ((vocab.get(open_), vocab.get(close)) for open_, close in family.encoding.media_spans)
     return tuple((o, c) for o, c in pairs if o is not None and c is not None)
 
 

@@ -1,5 +1,5 @@
 """Patch indices per sample: processor outputs whose values number the patches of another output over the WHOLE
-processor call (``FamilySpec.patch_indices``; Molmo 2's ``image_token_pooling`` into ``pixel_values``).
+processor call (``VisionRows.patch_indices``; Molmo 2's ``image_token_pooling`` into ``pixel_values``).
 
 A processor call numbers the flattened patches (dims 0 and 1 of the patch tensor) of all its samples together, so a
 sample's share of such a tensor points at patches whose numbers depend on the samples encoded before it (or dropped

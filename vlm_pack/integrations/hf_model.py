@@ -373,7 +373,7 @@ def enable_packing(model, name: str = ATTN_IMPLEMENTATION, *, allow_unproven: bo
     else :class:`~vlm_pack.models.UnsupportedModelError` names what is missing (``allow_unproven=True``: a
     warning instead). The family's own setup (e.g. boundary-aware linear-attention kernels, the image-block hook
     of Gemma 3 / 4) is applied too, and ``accepts_loss_kwargs`` is set where the family's loss honours Trainer's ``num_items_in_batch`` (see
-    :class:`~vlm_pack.models.FamilySpec`), so ``Trainer(model=enable_packing(model), data_collator=collator)`` is
+    :class:`~vlm_pack.models.ModelRules`), so ``Trainer(model=enable_packing(model), data_collator=collator)`` is
     exact under gradient accumulation with nothing else passed.
     A forward that carries ``cu_seq_lens_q`` (a packed row) runs with ``use_cache=False`` unless the call says
     otherwise (a packed row must never fill a cache, and ``model(**batch)``, as Trainer and TRL call it, passes no
@@ -392,14 +392,14 @@ def enable_packing(model, name: str = ATTN_IMPLEMENTATION, *, allow_unproven: bo
     register_attention(name)
     model.set_attn_implementation(name)
     _install_forward_hooks(model)
-    rule = None if family.image_blocks is None else family.image_blocks(model.config)
+    rule = None if family.model.image_blocks is None else family.model.image_blocks(model.config)
     if rule is not None:
         _install_image_blocks(model, rule)
-    if family.prepare_model is not None:
-        family.prepare_model(model)
-    if family.router_loss_mask:  # the router aux loss over the real slots only (vlm_pack.integrations.router_loss)
+    if family.model.prepare_model is not None:
+        family.model.prepare_model(model)
+    if family.model.router_loss_mask:  # the router aux loss over the real slots only (vlm_pack.integrations.router_loss)
         install_router_loss_mask(model)
-    if family.loss_honours_num_items:
+    if family.model.loss_honours_num_items:
         # Trainer reads this flag to pass num_items_in_batch (the window's label-token count) to the model's loss:
         # the exact token mean under gradient accumulation, as unpacked training over the same window.
         model.accepts_loss_kwargs = True

@@ -7,7 +7,7 @@ The default recipe needs nothing from this module::
 It is exact under gradient accumulation because (1) batches are model-ready with -100 on every sample's first
 label (``vlm_pack.core.batch``), so the model's own whole-row shifted loss never crosses a boundary and Trainer's
 ``num_items_in_batch`` counts exactly the targets, and (2) ``enable_packing`` sets ``accepts_loss_kwargs`` for
-families whose loss honours ``num_items_in_batch`` (``FamilySpec.loss_honours_num_items``).
+families whose loss honours ``num_items_in_batch`` (``ModelRules.loss_honours_num_items``).
 
 Two callables for ``Trainer(compute_loss_func=...)``, Trainer's official custom-loss hook (it receives
 ``(outputs, labels, num_items_in_batch)``):

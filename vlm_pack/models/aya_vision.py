@@ -11,7 +11,8 @@ at ``cu_seq_lens_q``, positions restarting per sample.
 
 from typing import Any
 
-from . import FamilySpec, register_family, text_backbone
+from .registry import register_family, text_backbone
+from .spec import EncodingRules, FamilySpec, ModelRules, Proof, VisionRows
 
 _PROOF = "tests/test_vlm_families.py"
 _LAYER_KINDS = frozenset({"full_attention", "sliding_attention"})
@@ -32,23 +33,35 @@ def _aya_image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[
     return out
 
 
-COHERE2 = register_family(FamilySpec(name="cohere2", model_types=("cohere2",), proof=_PROOF, layer_kinds=_LAYER_KINDS))
+COHERE2 = register_family(FamilySpec(
+    name="cohere2", model_types=("cohere2",), proof=Proof(_PROOF), model=ModelRules(layer_kinds=_LAYER_KINDS),
+))
 AYA_VISION = register_family(FamilySpec(
-    name="aya_vision", model_types=("aya_vision",), proof=_PROOF, layer_kinds=_LAYER_KINDS,
-    vision_rows={"pixel_values": "image_token"}, media_tokens=_MEDIA,
-    media_spans=(("<|START_OF_IMG|>", "<|END_OF_IMG|>"),),  # its "TILE_n" tile labels are plain text in between
-    image_text=_aya_image_text, expansion_writes_text=True,  # the tile labels
-    extra_checks=(text_backbone("cohere2"),),
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[aya_vision]",
-        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[aya_vision]",
-    },
+    name="aya_vision", model_types=("aya_vision",),
+    proof=Proof(
+        _PROOF,
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[aya_vision]",
+            "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[aya_vision]",
+        },
+    ),
+    model=ModelRules(layer_kinds=_LAYER_KINDS, extra_checks=(text_backbone("cohere2"),)),
+    encoding=EncodingRules(
+        media_tokens=_MEDIA,
+        media_spans=(("<|START_OF_IMG|>", "<|END_OF_IMG|>"),),  # its "TILE_n" tile labels are plain text in between
+        image_text=_aya_image_text, expansion_writes_text=True,  # the tile labels
+        vision=VisionRows(rows={"pixel_values": "image_token"}),
+    ),
 ))
 COHERE2_VISION = register_family(FamilySpec(
-    name="cohere2_vision", model_types=("cohere2_vision",), proof=_PROOF, layer_kinds=_LAYER_KINDS,
-    vision_rows={"pixel_values": "image_token"}, extra_checks=(text_backbone("cohere2"),), media_tokens=_MEDIA,
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[cohere2_vision]",
-        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[cohere2_vision]",
-    },
+    name="cohere2_vision", model_types=("cohere2_vision",),
+    proof=Proof(
+        _PROOF,
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[cohere2_vision]",
+            "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[cohere2_vision]",
+        },
+    ),
+    model=ModelRules(layer_kinds=_LAYER_KINDS, extra_checks=(text_backbone("cohere2"),)),
+    encoding=EncodingRules(media_tokens=_MEDIA, vision=VisionRows(rows={"pixel_values": "image_token"})),
 ))

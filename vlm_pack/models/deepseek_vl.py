@@ -11,7 +11,8 @@ attention inside the image only) whose features join the SigLIP ones per image t
 
 from typing import Any
 
-from . import FamilySpec, register_family, text_backbone
+from .registry import register_family, text_backbone
+from .spec import EncodingRules, FamilySpec, ModelRules, Proof, VisionRows
 
 _PROOF = "tests/test_vlm_families.py"
 _TEXT = (text_backbone("llama", "qwen2", "qwen3"),)
@@ -25,19 +26,28 @@ def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str,
 
 
 DEEPSEEK_VL = register_family(FamilySpec(
-    name="deepseek_vl", model_types=("deepseek_vl",), proof=_PROOF, vision_rows={"pixel_values": "image"},
-    extra_checks=_TEXT, image_text=_image_text,
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[deepseek_vl]",
-        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[deepseek_vl]",
-    },
+    name="deepseek_vl", model_types=("deepseek_vl",),
+    proof=Proof(
+        _PROOF,
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[deepseek_vl]",
+            "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[deepseek_vl]",
+        },
+    ),
+    model=ModelRules(extra_checks=_TEXT),
+    encoding=EncodingRules(image_text=_image_text, vision=VisionRows(rows={"pixel_values": "image"})),
 ))
 DEEPSEEK_VL_HYBRID = register_family(FamilySpec(
-    name="deepseek_vl_hybrid", model_types=("deepseek_vl_hybrid",), proof=_PROOF,
-    vision_rows={"pixel_values": "image", "high_res_pixel_values": "image"}, extra_checks=_TEXT,
-    image_text=_image_text,
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[deepseek_vl_hybrid]",
-        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[deepseek_vl_hybrid]",
-    },
+    name="deepseek_vl_hybrid", model_types=("deepseek_vl_hybrid",),
+    proof=Proof(
+        _PROOF,
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[deepseek_vl_hybrid]",
+            "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[deepseek_vl_hybrid]",
+        },
+    ),
+    model=ModelRules(extra_checks=_TEXT),
+    encoding=EncodingRules(
+        image_text=_image_text, vision=VisionRows(rows={"pixel_values": "image", "high_res_pixel_values": "image"}),
+    ),
 ))

@@ -2,7 +2,7 @@
 image), a two-layer projector and a causal Qwen2 language model, LLaVA-style (``<image>`` placeholders, one
 ``pixel_values`` row per image). 1-D positions per sample.
 
-Rules (proven in tests/test_families_round3c.py against each sample alone through the stock sdpa model): the tower
+Rules (proven in tests/test_family_fast_vlm.py against each sample alone through the stock sdpa model): the tower
 runs on each image independently as long as its BatchNorm layers use their running statistics (eval mode), the
 projector per token, and the image features fill the ``<image>`` tokens in sample order; the text is causal
 (Qwen2, the registered text family) with positions restarting per sample.
@@ -19,7 +19,8 @@ import types
 
 import torch
 
-from . import FamilySpec, register_family, text_backbone
+from .registry import register_family, text_backbone
+from .spec import FamilySpec, ModelRules, Proof
 
 
 def _batch_norms(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -67,9 +68,11 @@ def _prepare(model: torch.nn.Module) -> None:
 
 
 FAST_VLM = register_family(FamilySpec(
-    name="fast_vlm", model_types=("fast_vlm",), proof="tests/test_families_round3c.py",
-    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
-    proven={"budget": "tests/test_families_round3c.py::test_planned_length_equals_the_real_processor[fast_vlm]"},
-    extra_checks=(text_backbone("qwen2"),),
-    prepare_model=_prepare,
+    name="fast_vlm", model_types=("fast_vlm",),
+    proof=Proof(
+        "tests/test_family_fast_vlm.py",
+        min_transformers="5.24",  # proven on 5.24 only (never run on the floor)
+        proven={"budget": "tests/test_family_fast_vlm.py::test_planned_length_equals_the_real_processor[fast_vlm]"},
+    ),
+    model=ModelRules(extra_checks=(text_backbone("qwen2"),), prepare_model=_prepare),
 ))

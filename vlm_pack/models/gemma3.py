@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL, FamilySpec, ImageBlockRule, register_family, text_config
+from .registry import register_family, text_config
+from .spec import EncodingRules, FamilySpec, ImageBlockRule, ModelRules, Proof
 
 _PROOF = "tests/test_gemma3.py"
 _LAYER_KINDS = frozenset({"full_attention", "sliding_attention"})
@@ -53,20 +54,22 @@ def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str,
 
 
 GEMMA3 = register_family(FamilySpec(
-    name="gemma3",
-    model_types=("gemma3", "gemma3_text"),
-    proof=_PROOF,
-    attention="causal_image_blocks",
-    image_blocks=_image_blocks,
-    layer_kinds=_LAYER_KINDS,
-    token_keys=("input_ids", "labels", "token_type_ids"),
-    media_tokens=("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
-    context_parallel_refusal=IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL,
-    extra_checks=(_causal_only,),
-    image_text=_image_text, expansion_writes_text=True,  # "\n\n" before and after each image
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[gemma3]",
-        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[gemma3-packed]",
-        "reward": "tests/test_preference_reward.py::test_reward_step_equals_trl[gemma3]",
-    },
+    name="gemma3", model_types=("gemma3", "gemma3_text"),
+    proof=Proof(
+        _PROOF,
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[gemma3]",
+            "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[gemma3-packed]",
+            "reward": "tests/test_preference_reward.py::test_reward_step_equals_trl[gemma3]",
+        },
+    ),
+    model=ModelRules(
+        attention="causal_image_blocks", image_blocks=_image_blocks, layer_kinds=_LAYER_KINDS,
+        extra_checks=(_causal_only,),
+    ),
+    encoding=EncodingRules(
+        token_keys=("input_ids", "labels", "token_type_ids"),
+        media_tokens=("<start_of_image>", "<image_soft_token>", "<end_of_image>"), image_text=_image_text,
+        expansion_writes_text=True,  # "\n\n" before and after each image
+    ),
 ))

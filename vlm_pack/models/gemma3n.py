@@ -3,7 +3,7 @@ conformer, Gemma 3n text) and its text model alone (``Gemma3nForCausalLM``, ``ge
 with sliding-window and full layers, KV sharing across the last layers, per-layer input embeddings, AltUp, LAuReL
 and activation sparsity.
 
-Rules (proven in tests/test_families_round3a.py (text) and tests/test_families_round3c.py (composite) against each
+Rules (proven in tests/test_family_gemma3n.py (text and composite) against each
 sample alone through the stock sdpa model): attention never crosses a sample and keeps each layer's window inside
 it (the composite has no bidirectional image blocks: Gemma 3n's mask is causal over image tokens too); KV-shared
 layers reuse the keys and values of an earlier layer of the same forward, so they see the same samples; per-layer
@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from . import FamilySpec, register_family, text_backbone
+from .registry import register_family, text_backbone
+from .spec import EncodingRules, FamilySpec, ModelRules, Proof
 
 
 def _refuse_audio(module, args, kwargs):
@@ -53,19 +54,27 @@ def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str,
 
 
 GEMMA3N_TEXT = register_family(FamilySpec(
-    name="gemma3n_text", model_types=("gemma3n_text",), proof="tests/test_families_round3a.py",
-    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
-    layer_kinds=frozenset({"full_attention", "sliding_attention"}),
+    name="gemma3n_text", model_types=("gemma3n_text",),
+    proof=Proof(
+        "tests/test_family_gemma3n.py",
+        min_transformers="5.24",  # proven on 5.24 only (never run on the floor)
+    ),
+    model=ModelRules(layer_kinds=frozenset({"full_attention", "sliding_attention"})),
 ))
 
 GEMMA3N = register_family(FamilySpec(
-    name="gemma3n", model_types=("gemma3n",), proof="tests/test_families_round3c.py",
-    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
-    proven={"budget": "tests/test_families_round3c.py::test_planned_length_equals_the_real_processor[gemma3n]"},
-    layer_kinds=frozenset({"full_attention", "sliding_attention"}),
-    token_keys=("input_ids", "labels", "token_type_ids"),  # the processor's media types; the model ignores them
-    media_tokens=("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
-    extra_checks=(text_backbone("gemma3n_text"),),
-    prepare_model=_prepare,
-    image_text=_image_text,
+    name="gemma3n", model_types=("gemma3n",),
+    proof=Proof(
+        "tests/test_family_gemma3n.py",
+        min_transformers="5.24",  # proven on 5.24 only (never run on the floor)
+        proven={"budget": "tests/test_family_gemma3n.py::test_planned_length_equals_the_real_processor[gemma3n]"},
+    ),
+    model=ModelRules(
+        layer_kinds=frozenset({"full_attention", "sliding_attention"}), extra_checks=(text_backbone("gemma3n_text"),),
+        prepare_model=_prepare,
+    ),
+    encoding=EncodingRules(
+        token_keys=("input_ids", "labels", "token_type_ids"),  # the processor's media types; the model ignores them
+        media_tokens=("<start_of_image>", "<image_soft_token>", "<end_of_image>"), image_text=_image_text,
+    ),
 ))

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import (
-    IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL, STATIC_ROPE_TYPES, FamilySpec, ImageBlockRule, register_family, text_config,
-)
+from .registry import register_family, text_config
+from .spec import STATIC_ROPE_TYPES, EncodingRules, FamilySpec, ImageBlockRule, ModelRules, Proof
 
 _PROOF = "tests/test_gemma4.py"
 
@@ -44,25 +43,27 @@ def _proven_features(config: Any) -> str | None:
     return None
 
 
-def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str, int]]:
+def image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str, int]]:
     """``Gemma4Processor`` wraps each image's soft tokens (its own per-size count) in ``<boi>`` / ``<eoi>``."""
     counts = processor._get_num_multimodal_tokens(image_sizes=[list(size) for size in sizes])["num_image_tokens"]
     return [(f"{processor.boi_token}{processor.image_token * int(n)}{processor.eoi_token}", int(n)) for n in counts]
 
 
 GEMMA4 = register_family(FamilySpec(
-    name="gemma4",
-    model_types=("gemma4", "gemma4_text"),
-    proof=_PROOF,
-    attention="causal_image_blocks",
-    image_blocks=_image_blocks,
-    layer_kinds=frozenset({"full_attention", "sliding_attention"}),
-    token_keys=("input_ids", "labels", "mm_token_type_ids"),  # markers: the processor's boi_token / eoi_token
-    rope_types=STATIC_ROPE_TYPES | {"proportional"},
-    context_parallel_refusal=IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL,
-    extra_checks=(_proven_features,),
-    image_text=_image_text,
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[gemma4]",
-    },
+    name="gemma4", model_types=("gemma4", "gemma4_text"),
+    proof=Proof(
+        _PROOF,
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[gemma4]",
+        },
+    ),
+    model=ModelRules(
+        attention="causal_image_blocks", image_blocks=_image_blocks,
+        layer_kinds=frozenset({"full_attention", "sliding_attention"}), rope_types=STATIC_ROPE_TYPES | {"proportional"},
+        extra_checks=(_proven_features,),
+    ),
+    encoding=EncodingRules(
+        token_keys=("input_ids", "labels", "mm_token_type_ids"),  # markers: the processor's boi_token / eoi_token
+        image_text=image_text,
+    ),
 ))

@@ -1,7 +1,7 @@
 """Gemma 4 unified (encoder-free: raw pixel patches embedded per patch + Gemma 4 text): causal text attention, and
 each image's tokens bidirectional on EVERY layer (sliding and full).
 
-Rules (proven in tests/test_families_round4.py against each sample alone through the stock sdpa model): unlike
+Rules (proven in tests/test_family_gemma4_unified.py against each sample alone through the stock sdpa model): unlike
 ``Gemma4Model`` (blocks on sliding layers only, inside the window), ``Gemma4UnifiedModel`` hands its
 ``mm_token_type_ids`` blocks (image 1, video 2) to transformers' ``create_masks_for_generate``, which ORs them into
 every layer's mask: full layers ``OR(causal, block)``, sliding layers ``OR(AND(window, causal), block)`` (a block
@@ -24,10 +24,9 @@ from typing import Any
 
 import torch
 
-from . import (
-    IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL, STATIC_ROPE_TYPES, FamilySpec, ImageBlockRule, register_family, text_config,
-)
-from .gemma4 import _image_text
+from .gemma4 import image_text
+from .registry import register_family, text_config
+from .spec import STATIC_ROPE_TYPES, EncodingRules, FamilySpec, ImageBlockRule, ModelRules, Proof
 
 IMAGE_BLOCKS = ImageBlockRule(
     token_key="mm_token_type_ids", block_types=(1, 2), layer_types=frozenset({"sliding_attention", "full_attention"}),
@@ -78,16 +77,23 @@ def _proven_features(config: Any) -> str | None:
     return None
 
 
+_PROOF = "tests/test_family_gemma4_unified.py"
+
 GEMMA4_UNIFIED = register_family(FamilySpec(
-    name="gemma4_unified", model_types=("gemma4_unified",), proof="tests/test_families_round4.py",
-    min_transformers="5.24",  # proven on 5.24 and 5.25 only (registered in round 4)
-    attention="causal_image_blocks", image_blocks=_image_blocks,
-    layer_kinds=frozenset({"full_attention", "sliding_attention"}),
-    token_keys=("input_ids", "labels", "mm_token_type_ids"),
-    rope_types=STATIC_ROPE_TYPES | {"proportional"},
-    context_parallel_refusal=IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL,
-    extra_checks=(_proven_features,), image_text=_image_text, prepare_model=_prepare,
-    media_tokens=("<|image>", "<image|>"),
-    proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family"
-                      "[gemma4_unified]"},
+    name="gemma4_unified", model_types=("gemma4_unified",),
+    proof=Proof(
+        _PROOF,
+        min_transformers="5.24",  # proven on 5.24 and 5.25 only (registered in round 4)
+        proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family"
+                          "[gemma4_unified]"},
+    ),
+    model=ModelRules(
+        attention="causal_image_blocks", image_blocks=_image_blocks,
+        layer_kinds=frozenset({"full_attention", "sliding_attention"}), rope_types=STATIC_ROPE_TYPES | {"proportional"},
+        extra_checks=(_proven_features,), prepare_model=_prepare,
+    ),
+    encoding=EncodingRules(
+        token_keys=("input_ids", "labels", "mm_token_type_ids"), image_text=image_text,
+        media_tokens=("<|image>", "<image|>"),
+    ),
 ))

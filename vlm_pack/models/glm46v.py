@@ -5,16 +5,23 @@ computed per sample by the model's own rope index, ``mm_token_type_ids`` per tok
 its own ``cu_seqlens``, features on the ``<|image|>`` tokens in order. Videos are not proven (refused).
 """
 
-from . import FamilySpec, register_family
+from .registry import register_family
+from .spec import EncodingRules, FamilySpec, Positions, Proof
 
 GLM46V = register_family(FamilySpec(
-    name="glm46v", model_types=("glm46v",), proof="tests/test_vlm_families.py",
-    positions="mrope", rope_index_model="Glm46VModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
-    media_tokens=("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"),
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[glm46v]",
-        "rl": "tests/test_rl_families.py::test_step_equals_trl[glm46v-packed]",
-        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[glm46v-shared]",
-        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[glm46v]",
-    },
+    name="glm46v", model_types=("glm46v",),
+    proof=Proof(
+        "tests/test_vlm_families.py",
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[glm46v]",
+            "rl": "tests/test_rl_families.py::test_step_equals_trl[glm46v-packed]",
+            "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[glm46v-shared]",
+            "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[glm46v]",
+        },
+    ),
+    encoding=EncodingRules(
+        token_keys=("input_ids", "labels", "mm_token_type_ids"),
+        positions=Positions("mrope", rope_index_model="Glm46VModel"),
+        media_tokens=("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"),
+    ),
 ))

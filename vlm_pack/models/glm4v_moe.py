@@ -10,19 +10,27 @@ alignment slots excluded (``router_loss_mask``, proven in tests/test_router_loss
 (refused).
 """
 
-from . import FamilySpec, register_family
+from .registry import register_family
+from .spec import EncodingRules, FamilySpec, ModelRules, Positions, Proof
 
 GLM4V_MOE = register_family(FamilySpec(
-    name="glm4v_moe", model_types=("glm4v_moe",), proof="tests/test_vlm_families.py",
-    positions="mrope", rope_index_model="Glm4vMoeModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
-    router_loss_mask=True, min_transformers="5.24",  # transformers 5.17: its text attention gets 3x the tokens
-    media_tokens=("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"),
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[glm4v_moe]",
-        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[glm4v_moe-packed]",
-        "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[glm4v_moe-shared]",
-        "rl": "tests/test_rl_families.py::test_step_equals_trl[glm4v_moe-packed]",
-        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[glm4v_moe-shared]",
-        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[glm4v_moe]",
-    },
+    name="glm4v_moe", model_types=("glm4v_moe",),
+    proof=Proof(
+        "tests/test_vlm_families.py",
+        min_transformers="5.24",  # transformers 5.17: its text attention gets 3x the tokens
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[glm4v_moe]",
+            "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[glm4v_moe-packed]",
+            "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[glm4v_moe-shared]",
+            "rl": "tests/test_rl_families.py::test_step_equals_trl[glm4v_moe-packed]",
+            "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[glm4v_moe-shared]",
+            "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[glm4v_moe]",
+        },
+    ),
+    model=ModelRules(router_loss_mask=True),
+    encoding=EncodingRules(
+        token_keys=("input_ids", "labels", "mm_token_type_ids"),
+        positions=Positions("mrope", rope_index_model="Glm4vMoeModel"),
+        media_tokens=("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"),
+    ),
 ))

@@ -6,14 +6,21 @@ absolute position embedding, q/k norms) per image on its own ``cu_seqlens``, fea
 in order; the GLM language model is causal. Videos are not proven (refused).
 """
 
-from . import FamilySpec, register_family
+from .registry import register_family
+from .spec import EncodingRules, FamilySpec, Positions, Proof
 
 GLM_OCR = register_family(FamilySpec(
-    name="glm_ocr", model_types=("glm_ocr",), proof="tests/test_vlm_families.py",
-    positions="mrope", rope_index_model="GlmOcrModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
-    media_tokens=("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"),
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[glm_ocr]",
-        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[glm_ocr]",
-    },
+    name="glm_ocr", model_types=("glm_ocr",),
+    proof=Proof(
+        "tests/test_vlm_families.py",
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[glm_ocr]",
+            "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[glm_ocr]",
+        },
+    ),
+    encoding=EncodingRules(
+        token_keys=("input_ids", "labels", "mm_token_type_ids"),
+        positions=Positions("mrope", rope_index_model="GlmOcrModel"),
+        media_tokens=("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"),
+    ),
 ))

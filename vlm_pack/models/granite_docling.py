@@ -2,7 +2,7 @@
 sinusoidal positions, a pixel-shuffle connector and deepstack mergers per tile; Granite text (per-token
 multipliers). 1-D positions per sample.
 
-Rules (proven in tests/test_families_round3a.py against each sample alone through the stock sdpa model):
+Rules (proven in tests/test_family_granite.py against each sample alone through the stock sdpa model):
 ``pixel_values`` ``[B, max_tiles, C, H, W]`` and ``pixel_attention_mask`` ``[B, max_tiles]`` have one row PER SAMPLE
 (text-only samples included), padded with tiles the mask drops; the tower and connector run per tile, never see
 the text, and ``masked_scatter`` fills the ``<image>`` tokens in sample order (the deepstack features too).
@@ -12,7 +12,8 @@ router (``density_router_hidden_size``), whose per-page routing and loss are not
 
 from typing import Any
 
-from . import FamilySpec, register_family
+from .registry import register_family
+from .spec import EncodingRules, FamilySpec, ModelRules, Proof, VisionRows
 from .idefics3 import _MEDIA
 
 
@@ -25,9 +26,14 @@ def _coarse_only(config: Any) -> str | None:
 
 
 GRANITE_DOCLING = register_family(FamilySpec(
-    name="granite_docling", model_types=("granite_docling",), proof="tests/test_families_round3a.py",
-    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
-    proven={"budget": "tests/test_families_round3a.py::test_planned_length_equals_the_real_processor[granite_docling]"},
-    vision_rows={"pixel_values": "sample", "pixel_attention_mask": "sample"}, media_tokens=_MEDIA,
-    extra_checks=(_coarse_only,),
+    name="granite_docling", model_types=("granite_docling",),
+    proof=Proof(
+        "tests/test_family_granite.py",
+        min_transformers="5.24",  # proven on 5.24 only (never run on the floor)
+        proven={"budget": "tests/test_family_granite.py::test_planned_length_equals_the_real_processor[granite_docling]"},
+    ),
+    model=ModelRules(extra_checks=(_coarse_only,)),
+    encoding=EncodingRules(
+        media_tokens=_MEDIA, vision=VisionRows(rows={"pixel_values": "sample", "pixel_attention_mask": "sample"}),
+    ),
 ))

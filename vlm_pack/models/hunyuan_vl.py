@@ -1,7 +1,7 @@
 """HunYuan-VL (HunYuanOCR): multimodal rope positions from the model's own ``HunYuanVLModel.get_rope_index``, on
 each sample alone.
 
-Rules (proven in tests/test_families_round3b.py): positions are ``[A, 1, T]``, the ``A = len(mrope_section)`` rope
+Rules (proven in tests/test_family_hunyuan_vl.py): positions are ``[A, 1, T]``, the ``A = len(mrope_section)`` rope
 axes (leading axes the 1-D sequence position, the last three width, height and image ordinal) from HunYuan's own
 ``get_rope_index``, with no text row (``mrope_text_row=False``: its forward recognises one but does not strip it),
 so sample boundaries reach the attention as ``cu_seq_lens_*`` only. Its image ordinal counts images across the rows of
@@ -14,7 +14,8 @@ sequence length and is refused.
 
 from typing import Any
 
-from . import STATIC_ROPE_TYPES, FamilySpec, register_family, text_config
+from .registry import register_family, text_config
+from .spec import STATIC_ROPE_TYPES, EncodingRules, FamilySpec, ModelRules, Positions, Proof
 
 
 def _static_dynamic_rope(config: Any) -> str | None:
@@ -26,14 +27,19 @@ def _static_dynamic_rope(config: Any) -> str | None:
 
 
 HUNYUAN_VL = register_family(FamilySpec(
-    name="hunyuan_vl", model_types=("hunyuan_vl",), proof="tests/test_families_round3b.py",
-    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[hunyuan_vl]",
-        "context_parallel": "tests/test_families_round3b.py::test_edge_batch_equals_each_sample_alone[hunyuan_vl]",
-    },
-    positions="mrope", rope_index_model="HunYuanVLModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
-    rope_types=STATIC_ROPE_TYPES | {"dynamic"}, extra_checks=(_static_dynamic_rope,), mrope_text_row=False,
-    rope_index_alone=True,
-    media_tokens=("<｜hy_place▁holder▁no▁100｜>", "<｜hy_place▁holder▁no▁101｜>"),
+    name="hunyuan_vl", model_types=("hunyuan_vl",),
+    proof=Proof(
+        "tests/test_family_hunyuan_vl.py",
+        min_transformers="5.24",  # proven on 5.24 only (never run on the floor)
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[hunyuan_vl]",
+            "context_parallel": "tests/test_family_hunyuan_vl.py::test_edge_batch_equals_each_sample_alone[hunyuan_vl]",
+        },
+    ),
+    model=ModelRules(rope_types=STATIC_ROPE_TYPES | {"dynamic"}, extra_checks=(_static_dynamic_rope,)),
+    encoding=EncodingRules(
+        token_keys=("input_ids", "labels", "mm_token_type_ids"),
+        positions=Positions("mrope", rope_index_model="HunYuanVLModel", text_row=False, alone=True),
+        media_tokens=("<｜hy_place▁holder▁no▁100｜>", "<｜hy_place▁holder▁no▁101｜>"),
+    ),
 ))

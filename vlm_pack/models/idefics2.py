@@ -15,7 +15,8 @@ merged, a space put before text that follows an image), so the mask is carried t
 
 from typing import Any
 
-from . import FamilySpec, register_family, text_backbone
+from .registry import register_family, text_backbone
+from .spec import EncodingRules, FamilySpec, ModelRules, Proof, VisionRows
 
 
 def _expand_text(processor: Any, texts: list[str]) -> list[list[int]]:
@@ -27,12 +28,17 @@ def _expand_text(processor: Any, texts: list[str]) -> list[list[int]]:
 
 
 IDEFICS2 = register_family(FamilySpec(
-    name="idefics2", model_types=("idefics2",), proof="tests/test_vlm_families.py",
-    vision_rows={"pixel_values": "sample", "pixel_attention_mask": "sample"}, media_tokens=("<fake_token_around_image>",),
-    extra_checks=(text_backbone("mistral", "llama", "qwen2", "qwen3"),),
-    mask_before_expansion=True, expand_text=_expand_text,
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[idefics2]",
-        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[idefics2]",
-    },
+    name="idefics2", model_types=("idefics2",),
+    proof=Proof(
+        "tests/test_vlm_families.py",
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[idefics2]",
+            "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[idefics2]",
+        },
+    ),
+    model=ModelRules(extra_checks=(text_backbone("mistral", "llama", "qwen2", "qwen3"),)),
+    encoding=EncodingRules(
+        media_tokens=("<fake_token_around_image>",), mask_before_expansion=True, expand_text=_expand_text,
+        vision=VisionRows(rows={"pixel_values": "sample", "pixel_attention_mask": "sample"}),
+    ),
 ))

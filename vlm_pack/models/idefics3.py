@@ -10,7 +10,8 @@ with all-zero tiles that the model drops; the vision tower runs per tile (its ow
 
 from typing import Any
 
-from . import FamilySpec, register_family, text_backbone
+from .registry import register_family, text_backbone
+from .spec import EncodingRules, FamilySpec, ModelRules, Proof, VisionRows
 
 _ROWS = {"pixel_values": "sample", "pixel_attention_mask": "sample"}
 _TEXT = (text_backbone("llama", "qwen2", "qwen3"),)
@@ -22,17 +23,24 @@ _MEDIA = ("<fake_token_around_image>", "<global-img>") + tuple(
 _PROOF = "tests/test_vlm_families.py"
 
 IDEFICS3 = register_family(FamilySpec(
-    name="idefics3", model_types=("idefics3",), proof=_PROOF, vision_rows=_ROWS, extra_checks=_TEXT, media_tokens=_MEDIA,
-    expansion_writes_text=True,  # a line break after each row of tiles
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[idefics3]",
-        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[idefics3-packed]",
-        "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[idefics3-shared]",
-        "rl": "tests/test_rl_families.py::test_step_equals_trl[idefics3-packed]",
-        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[idefics3-shared]",
-        "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_idefics3]",
-        "context_parallel": "tests/test_vlm_families.py::test_context_parallel_alignment_equals_each_sample_alone[idefics3]",
-    },
+    name="idefics3", model_types=("idefics3",),
+    proof=Proof(
+        _PROOF,
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[idefics3]",
+            "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[idefics3-packed]",
+            "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[idefics3-shared]",
+            "rl": "tests/test_rl_families.py::test_step_equals_trl[idefics3-packed]",
+            "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[idefics3-shared]",
+            "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_idefics3]",
+            "context_parallel": "tests/test_vlm_families.py::test_context_parallel_alignment_equals_each_sample_alone[idefics3]",
+        },
+    ),
+    model=ModelRules(extra_checks=_TEXT),
+    encoding=EncodingRules(
+        media_tokens=_MEDIA, expansion_writes_text=True,  # a line break after each row of tiles
+        vision=VisionRows(rows=_ROWS),
+    ),
 ))
 
 
@@ -51,10 +59,18 @@ def _smolvlm_image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tu
 
 
 SMOLVLM = register_family(FamilySpec(
-    name="smolvlm", model_types=("smolvlm",), proof=_PROOF, vision_rows=_ROWS, extra_checks=_TEXT, media_tokens=_MEDIA,
-    image_text=_smolvlm_image_text, expansion_writes_text=True,  # a line break after each row of tiles
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[smolvlm]",
-        "context_parallel": "tests/test_vlm_families.py::test_context_parallel_alignment_equals_each_sample_alone[smolvlm]",
-    },
+    name="smolvlm", model_types=("smolvlm",),
+    proof=Proof(
+        _PROOF,
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[smolvlm]",
+            "context_parallel": "tests/test_vlm_families.py::test_context_parallel_alignment_equals_each_sample_alone[smolvlm]",
+        },
+    ),
+    model=ModelRules(extra_checks=_TEXT),
+    encoding=EncodingRules(
+        media_tokens=_MEDIA, image_text=_smolvlm_image_text,
+        expansion_writes_text=True,  # a line break after each row of tiles
+        vision=VisionRows(rows=_ROWS),
+    ),
 ))

@@ -1,7 +1,7 @@
 """Kimi K2.5 (MoonViT-style NaViT tower + DeepSeek-V3 text) and its DeepSeek-V3 language model (``deepseek_v3``, also
 on its own: ``DeepseekV3ForCausalLM``): features placed by image-token id, 1-D positions per sample.
 
-Rules (proven in tests/test_families_round4.py against each sample alone through the stock sdpa model): the vision
+Rules (proven in tests/test_family_kimi_k25.py against each sample alone through the stock sdpa model): the vision
 tower runs every image of the call as one patch sequence split by its own ``cu_seqlens`` (from ``image_grid_thw``,
 never the text row's: ``enable_packing`` drops the text kwargs at the tower), the 2x2 patch merger and projector act
 per image, and ``masked_scatter`` fills ``<|media_pad|>`` in sample order; ``pixel_values`` rows are patches, split
@@ -10,23 +10,29 @@ query's, handled by the packed attention), YaRN RoPE (fixed frequencies: the ang
 alone), routing per token. ``output_router_logits`` is refused; videos (timestamped chunks) are not proven.
 """
 
-from . import STATIC_ROPE_TYPES, FamilySpec, register_family, text_backbone
+from .registry import register_family, text_backbone
+from .spec import STATIC_ROPE_TYPES, FamilySpec, ModelRules, Proof
 
-_PROOF = "tests/test_families_round4.py"
+_PROOF = "tests/test_family_kimi_k25.py"
+_YARN = STATIC_ROPE_TYPES | {"yarn"}
 
 DEEPSEEK_V3 = register_family(FamilySpec(
-    name="deepseek_v3", model_types=("deepseek_v3",), proof=_PROOF,
-    min_transformers="5.24",  # proven on 5.24 and 5.25 only (registered in round 4, inside Kimi K2.5)
-    rope_types=STATIC_ROPE_TYPES | {"yarn"},
+    name="deepseek_v3", model_types=("deepseek_v3",),
+    proof=Proof(_PROOF, min_transformers="5.24"),  # proven on 5.24 and 5.25 only (inside Kimi K2.5, round 4)
+    model=ModelRules(rope_types=_YARN),
 ))
 
 KIMI_K25 = register_family(FamilySpec(
-    name="kimi_k25", model_types=("kimi_k25",), proof=_PROOF,
-    min_transformers="5.24",  # proven on 5.24 and 5.25 only (registered in round 4)
-    rope_types=STATIC_ROPE_TYPES | {"yarn"},  # DeepSeek-V3's, checked by its own family through text_backbone
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[kimi_k25]",
-        "context_parallel": "tests/test_families_round4.py::test_edge_batch_equals_each_sample_alone[kimi_k25]",
-    },
-    extra_checks=(text_backbone("deepseek_v3"),),
+    name="kimi_k25", model_types=("kimi_k25",),
+    proof=Proof(
+        _PROOF,
+        min_transformers="5.24",  # proven on 5.24 and 5.25 only (registered in round 4)
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family"
+                      "[kimi_k25]",
+            "context_parallel": f"{_PROOF}::test_edge_batch_equals_each_sample_alone[kimi_k25]",
+        },
+    ),
+    # YaRN: DeepSeek-V3's, checked by its own family through text_backbone
+    model=ModelRules(rope_types=_YARN, extra_checks=(text_backbone("deepseek_v3"),)),
 ))

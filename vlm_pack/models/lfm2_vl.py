@@ -1,7 +1,7 @@
 """LFM2-VL (SigLIP2 NaFlex tower + LFM2 hybrid text: short-convolution and attention layers) and its LFM2 language
 model (``lfm2``, also on its own: ``Lfm2ForCausalLM``): features placed by image-token id, 1-D positions per sample.
 
-Rules (proven in tests/test_families_round3b.py): ``full_attention`` layers are causal over the packed row split at
+Rules (proven in tests/test_family_lfm2_vl.py): ``full_attention`` layers are causal over the packed row split at
 ``cu_seq_lens_q``; ``conv`` layers (``Lfm2ShortConv``: a causal depthwise convolution over the last
 ``conv_L_cache - 1`` tokens) restart their window at every sample boundary, through ``vlm_pack.attention.linear``
 installed by ``enable_packing`` on the model's own conv modules (its ``causal_conv1d_fn`` reads the boundaries; the
@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from ..attention.linear import CONTEXT_PARALLEL_REFUSAL, CONV_FUNCTION, install_linear_attention_packing
-from . import FamilySpec, register_family
+from .registry import register_family
+from .spec import EncodingRules, FamilySpec, ModelRules, Proof, VisionRows
 
 _LAYER_KINDS = frozenset({"full_attention", "conv"})
 _ROWS = {"pixel_values": "tile", "pixel_attention_mask": "tile", "spatial_shapes": "tile"}
@@ -60,10 +61,18 @@ def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str,
 
 
 LFM2_VL = register_family(FamilySpec(
-    name="lfm2_vl", model_types=("lfm2_vl", "lfm2"), proof="tests/test_families_round3b.py", layer_kinds=_LAYER_KINDS,
-    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
-    proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[lfm2_vl]"},
-    prepare_model=_short_conv, context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL, vision_rows=_ROWS,
-    tile_tokens=_tile_tokens, image_text=_image_text, media_tokens=("<|image_start|>", "<|image_end|>", "<|img_thumbnail|>") + tuple(
-        f"<|img_row_{row}_col_{col}|>" for row in range(1, 11) for col in range(1, 11)),
+    name="lfm2_vl", model_types=("lfm2_vl", "lfm2"),
+    proof=Proof(
+        "tests/test_family_lfm2_vl.py",
+        min_transformers="5.24",  # proven on 5.24 only (never run on the floor)
+        proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[lfm2_vl]"},
+        refused={"context_parallel": CONTEXT_PARALLEL_REFUSAL},
+    ),
+    model=ModelRules(layer_kinds=_LAYER_KINDS, prepare_model=_short_conv),
+    encoding=EncodingRules(
+        image_text=_image_text,
+        media_tokens=("<|image_start|>", "<|image_end|>", "<|img_thumbnail|>") + tuple(
+f"<|img_row_{row}_col_{col}|>" for row in range(1, 11) for col in range(1, 11)),
+        vision=VisionRows(rows=_ROWS, tile_tokens=_tile_tokens),
+    ),
 ))

@@ -1,7 +1,7 @@
 """LFM3-VL (a NaViT tower of 2-D convolution and attention layers + LFM3 hybrid text) and its LFM3 language model
 (``lfm3``, also on its own: ``Lfm3ForCausalLM``): features placed by image-token id, 1-D positions per sample.
 
-Rules (proven in tests/test_families_round4.py against each sample alone through the stock sdpa model): LFM3's
+Rules (proven in tests/test_family_lfm3_vl.py against each sample alone through the stock sdpa model): LFM3's
 ``conv`` layers (``Lfm3ShortConv``: a causal depthwise convolution over the last ``conv_L_cache - 1`` tokens) restart
 their window at every sample boundary through ``vlm_pack.attention.linear``, installed by ``enable_packing`` (as
 LFM2's); ``sliding_attention`` layers keep their window inside each sample and ``full_attention`` layers (the
@@ -18,9 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..attention.linear import CONTEXT_PARALLEL_REFUSAL, CONV_FUNCTION, install_linear_attention_packing
-from . import STATIC_ROPE_TYPES, FamilySpec, register_family
-
-_PROOF = "tests/test_families_round4.py"
+from .registry import register_family
+from .spec import STATIC_ROPE_TYPES, EncodingRules, FamilySpec, ModelRules, Proof
 
 
 def _short_conv(model: Any) -> None:
@@ -29,12 +28,15 @@ def _short_conv(model: Any) -> None:
 
 
 LFM3_VL = register_family(FamilySpec(
-    name="lfm3_vl", model_types=("lfm3_vl", "lfm3"), proof=_PROOF,
-    min_transformers="5.24",  # proven on 5.24 and 5.25 only (registered in round 4)
-    layer_kinds=frozenset({"conv", "sliding_attention", "full_attention"}),
-    rope_types=STATIC_ROPE_TYPES | {"proportional"},
-    prepare_model=_short_conv, context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
-    media_tokens=("<|vision_start|>", "<|vision_end|>"),
-    proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family"
-                      "[lfm3_vl]"},
+    name="lfm3_vl", model_types=("lfm3_vl", "lfm3"),
+    proof=Proof(
+        "tests/test_family_lfm3_vl.py",
+        min_transformers="5.24",  # proven on 5.24 and 5.25 only (registered in round 4)
+        proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family"
+                          "[lfm3_vl]"},
+        refused={"context_parallel": CONTEXT_PARALLEL_REFUSAL},
+    ),
+    model=ModelRules(layer_kinds=frozenset({"conv", "sliding_attention", "full_attention"}),
+                     rope_types=STATIC_ROPE_TYPES | {"proportional"}, prepare_model=_short_conv),
+    encoding=EncodingRules(media_tokens=("<|vision_start|>", "<|vision_end|>")),
 ))

@@ -8,16 +8,22 @@ one row per image. The language model is a proven text family (Qwen3), causal ov
 ``cu_seq_lens_q``, positions restarting per sample.
 """
 
-from . import FamilySpec, register_family, text_backbone
+from .registry import register_family, text_backbone
+from .spec import EncodingRules, FamilySpec, ModelRules, Proof, VisionRows
 
 LIGHTON_OCR = register_family(FamilySpec(
-    name="lighton_ocr", model_types=("lighton_ocr",), proof="tests/test_vlm_families.py",
-    vision_rows={"pixel_values": "image", "image_sizes": "image"},
-    # Qwen's vision markers (the checkpoint's vocabulary): its processor's break / end tokens and the chat markup.
-    media_tokens=("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>"),
-    extra_checks=(text_backbone("qwen3"),),
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[lighton_ocr]",
-        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[lighton_ocr]",
-    },
+    name="lighton_ocr", model_types=("lighton_ocr",),
+    proof=Proof(
+        "tests/test_vlm_families.py",
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[lighton_ocr]",
+            "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[lighton_ocr]",
+        },
+    ),
+    model=ModelRules(extra_checks=(text_backbone("qwen3"),)),
+    encoding=EncodingRules(
+        # Qwen's vision markers (the checkpoint's vocabulary): its processor's break / end tokens and the chat markup.
+        media_tokens=("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>"),
+        vision=VisionRows(rows={"pixel_values": "image", "image_sizes": "image"}),
+    ),
 ))

@@ -1,7 +1,7 @@
 """Llama 4: causal text with chunked local-attention layers, NoPE layers and top-k MoE; image tiles as ``<|patch|>``
 tokens.
 
-Rules (proven in tests/test_families_round3a.py against each sample alone through the stock sdpa model):
+Rules (proven in tests/test_family_llama4.py against each sample alone through the stock sdpa model):
 
 * ``chunked_attention`` layers attend causally inside pieces of ``attention_chunk_size`` tokens counted from the
   SAMPLE's start (transformers' chunked mask on a sample alone). The packed attention cuts every sample's
@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
-from . import FamilySpec, register_family, text_config
+from .registry import register_family, text_config
+from .spec import EncodingRules, FamilySpec, ModelRules, Proof, VisionRows
 
-_PROOF = "tests/test_families_round3a.py"
+_PROOF = "tests/test_family_llama4.py"
 MEDIA_TOKENS = ("<|image_start|>", "<|image_end|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>",
                 "<|tile_y_separator|>")
 
@@ -99,18 +100,19 @@ def _chunk_size(config: Any) -> str | None:
 
 
 LLAMA4 = register_family(FamilySpec(
-    name="llama4",
-    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
-    proven={"budget": "tests/test_families_round3a.py::test_planned_length_equals_the_real_processor[llama4]"},
-    model_types=("llama4", "llama4_text"),
-    proof=_PROOF,
-    layer_kinds=frozenset({"full_attention", "chunked_attention"}),
-    vision_rows={"pixel_values": "image_token"},
-    image_token="<|patch|>",
-    media_tokens=MEDIA_TOKENS,
-    prepare_model=_prepare,
-    image_text=_image_text,
-    extra_checks=(_chunk_size,),
-    context_parallel_refusal="chunked attention is not carried through the context-parallel split (each rank would "
-                             "need the chunk boundaries of its zigzag shards); use context_parallel_size=1",
+    name="llama4", model_types=("llama4", "llama4_text"),
+    proof=Proof(
+        _PROOF, min_transformers="5.24",  # proven on 5.24 only (never run on the floor)
+        proven={"budget": "tests/test_family_llama4.py::test_planned_length_equals_the_real_processor[llama4]"},
+        refused={"context_parallel": "chunked attention is not carried through the context-parallel split (each rank would "
+                                     "need the chunk boundaries of its zigzag shards); use context_parallel_size=1"},
+    ),
+    model=ModelRules(
+        layer_kinds=frozenset({"full_attention", "chunked_attention"}), prepare_model=_prepare,
+        extra_checks=(_chunk_size,),
+    ),
+    encoding=EncodingRules(
+        media_tokens=MEDIA_TOKENS, image_text=_image_text,
+        vision=VisionRows(rows={"pixel_values": "image_token"}, image_token="<|patch|>"),
+    ),
 ))

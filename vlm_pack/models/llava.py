@@ -13,45 +13,60 @@ images (``pixel_values_images``, one row per image) follow LLaVA's rules; its vi
 
 from typing import Any
 
-from . import FamilySpec, register_family, text_backbone
+from .registry import register_family, text_backbone
+from .spec import EncodingRules, FamilySpec, ModelRules, Proof, VisionRows
 
 _PROOF = "tests/test_vlm_families.py"
 _TEXT = (text_backbone("llama", "qwen2", "qwen3", "mistral"),)
 _NEXT_ROWS = {"pixel_values": "image", "image_sizes": "image"}
 
 LLAVA = register_family(FamilySpec(
-    name="llava", model_types=("llava",), proof=_PROOF, vision_rows={"pixel_values": "image"}, extra_checks=_TEXT,
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[llava]",
-        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[llava-packed]",
-        "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[llava-shared]",
-        "rl": "tests/test_rl_families.py::test_step_equals_trl[llava-packed]",
-        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[llava-shared]",
-        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[llava]",
-    },
+    name="llava", model_types=("llava",),
+    proof=Proof(
+        _PROOF,
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[llava]",
+            "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[llava-packed]",
+            "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[llava-shared]",
+            "rl": "tests/test_rl_families.py::test_step_equals_trl[llava-packed]",
+            "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[llava-shared]",
+            "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[llava]",
+        },
+    ),
+    model=ModelRules(extra_checks=_TEXT), encoding=EncodingRules(vision=VisionRows(rows={"pixel_values": "image"})),
 ))
 LLAVA_NEXT = register_family(FamilySpec(
-    name="llava_next", model_types=("llava_next",), proof=_PROOF, vision_rows=_NEXT_ROWS, extra_checks=_TEXT,
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[llava_next]",
-        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[llava_next]",
-    },
+    name="llava_next", model_types=("llava_next",),
+    proof=Proof(
+        _PROOF,
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[llava_next]",
+            "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[llava_next]",
+        },
+    ),
+    model=ModelRules(extra_checks=_TEXT), encoding=EncodingRules(vision=VisionRows(rows=_NEXT_ROWS)),
 ))
 LLAVA_NEXT_VIDEO = register_family(FamilySpec(
-    name="llava_next_video", model_types=("llava_next_video",), proof=_PROOF, vision_rows=_NEXT_ROWS,
-    extra_checks=_TEXT,
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[llava_next_video]",
-        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[llava_next_video]",
-    },
+    name="llava_next_video", model_types=("llava_next_video",),
+    proof=Proof(
+        _PROOF,
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[llava_next_video]",
+            "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[llava_next_video]",
+        },
+    ),
+    model=ModelRules(extra_checks=_TEXT), encoding=EncodingRules(vision=VisionRows(rows=_NEXT_ROWS)),
 ))
 VIPLLAVA = register_family(FamilySpec(
-    name="vipllava", model_types=("vipllava",), proof=_PROOF, vision_rows={"pixel_values": "image"}, extra_checks=_TEXT,
-    min_transformers="5.24",  # transformers 5.17: IndexError in its multi-layer vision feature selection
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[vipllava]",
-        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[vipllava]",
-    },
+    name="vipllava", model_types=("vipllava",),
+    proof=Proof(
+        _PROOF, min_transformers="5.24",  # transformers 5.17: IndexError in its multi-layer vision feature selection
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[vipllava]",
+            "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[vipllava]",
+        },
+    ),
+    model=ModelRules(extra_checks=_TEXT), encoding=EncodingRules(vision=VisionRows(rows={"pixel_values": "image"})),
 ))
 
 
@@ -71,11 +86,17 @@ def _video_llava_image_text(processor: Any, sizes: list[tuple[int, int]]) -> lis
 
 
 VIDEO_LLAVA = register_family(FamilySpec(
-    name="video_llava", model_types=("video_llava",), proof=_PROOF,
-    vision_rows={"pixel_values_images": "image", "pixel_values": "image"}, extra_checks=_TEXT,
-    image_text=_video_llava_image_text,
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[video_llava]",
-        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[video_llava]",
-    },
+    name="video_llava", model_types=("video_llava",),
+    proof=Proof(
+        _PROOF,
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[video_llava]",
+            "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[video_llava]",
+        },
+    ),
+    model=ModelRules(extra_checks=_TEXT),
+    encoding=EncodingRules(
+        image_text=_video_llava_image_text,
+        vision=VisionRows(rows={"pixel_values_images": "image", "pixel_values": "image"}),
+    ),
 ))

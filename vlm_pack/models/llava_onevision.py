@@ -10,7 +10,8 @@ one count per sample holding images (never one count for the whole packed row).
 
 from typing import Any
 
-from . import FamilySpec, register_family, text_backbone
+from .registry import register_family, text_backbone
+from .spec import EncodingRules, FamilySpec, ModelRules, Proof, VisionRows
 
 
 def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str, int]]:
@@ -33,15 +34,22 @@ _NO_PACKED_PAIRS = ("PreferenceCollator encodes each pair on its own, and the pr
                     "(RuntimeError in torch.cat); use TRL's DPOTrainer")
 
 LLAVA_ONEVISION = register_family(FamilySpec(
-    name="llava_onevision", model_types=("llava_onevision",), proof="tests/test_vlm_families.py",
-    vision_rows={"pixel_values": "image", "image_sizes": "image", "batch_num_images": "sample_with_images"},
-    extra_checks=(text_backbone("qwen2", "llama", "qwen3"),),
-    image_text=_image_text,
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[llava_onevision]",
-        "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_llava_onevision]",
-        "context_parallel": "tests/test_vlm_families.py::test_context_parallel_alignment_equals_each_sample_alone[llava_onevision]",
-    },
-    refused={**dict.fromkeys(("rl", "rl_shared_prompt"), _NO_TRL_ROLLOUTS),
-             **dict.fromkeys(("dpo", "dpo_shared_prompt"), _NO_PACKED_PAIRS)},
+    name="llava_onevision", model_types=("llava_onevision",),
+    proof=Proof(
+        "tests/test_vlm_families.py",
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[llava_onevision]",
+            "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_llava_onevision]",
+            "context_parallel": "tests/test_vlm_families.py::test_context_parallel_alignment_equals_each_sample_alone[llava_onevision]",
+        },
+        refused={**dict.fromkeys(("rl", "rl_shared_prompt"), _NO_TRL_ROLLOUTS),
+                 **dict.fromkeys(("dpo", "dpo_shared_prompt"), _NO_PACKED_PAIRS)},
+    ),
+    model=ModelRules(extra_checks=(text_backbone("qwen2", "llama", "qwen3"),)),
+    encoding=EncodingRules(
+        image_text=_image_text,
+        vision=VisionRows(
+            rows={"pixel_values": "image", "image_sizes": "image", "batch_num_images": "sample_with_images"},
+        ),
+    ),
 ))

@@ -1,7 +1,7 @@
 """MiniCPM-V 4.6 (SigLIP-style NaViT tower with a window-attention merger + Qwen3.5 hybrid text): slices per image,
 features placed by image-token id, 1-D positions per sample.
 
-Rules (proven in tests/test_families_round3d.py): the vision tower runs per slice (each slice's own patch grid from
+Rules (proven in tests/test_family_minicpmv.py): the vision tower runs per slice (each slice's own patch grid from
 ``target_sizes``, never the text kwargs), each slice becomes ``h * w / 16`` image tokens filled in order by
 ``masked_scatter``. The processor packs every slice of every image of a call into ONE ``pixel_values`` row along
 the width (``width_packed``): the collator splits it in proportion to each sample's image tokens (16 patch columns
@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from ..attention.linear import CONTEXT_PARALLEL_REFUSAL, install_linear_attention_packing
-from . import FamilySpec, register_family, text_backbone
+from .registry import register_family, text_backbone
+from .spec import EncodingRules, FamilySpec, ModelRules, Proof, VisionRows
 
 _MARKUP = ("<image>", "</image>", "<slice>", "</slice>")
 
@@ -68,13 +69,23 @@ def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str,
 
 
 MINICPMV4_6 = register_family(FamilySpec(
-    name="minicpmv4_6", model_types=("minicpmv4_6",), proof="tests/test_families_round3d.py",
-    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
-    proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family"
-                      "[minicpmv4_6]"},
-    layer_kinds=frozenset({"full_attention", "linear_attention"}), prepare_model=_deltanet,
-    context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
-    vision_rows={"pixel_values": "image_token", "target_sizes": "tile"}, width_packed=("pixel_values",),
-    tile_tokens=_tile_tokens, image_text=_image_text, media_tokens=_MARKUP,
-    media_spans=(("<image_id>", "</image_id>"),), extra_checks=(text_backbone("qwen3_5_text"),),
+    name="minicpmv4_6", model_types=("minicpmv4_6",),
+    proof=Proof(
+        "tests/test_family_minicpmv.py",
+        min_transformers="5.24",  # proven on 5.24 only (never run on the floor)
+        proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family"
+                          "[minicpmv4_6]"},
+        refused={"context_parallel": CONTEXT_PARALLEL_REFUSAL},
+    ),
+    model=ModelRules(
+        layer_kinds=frozenset({"full_attention", "linear_attention"}), prepare_model=_deltanet,
+        extra_checks=(text_backbone("qwen3_5_text"),),
+    ),
+    encoding=EncodingRules(
+        image_text=_image_text, media_tokens=_MARKUP, media_spans=(("<image_id>", "</image_id>"),),
+        vision=VisionRows(
+            rows={"pixel_values": "image_token", "target_sizes": "tile"}, width_packed=("pixel_values",),
+            tile_tokens=_tile_tokens,
+        ),
+    ),
 ))

@@ -1,6 +1,6 @@
 """MiniCPM-V 4.7: MiniCPM-V 4.6 (NaViT slices, Qwen3.5 hybrid text) positioned by Canvas M-RoPE.
 
-Rules (proven in tests/test_families_round3f.py against each sample alone through the stock sdpa model):
+Rules (proven in tests/test_family_minicpmv.py against each sample alone through the stock sdpa model):
 
 * Canvas M-RoPE: 3-D ``[T, H, W]`` positions from each slice's ``target_sizes`` and its ``<image>`` / ``</image>`` /
   ``<slice>`` / ``</slice>`` / newline markers, laid out by the model's own ``get_rope_index`` (the code its
@@ -17,11 +17,13 @@ parallelism.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..attention.linear import CONTEXT_PARALLEL_REFUSAL
-from . import FamilySpec, register_family, text_backbone
-from .minicpmv4_6 import MINICPMV4_6, _deltanet
+from .registry import register_family, text_backbone
+from .spec import FamilySpec, Positions, Proof
+from .minicpmv4_6 import MINICPMV4_6
 
 _MARKERS = ("image_start_id", "image_end_id", "slice_start_id", "slice_end_id", "newline_id")
 
@@ -35,14 +37,15 @@ def _canvas_markers(config: Any) -> str | None:
 
 
 MINICPMV4_7 = register_family(FamilySpec(
-    name="minicpmv4_7", model_types=("minicpmv4_7",), proof="tests/test_families_round3f.py",
-    min_transformers="5.24",  # the family ships with transformers 5.24
-    proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family"
-                      "[minicpmv4_7]"},
-    positions="mrope", rope_index_model="MiniCPMV4_7Model", rope_index_alone=True,
-    token_keys=("input_ids", "labels", "mm_token_type_ids"),
-    layer_kinds=MINICPMV4_6.layer_kinds, prepare_model=_deltanet, context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
-    vision_rows=MINICPMV4_6.vision_rows, width_packed=MINICPMV4_6.width_packed, tile_tokens=MINICPMV4_6.tile_tokens,
-    image_text=MINICPMV4_6.image_text, media_tokens=MINICPMV4_6.media_tokens, media_spans=MINICPMV4_6.media_spans,
-    extra_checks=(text_backbone("qwen3_5_text"), _canvas_markers),
+    name="minicpmv4_7", model_types=("minicpmv4_7",),
+    proof=Proof(
+        "tests/test_family_minicpmv.py", min_transformers="5.24",  # the family ships with transformers 5.24
+        proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family"
+                          "[minicpmv4_7]"},
+        refused={"context_parallel": CONTEXT_PARALLEL_REFUSAL},
+    ),
+    model=replace(MINICPMV4_6.model, extra_checks=(text_backbone("qwen3_5_text"), _canvas_markers)),
+    # MiniCPM-V 4.6's processor and slices, positioned by Canvas M-RoPE
+    encoding=replace(MINICPMV4_6.encoding, token_keys=("input_ids", "labels", "mm_token_type_ids"),
+                     positions=Positions("mrope", rope_index_model="MiniCPMV4_7Model", alone=True)),
 ))

@@ -2,7 +2,7 @@
 (``Mistral4ForCausalLM``) or inside a Mistral3 VLM (Pixtral vision, vlm_pack/models/mistral.py): causal, 1-D
 positions per sample.
 
-Rules (proven in tests/test_families_round4.py through a Mistral3 VLM with a Mistral 4 language model, against each
+Rules (proven in tests/test_family_mistral4.py through a Mistral3 VLM with a Mistral 4 language model, against each
 sample alone through the stock sdpa model): the latent attention's queries / keys (low-rank projections, a decoupled
 interleaved rope part) reach the attention function like any other, whose value head size differs from the query's
 (handled); YaRN RoPE depends on the position id alone (its frequencies are fixed at construction, never rescaled by
@@ -10,10 +10,12 @@ the sequence length), and the Llama-4 attention scaling (``llama_4_scaling_beta`
 restart per sample; routing is per token. ``output_router_logits`` is refused (the router loss is not proven here).
 """
 
-from . import STATIC_ROPE_TYPES, FamilySpec, register_family
+from .registry import register_family
+from .spec import STATIC_ROPE_TYPES, FamilySpec, ModelRules, Proof
 
 MISTRAL4 = register_family(FamilySpec(
-    name="mistral4", model_types=("mistral4",), proof="tests/test_families_round4.py",
-    min_transformers="5.24",  # proven on 5.24 and 5.25 only (registered in round 4)
-    rope_types=STATIC_ROPE_TYPES | {"yarn"},
+    name="mistral4", model_types=("mistral4",),
+    proof=Proof("tests/test_family_mistral4.py",
+                min_transformers="5.24"),  # proven on 5.24 and 5.25 only (registered in round 4)
+    model=ModelRules(rope_types=STATIC_ROPE_TYPES | {"yarn"}),
 ))

@@ -1,7 +1,7 @@
 """Mllama (Llama 3.2 Vision): causal self-attention text layers plus cross-attention layers from text to the image
 tiles' vision states; 1-D positions per sample.
 
-Rules (proven in tests/test_families_round3a.py against each sample alone through the stock sdpa model):
+Rules (proven in tests/test_family_mllama.py against each sample alone through the stock sdpa model):
 
 * self-attention layers: causal per sample (split at ``cu_seq_lens_q``), positions restarting at 0;
 * cross-attention layers: each sample's tokens attend only to ITS images' vision states (all tiles of each image,
@@ -26,9 +26,10 @@ from typing import Any
 import torch
 
 from ..attention.cross import CROSS_ATTENTION_FLAG, CROSS_KEYS_KWARG, CrossKeys
-from . import FamilySpec, register_family
+from .registry import register_family
+from .spec import EncodingRules, FamilySpec, ModelRules, Proof, VisionRows
 
-_PROOF = "tests/test_families_round3a.py"
+_PROOF = "tests/test_family_mllama.py"
 _ROWS = {"pixel_values": "sample", "aspect_ratio_ids": "sample", "aspect_ratio_mask": "sample"}
 
 
@@ -107,10 +108,13 @@ def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str,
 
 
 MLLAMA = register_family(FamilySpec(
-    name="mllama", model_types=("mllama",), proof=_PROOF, vision_rows=_ROWS, prepare_model=_prepare,
-    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
-    proven={"budget": "tests/test_families_round3a.py::test_planned_length_equals_the_real_processor[mllama]"},
-    image_text=_image_text,
-    context_parallel_refusal="cross-attention segments are not split across context-parallel ranks; use "
-                             "context_parallel_size=1",
+    name="mllama", model_types=("mllama",),
+    proof=Proof(
+        _PROOF, min_transformers="5.24",  # proven on 5.24 only (never run on the floor)
+        proven={"budget": "tests/test_family_mllama.py::test_planned_length_equals_the_real_processor[mllama]"},
+        refused={"context_parallel": "cross-attention segments are not split across context-parallel ranks; use "
+                                     "context_parallel_size=1"},
+    ),
+    model=ModelRules(prepare_model=_prepare),
+    encoding=EncodingRules(image_text=_image_text, vision=VisionRows(rows=_ROWS)),
 ))

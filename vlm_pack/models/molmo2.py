@@ -1,12 +1,12 @@
 """Molmo 2 (``molmo2``: a SigLIP-style tower over overlapping crops, an attention-pooling adapter and Molmo 2's own
 text model): features ADDED onto the ``<im_patch>`` tokens, 1-D positions per sample.
 
-Rules (proven in tests/test_families_round3e.py against each sample alone through the stock sdpa model):
+Rules (proven in tests/test_family_molmo2.py against each sample alone through the stock sdpa model):
 
 * pooling indices per sample: ``image_token_pooling`` has one row per image token, each row the flattened patch
   numbers (``pixel_values`` ``[crops, patches, ...]`` flattened over dims 0 and 1) that token pools, numbered over
   the WHOLE processor call. The collator makes each sample's rows its own and re-bases them by the patches of the
-  samples before it in the packed row (``FamilySpec.patch_indices``); ``pixel_values`` has one row per crop (the
+  samples before it in the packed row (``VisionRows.patch_indices``); ``pixel_values`` has one row per crop (the
   low-res view plus the image's overlapping crops, ``image_num_crops`` per image), each image's crops following it
   whole (``tile_tokens``: an image's tokens on its first crop); ``image_grids`` / ``image_num_crops`` one row per
   image;
@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from . import IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL, FamilySpec, ImageBlockRule, register_family
+from .registry import register_family
+from .spec import EncodingRules, FamilySpec, ImageBlockRule, ModelRules, Proof, VisionRows
 
 SAMPLE_BLOCKS = ImageBlockRule(token_key="mm_token_type_ids", block_types=(1,), layer_types=frozenset({"full_attention"}),
                                model_class="Molmo2Model", scope="sample")
@@ -57,15 +58,20 @@ def _bos(processor: Any) -> str:
 
 
 MOLMO2 = register_family(FamilySpec(
-    name="molmo2", model_types=("molmo2",), proof="tests/test_families_round3e.py",
-    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
-    proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family"
-                      "[molmo2]"},
-    attention="causal_image_blocks", image_blocks=lambda config: SAMPLE_BLOCKS,
-    token_keys=("input_ids", "labels", "mm_token_type_ids"),
-    context_parallel_refusal=IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL,
-    vision_rows={"pixel_values": "tile", "image_token_pooling": "image_token", "image_grids": "image",
-                 "image_num_crops": "image"},
-    patch_indices={"image_token_pooling": "pixel_values"}, tile_tokens=_crop_tokens, image_token="<im_patch>",
-    media_tokens=_MARKUP, template_prefix=_bos,
+    name="molmo2", model_types=("molmo2",),
+    proof=Proof(
+        "tests/test_family_molmo2.py",
+        min_transformers="5.24",  # proven on 5.24 only (never run on the floor)
+        proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family"
+                          "[molmo2]"},
+    ),
+    model=ModelRules(attention="causal_image_blocks", image_blocks=lambda config: SAMPLE_BLOCKS),
+    encoding=EncodingRules(
+        token_keys=("input_ids", "labels", "mm_token_type_ids"), media_tokens=_MARKUP, template_prefix=_bos,
+        vision=VisionRows(
+            rows={"pixel_values": "tile", "image_token_pooling": "image_token", "image_grids": "image",
+                  "image_num_crops": "image"},
+            patch_indices={"image_token_pooling": "pixel_values"}, tile_tokens=_crop_tokens, image_token="<im_patch>",
+        ),
+    ),
 ))

@@ -1,7 +1,7 @@
 """Ovis 2 (AIMv2-style tower with a visual vocabulary + Qwen2 text): tiles per image, features placed by
 image-token id, 1-D positions per sample.
 
-Rules (proven in tests/test_families_round3b.py): the vision tower, its visual-vocabulary embedding and pixel
+Rules (proven in tests/test_family_ovis2.py): the vision tower, its visual-vocabulary embedding and pixel
 shuffle (``hidden_stride``) run per tile (``get_image_features`` is called without the text kwargs), every tile
 becomes ``image_seq_length`` ``<IMG_ATOM>`` tokens filled in order by ``masked_scatter``; the five visual
 indicator tokens (``<IMG_START>``, ``<IMG_GRID>``, ``<IMG_COL>``, ``<IMG_ROW>``, ``<IMG_END>``) take fixed rows of
@@ -13,7 +13,8 @@ language model is a proven text family.
 
 from typing import Any
 
-from . import FamilySpec, register_family, text_backbone
+from .registry import register_family, text_backbone
+from .spec import EncodingRules, FamilySpec, ModelRules, Proof, VisionRows
 
 _INDICATORS = ("<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>")
 
@@ -42,12 +43,18 @@ def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str,
 
 
 OVIS2 = register_family(FamilySpec(
-    name="ovis2", model_types=("ovis2",), proof="tests/test_families_round3b.py",
-    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[ovis2]",
-        "context_parallel": "tests/test_families_round3b.py::test_edge_batch_equals_each_sample_alone[ovis2]",
-    },
-    vision_rows={"pixel_values": "image_token"}, image_token="<IMG_ATOM>", media_tokens=("<IMG_ATOM>", *_INDICATORS),
-    extra_checks=(text_backbone("qwen2", "qwen3", "llama"),), image_text=_image_text,
+    name="ovis2", model_types=("ovis2",),
+    proof=Proof(
+        "tests/test_family_ovis2.py",
+        min_transformers="5.24",  # proven on 5.24 only (never run on the floor)
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[ovis2]",
+            "context_parallel": "tests/test_family_ovis2.py::test_edge_batch_equals_each_sample_alone[ovis2]",
+        },
+    ),
+    model=ModelRules(extra_checks=(text_backbone("qwen2", "qwen3", "llama"),)),
+    encoding=EncodingRules(
+        media_tokens=("<IMG_ATOM>", *_INDICATORS), image_text=_image_text,
+        vision=VisionRows(rows={"pixel_values": "image_token"}, image_token="<IMG_ATOM>"),
+    ),
 ))

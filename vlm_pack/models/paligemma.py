@@ -2,7 +2,7 @@
 prompt (the prefix) attend to each other both ways, the answer (the suffix) causally. PaliGemma 2 is the same
 ``model_type`` with a Gemma 2 language model.
 
-Rules (proven in tests/test_families_round3c.py against each sample alone through the stock sdpa model):
+Rules (proven in tests/test_family_paligemma.py against each sample alone through the stock sdpa model):
 
 * attention inside a sample is ``causal OR both in the prefix``, never across samples: the prefix is the run of
   ``token_type_ids == 0`` that PaliGemmaProcessor writes for ``<image>``s + BOS + prompt + ``"\\n"`` (the suffix,
@@ -19,7 +19,7 @@ Rules (proven in tests/test_families_round3c.py against each sample alone throug
   processor's own prompt / suffix rule (``encode_sample``): a sample is one user turn (its images and prompt text)
   and one assistant answer; labels are the processor's own (the suffix tokens).
 
-PaliGemma 2 (Gemma 2 text; proven in tests/test_families_round3f.py against each sample alone through the stock
+PaliGemma 2 (Gemma 2 text; proven in tests/test_family_paligemma.py against each sample alone through the stock
 EAGER model, the only one transformers builds for Gemma 2: its sdpa path has no softcapping and is refused):
 
 * attention-logit softcapping (``attn_logit_softcapping``) reaches the packed attention as ``softcap``, which every
@@ -41,7 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL, FamilySpec, ImageBlockRule, register_family, text_config
+from .registry import register_family, text_config
+from .spec import EncodingRules, FamilySpec, ImageBlockRule, ModelRules, Proof
 
 LAYER_KINDS = frozenset({"full_attention", "sliding_attention"})  # Gemma: full only; Gemma 2: alternating
 PREFIX_BLOCKS = ImageBlockRule(token_key="token_type_ids", block_types=(0,), layer_types=LAYER_KINDS,
@@ -131,13 +132,15 @@ def _prepare(model: torch.nn.Module) -> None:
 
 
 PALIGEMMA = register_family(FamilySpec(
-    name="paligemma", model_types=("paligemma",), proof="tests/test_families_round3c.py",
-    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
-    proven={"budget": "tests/test_families_round3c.py::test_paligemma_planned_length_equals_the_real_processor"},
-    attention="causal_image_blocks", image_blocks=lambda config: PREFIX_BLOCKS, layer_kinds=LAYER_KINDS,
-    token_keys=("input_ids", "labels", "token_type_ids"),
-    context_parallel_refusal=IMAGE_BLOCKS_CONTEXT_PARALLEL_REFUSAL,
-    extra_checks=(_gemma_language_model,),
-    prepare_model=_prepare,
-    encode_sample=encode_sample,
+    name="paligemma", model_types=("paligemma",),
+    proof=Proof(
+        "tests/test_family_paligemma.py",
+        min_transformers="5.24",  # proven on 5.24 only (never run on the floor)
+        proven={"budget": "tests/test_family_paligemma.py::test_paligemma_planned_length_equals_the_real_processor"},
+    ),
+    model=ModelRules(
+        attention="causal_image_blocks", image_blocks=lambda config: PREFIX_BLOCKS, layer_kinds=LAYER_KINDS,
+        extra_checks=(_gemma_language_model,), prepare_model=_prepare,
+    ),
+    encoding=EncodingRules(token_keys=("input_ids", "labels", "token_type_ids"), encode_sample=encode_sample),
 ))

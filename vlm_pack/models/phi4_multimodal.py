@@ -2,7 +2,7 @@
 448-px crops) through a SigLIP tower, merged per image with learned separators and placed on ``<|image|>`` tokens.
 1-D positions per sample.
 
-Rules (proven in tests/test_families_round3a.py against each sample alone through the stock sdpa model):
+Rules (proven in tests/test_family_phi4_multimodal.py against each sample alone through the stock sdpa model):
 
 * ``image_pixel_values`` ``[images, max_crops, ...]``, ``image_attention_mask`` and ``image_sizes`` have one row per
   image (crops padded to the batch's largest count; the model keeps the crops its ``image_sizes`` says are real), the
@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from . import STATIC_ROPE_TYPES, FamilySpec, register_family, text_config
+from .registry import register_family, text_config
+from .spec import STATIC_ROPE_TYPES, EncodingRules, FamilySpec, ModelRules, Proof, VisionRows
 
 
 def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str, int]]:
@@ -80,9 +81,17 @@ def _prepare(model: torch.nn.Module) -> None:
 
 
 PHI4_MULTIMODAL = register_family(FamilySpec(
-    name="phi4_multimodal", model_types=("phi4_multimodal",), proof="tests/test_families_round3a.py",
-    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
-    proven={"budget": "tests/test_families_round3a.py::test_planned_length_equals_the_real_processor[phi4_multimodal]"},
-    vision_rows={"image_pixel_values": "image", "image_sizes": "image", "image_attention_mask": "image"},
-    rope_types=STATIC_ROPE_TYPES | {"longrope"}, prepare_model=_prepare, image_text=_image_text,
+    name="phi4_multimodal", model_types=("phi4_multimodal",),
+    proof=Proof(
+        "tests/test_family_phi4_multimodal.py",
+        min_transformers="5.24",  # proven on 5.24 only (never run on the floor)
+        proven={"budget": "tests/test_family_phi4_multimodal.py::test_planned_length_equals_the_real_processor[phi4_multimodal]"},
+    ),
+    model=ModelRules(rope_types=STATIC_ROPE_TYPES | {"longrope"}, prepare_model=_prepare),
+    encoding=EncodingRules(
+        image_text=_image_text,
+        vision=VisionRows(
+            rows={"image_pixel_values": "image", "image_sizes": "image", "image_attention_mask": "image"},
+        ),
+    ),
 ))

@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..attention.linear import CONTEXT_PARALLEL_REFUSAL, install_linear_attention_packing
-from . import FamilySpec, register_family
+from .registry import register_family
+from .spec import EncodingRules, FamilySpec, ModelRules, Positions, Proof
 
 _PROOF = "tests/test_linear_attention.py"
 _HYBRID = frozenset({"full_attention", "linear_attention"})
@@ -32,28 +33,40 @@ def _deltanet(class_name: str):
 
 
 QWEN3_5 = register_family(FamilySpec(
-    name="qwen3_5", model_types=("qwen3_5",), proof=_PROOF,
-    positions="mrope", rope_index_model="Qwen3_5Model", layer_kinds=_HYBRID,
-    token_keys=("input_ids", "labels", "mm_token_type_ids"), media_tokens=("<|vision_start|>", "<|vision_end|>"),
-    prepare_model=_deltanet("Qwen3_5GatedDeltaNet"), context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
-    min_transformers="5.24",  # transformers 5.17: the Gated DeltaNet boundary hooks are not reached
-    proven={
-        "reward": "tests/test_preference_reward.py::test_reward_step_equals_trl[qwen3_5]",
-    },
+    name="qwen3_5", model_types=("qwen3_5",),
+    proof=Proof(
+        _PROOF, min_transformers="5.24",  # transformers 5.17: the Gated DeltaNet boundary hooks are not reached
+        proven={
+            "reward": "tests/test_preference_reward.py::test_reward_step_equals_trl[qwen3_5]",
+        },
+        refused={"context_parallel": CONTEXT_PARALLEL_REFUSAL},
+    ),
+    model=ModelRules(layer_kinds=_HYBRID, prepare_model=_deltanet("Qwen3_5GatedDeltaNet")),
+    encoding=EncodingRules(
+        token_keys=("input_ids", "labels", "mm_token_type_ids"),
+        positions=Positions("mrope", rope_index_model="Qwen3_5Model"),
+        media_tokens=("<|vision_start|>", "<|vision_end|>"),
+    ),
 ))
 QWEN3_5_TEXT = register_family(FamilySpec(
-    name="qwen3_5_text", model_types=("qwen3_5_text",), proof=_PROOF, layer_kinds=_HYBRID,
-    prepare_model=_deltanet("Qwen3_5GatedDeltaNet"), context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
-    min_transformers="5.24",
-    proven={
-        "reward": "tests/test_preference_reward.py::test_reward_step_equals_trl[qwen3_5_text]",
-    },
+    name="qwen3_5_text", model_types=("qwen3_5_text",),
+    proof=Proof(
+        _PROOF, min_transformers="5.24",
+        proven={
+            "reward": "tests/test_preference_reward.py::test_reward_step_equals_trl[qwen3_5_text]",
+        },
+        refused={"context_parallel": CONTEXT_PARALLEL_REFUSAL},
+    ),
+    model=ModelRules(layer_kinds=_HYBRID, prepare_model=_deltanet("Qwen3_5GatedDeltaNet")),
 ))
 QWEN3_NEXT = register_family(FamilySpec(
-    name="qwen3_next", model_types=("qwen3_next",), proof=_PROOF, layer_kinds=_HYBRID,
-    prepare_model=_deltanet("Qwen3NextGatedDeltaNet"), context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
-    router_loss_mask=True, min_transformers="5.24",
-    proven={
-        "reward": "tests/test_preference_reward.py::test_reward_step_equals_trl[qwen3_next]",
-    },
+    name="qwen3_next", model_types=("qwen3_next",),
+    proof=Proof(
+        _PROOF, min_transformers="5.24",
+        proven={
+            "reward": "tests/test_preference_reward.py::test_reward_step_equals_trl[qwen3_next]",
+        },
+        refused={"context_parallel": CONTEXT_PARALLEL_REFUSAL},
+    ),
+    model=ModelRules(layer_kinds=_HYBRID, prepare_model=_deltanet("Qwen3NextGatedDeltaNet"), router_loss_mask=True),
 ))

@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..attention.linear import CONTEXT_PARALLEL_REFUSAL, install_linear_attention_packing
-from . import FamilySpec, register_family
+from .registry import register_family
+from .spec import EncodingRules, FamilySpec, ModelRules, Positions, Proof
 
 DELTANET_CLASS = "Qwen3_5MoeGatedDeltaNet"
 
@@ -27,13 +28,20 @@ def _restart_deltanet(model: Any) -> None:
 
 
 QWEN3_5_MOE = register_family(FamilySpec(
-    name="qwen3_5_moe", model_types=("qwen3_5_moe",), proof="tests/test_vlm_families.py",
-    positions="mrope", rope_index_model="Qwen3_5MoeModel", media_tokens=("<|vision_start|>", "<|vision_end|>"),
-    layer_kinds=frozenset({"full_attention", "linear_attention"}),
-    token_keys=("input_ids", "labels", "mm_token_type_ids"),
-    prepare_model=_restart_deltanet, context_parallel_refusal=CONTEXT_PARALLEL_REFUSAL,
-    router_loss_mask=True, min_transformers="5.24",  # transformers 5.17: Gated DeltaNet hooks not reached
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen3_5_moe]",
-    },
+    name="qwen3_5_moe", model_types=("qwen3_5_moe",),
+    proof=Proof(
+        "tests/test_vlm_families.py", min_transformers="5.24",  # transformers 5.17: Gated DeltaNet hooks not reached
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen3_5_moe]",
+        },
+        refused={"context_parallel": CONTEXT_PARALLEL_REFUSAL},
+    ),
+    model=ModelRules(
+        layer_kinds=frozenset({"full_attention", "linear_attention"}), prepare_model=_restart_deltanet,
+        router_loss_mask=True,
+    ),
+    encoding=EncodingRules(
+        positions=Positions("mrope", rope_index_model="Qwen3_5MoeModel"),
+        media_tokens=("<|vision_start|>", "<|vision_end|>"), token_keys=("input_ids", "labels", "mm_token_type_ids"),
+    ),
 ))

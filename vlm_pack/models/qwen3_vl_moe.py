@@ -10,19 +10,27 @@ row gives the padded micro-batch's value, its alignment slots excluded (``router
 tests/test_router_loss.py).
 """
 
-from . import FamilySpec, register_family
+from .registry import register_family
+from .spec import EncodingRules, FamilySpec, ModelRules, Positions, Proof
 
 QWEN3_VL_MOE = register_family(FamilySpec(
-    name="qwen3_vl_moe", model_types=("qwen3_vl_moe",), proof="tests/test_vlm_families.py",
-    positions="mrope", rope_index_model="Qwen3VLMoeModel", token_keys=("input_ids", "labels", "mm_token_type_ids"),
-    media_tokens=("<|vision_start|>", "<|vision_end|>"), router_loss_mask=True, video_runs="frame",
-    proven={
-        "video": "tests/test_video.py::test_video_packed_equals_each_sample_alone[qwen3_vl_moe]",
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen3_vl_moe]",
-        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen3_vl_moe-packed]",
-        "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen3_vl_moe-shared]",
-        "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen3_vl_moe-packed]",
-        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen3_vl_moe-shared]",
-        "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[qwen3_vl_moe]",
-    },
+    name="qwen3_vl_moe", model_types=("qwen3_vl_moe",),
+    proof=Proof(
+        "tests/test_vlm_families.py",
+        proven={
+            "video": "tests/test_video.py::test_video_packed_equals_each_sample_alone[qwen3_vl_moe]",
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen3_vl_moe]",
+            "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen3_vl_moe-packed]",
+            "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen3_vl_moe-shared]",
+            "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen3_vl_moe-packed]",
+            "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen3_vl_moe-shared]",
+            "context_parallel": "tests/test_vlm_families.py::test_edge_batch_equals_each_sample_alone[qwen3_vl_moe]",
+        },
+    ),
+    model=ModelRules(router_loss_mask=True),
+    encoding=EncodingRules(
+        token_keys=("input_ids", "labels", "mm_token_type_ids"),
+        positions=Positions("mrope", rope_index_model="Qwen3VLMoeModel"),
+        media_tokens=("<|vision_start|>", "<|vision_end|>"), video_runs="frame",
+    ),
 ))

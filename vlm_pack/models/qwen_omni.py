@@ -1,7 +1,7 @@
 """Qwen2.5-Omni and Qwen3-Omni-MoE thinkers (the text-generating half of the Omni models), text, image and audio
 inputs: time-aligned mRoPE from the model's own ``get_rope_index``, on each sample alone.
 
-Rules (images proven in tests/test_families_round3b.py, audio in tests/test_audio_packing.py): positions are
+Rules (images proven in tests/test_family_qwen_omni.py, audio in tests/test_audio_packing.py): positions are
 ``[4, 1, T]`` (row 0 a per-sample text arange, rows 1-3 temporal/height/width from the thinker's own
 ``get_rope_index``, which reads the image / audio / video tokens from the ids, each clip's token count from its
 ``audio_seqlens``, and counts media across a batch's rows: the collator runs it on each sample alone,
@@ -21,23 +21,28 @@ The full Omni models (thinker + talker, ``qwen2_5_omni`` / ``qwen3_omni_moe``) a
 
 import torch
 
-from . import FamilySpec, register_family
+from .registry import register_family
+from .spec import EncodingRules, FamilySpec, ModelRules, Positions, Proof, VisionRows
 
-_PROOF = "tests/test_families_round3b.py"
+_PROOF = "tests/test_family_qwen_omni.py"
 # One row per audio clip: the Whisper features (padded to 30 s) and their frame mask, in sample order.
 _AUDIO_ROWS = {"input_features": "audio", "feature_attention_mask": "audio"}
 
 QWEN2_5_OMNI_THINKER = register_family(FamilySpec(
-    name="qwen2_5_omni_thinker", model_types=("qwen2_5_omni_thinker",), proof=_PROOF,
-    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen2_5_omni_thinker]",
-        "audio": "tests/test_audio_packing.py::test_audio_batch_equals_each_sample_alone[qwen2_5_omni_thinker]",
-        "context_parallel": "tests/test_families_round3b.py::test_edge_batch_equals_each_sample_alone[qwen2_5_omni_thinker]",
-    },
-    positions="mrope", rope_index_model="Qwen2_5OmniThinkerForConditionalGeneration", rope_index_alone=True,
-    vision_rows=_AUDIO_ROWS,
-    media_tokens=("<|vision_bos|>", "<|vision_eos|>", "<|audio_bos|>", "<|audio_eos|>"),
+    name="qwen2_5_omni_thinker", model_types=("qwen2_5_omni_thinker",),
+    proof=Proof(
+        _PROOF, min_transformers="5.24",  # proven on 5.24 only (never run on the floor)
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen2_5_omni_thinker]",
+            "audio": "tests/test_audio_packing.py::test_audio_batch_equals_each_sample_alone[qwen2_5_omni_thinker]",
+            "context_parallel": "tests/test_family_qwen_omni.py::test_edge_batch_equals_each_sample_alone[qwen2_5_omni_thinker]",
+        },
+    ),
+    encoding=EncodingRules(
+        positions=Positions("mrope", rope_index_model="Qwen2_5OmniThinkerForConditionalGeneration", alone=True),
+        media_tokens=("<|vision_bos|>", "<|vision_eos|>", "<|audio_bos|>", "<|audio_eos|>"),
+        vision=VisionRows(rows=_AUDIO_ROWS),
+    ),
 ))
 
 
@@ -93,14 +98,19 @@ def _prepare_qwen3_omni(model: torch.nn.Module) -> None:
 
 
 QWEN3_OMNI_MOE_THINKER = register_family(FamilySpec(
-    name="qwen3_omni_moe_thinker", model_types=("qwen3_omni_moe_thinker",), proof=_PROOF,
-    min_transformers="5.24",  # proven on 5.24 only (registered in round 3, never run on the floor)
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen3_omni_moe_thinker]",
-        "audio": "tests/test_audio_packing.py::test_audio_batch_equals_each_sample_alone[qwen3_omni_moe_thinker]",
-        "context_parallel": "tests/test_families_round3b.py::test_edge_batch_equals_each_sample_alone[qwen3_omni_moe_thinker]",
-    },
-    positions="mrope", rope_index_model="Qwen3OmniMoeThinkerForConditionalGeneration", rope_index_alone=True,
-    vision_rows=_AUDIO_ROWS, prepare_model=_prepare_qwen3_omni,
-    media_tokens=("<|vision_bos|>", "<|vision_eos|>", "<|audio_bos|>", "<|audio_eos|>"),
+    name="qwen3_omni_moe_thinker", model_types=("qwen3_omni_moe_thinker",),
+    proof=Proof(
+        _PROOF, min_transformers="5.24",  # proven on 5.24 only (never run on the floor)
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen3_omni_moe_thinker]",
+            "audio": "tests/test_audio_packing.py::test_audio_batch_equals_each_sample_alone[qwen3_omni_moe_thinker]",
+            "context_parallel": "tests/test_family_qwen_omni.py::test_edge_batch_equals_each_sample_alone[qwen3_omni_moe_thinker]",
+        },
+    ),
+    model=ModelRules(prepare_model=_prepare_qwen3_omni),
+    encoding=EncodingRules(
+        positions=Positions("mrope", rope_index_model="Qwen3OmniMoeThinkerForConditionalGeneration", alone=True),
+        media_tokens=("<|vision_bos|>", "<|vision_eos|>", "<|audio_bos|>", "<|audio_eos|>"),
+        vision=VisionRows(rows=_AUDIO_ROWS),
+    ),
 ))

@@ -9,7 +9,8 @@ one run per temporal patch, each after its timestamp text (``<0.5 seconds>``), a
 ``video_grid_thw`` per frame to match (``video_runs="frame"``). Timestamps are plain text of the user turn.
 """
 
-from . import FamilySpec, register_family
+from .registry import register_family
+from .spec import EncodingRules, FamilySpec, Positions, Proof
 
 _PROOF = "tests/test_vlm_equivalence.py"
 _TOKEN_KEYS = ("input_ids", "labels", "mm_token_type_ids")
@@ -17,45 +18,62 @@ _TOKEN_KEYS = ("input_ids", "labels", "mm_token_type_ids")
 VISION_MARKERS = ("<|vision_start|>", "<|vision_end|>")
 
 QWEN2_VL = register_family(FamilySpec(
-    name="qwen2_vl", model_types=("qwen2_vl",), proof=_PROOF,
-    positions="mrope", rope_index_model="Qwen2VLModel", token_keys=_TOKEN_KEYS, media_tokens=VISION_MARKERS,
-    proven={
-        "video": "tests/test_video.py::test_video_packed_equals_each_sample_alone[qwen2_vl]",
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_materialised_length_on_the_shipped_mix",
-        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen2_vl-packed]",
-        "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen2_vl-shared]",
-        "rl": "tests/test_rl_grpo.py::test_training_steps_equal_trl[qwen2_vl-packed]",
-        "rl_shared_prompt": "tests/test_rl_grpo.py::test_training_steps_equal_trl[qwen2_vl-shared]",
-        "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_token_budget]",
-        "context_parallel": "tests/test_vlm_equivalence.py::test_packed_vlm_with_context_parallel_alignment[qwen2_vl]",
-    },
+    name="qwen2_vl", model_types=("qwen2_vl",),
+    proof=Proof(
+        _PROOF,
+        proven={
+            "video": "tests/test_video.py::test_video_packed_equals_each_sample_alone[qwen2_vl]",
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_materialised_length_on_the_shipped_mix",
+            "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen2_vl-packed]",
+            "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen2_vl-shared]",
+            "rl": "tests/test_rl_grpo.py::test_training_steps_equal_trl[qwen2_vl-packed]",
+            "rl_shared_prompt": "tests/test_rl_grpo.py::test_training_steps_equal_trl[qwen2_vl-shared]",
+            "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_token_budget]",
+            "context_parallel": "tests/test_vlm_equivalence.py::test_packed_vlm_with_context_parallel_alignment[qwen2_vl]",
+        },
+    ),
+    encoding=EncodingRules(
+        token_keys=_TOKEN_KEYS, positions=Positions("mrope", rope_index_model="Qwen2VLModel"),
+        media_tokens=VISION_MARKERS,
+    ),
 ))
 QWEN2_5_VL = register_family(FamilySpec(
-    name="qwen2_5_vl", model_types=("qwen2_5_vl",), proof=_PROOF,
-    positions="mrope", rope_index_model="Qwen2_5_VLModel", token_keys=_TOKEN_KEYS, media_tokens=VISION_MARKERS,
-    proven={
-        "video": "tests/test_video.py::test_video_packed_equals_each_sample_alone[qwen2_5_vl]",
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen2_5_vl]",
-        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen2_5_vl-packed]",
-        "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen2_5_vl-shared]",
-        "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen2_5_vl-packed]",
-        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen2_5_vl-shared]",
-        "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_video]",
-        "context_parallel": "tests/test_vlm_equivalence.py::test_packed_vlm_with_context_parallel_alignment[qwen2_5_vl]",
-    },
+    name="qwen2_5_vl", model_types=("qwen2_5_vl",),
+    proof=Proof(
+        _PROOF,
+        proven={
+            "video": "tests/test_video.py::test_video_packed_equals_each_sample_alone[qwen2_5_vl]",
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen2_5_vl]",
+            "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen2_5_vl-packed]",
+            "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen2_5_vl-shared]",
+            "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen2_5_vl-packed]",
+            "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen2_5_vl-shared]",
+            "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_video]",
+            "context_parallel": "tests/test_vlm_equivalence.py::test_packed_vlm_with_context_parallel_alignment[qwen2_5_vl]",
+        },
+    ),
+    encoding=EncodingRules(
+        token_keys=_TOKEN_KEYS, positions=Positions("mrope", rope_index_model="Qwen2_5_VLModel"),
+        media_tokens=VISION_MARKERS,
+    ),
 ))
 QWEN3_VL = register_family(FamilySpec(
-    name="qwen3_vl", model_types=("qwen3_vl",), proof=_PROOF,
-    positions="mrope", rope_index_model="Qwen3VLModel", token_keys=_TOKEN_KEYS, media_tokens=VISION_MARKERS,
-    video_runs="frame",
-    proven={
-        "video": "tests/test_video.py::test_video_packed_equals_each_sample_alone[qwen3_vl]",
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen3_vl]",
-        "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen3_vl-packed]",
-        "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen3_vl-shared]",
-        "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen3_vl-packed]",
-        "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen3_vl-shared]",
-        "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_qwen3_vl]",
-        "context_parallel": "tests/test_vlm_equivalence.py::test_packed_vlm_with_context_parallel_alignment[qwen3_vl]",
-    },
+    name="qwen3_vl", model_types=("qwen3_vl",),
+    proof=Proof(
+        _PROOF,
+        proven={
+            "video": "tests/test_video.py::test_video_packed_equals_each_sample_alone[qwen3_vl]",
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[qwen3_vl]",
+            "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen3_vl-packed]",
+            "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[qwen3_vl-shared]",
+            "rl": "tests/test_rl_families.py::test_step_equals_trl[qwen3_vl-packed]",
+            "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[qwen3_vl-shared]",
+            "sequence_parallel": "tests/test_multiprocess.py::test_ulysses_sequence_parallel_equals_each_sample_alone[sp_qwen3_vl]",
+            "context_parallel": "tests/test_vlm_equivalence.py::test_packed_vlm_with_context_parallel_alignment[qwen3_vl]",
+        },
+    ),
+    encoding=EncodingRules(
+        token_keys=_TOKEN_KEYS, positions=Positions("mrope", rope_index_model="Qwen3VLModel"),
+        media_tokens=VISION_MARKERS, video_runs="frame",
+    ),
 ))

@@ -46,9 +46,9 @@ def family_table() -> str:
         for path in PATHS:
             refusal = path_refusal(spec, path)
             if path == "sft":
-                cells.append(_link(spec.proof))
-            elif path in spec.proven:
-                cells.append(_link(spec.proven[path]))
+                cells.append(_link(spec.proof.sft))
+            elif path in spec.proof.proven:
+                cells.append(_link(spec.proof.proven[path]))
             elif refusal is not None:
                 cells.append("refused")
                 why.setdefault(refusal, []).append(_HEADERS[path])
@@ -58,7 +58,7 @@ def family_table() -> str:
         types = ", ".join(f"`{kind}`" for kind in spec.model_types)
         lines.append(f"| {spec.name} ({types}) | " + " | ".join(cells) + " |")
     matched, total, version = vlm_coverage()
-    counts = ", ".join(f"{_HEADERS[p]} {sum(p in s.paths for s in families)}" for p in PATHS)
+    counts = ", ".join(f"{_HEADERS[p]} {sum(p in s.proof.paths for s in families)}" for p in PATHS)
     head = [f"{len(families)} families, {sum(len(s.model_types) for s in families)} model types; {matched} of the "
             f"{total} image-text-to-text model types of transformers {version} "
             "(`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`) are registered.", "",

@@ -1,6 +1,6 @@
 """VideoLLaMA 3 (NaViT SigLIP tower + Qwen2 text): features placed by image-token id, 1-D positions per sample.
 
-Rules (proven in tests/test_families_round4.py against each sample alone through the stock sdpa model): the vision
+Rules (proven in tests/test_family_video_llama_3.py against each sample alone through the stock sdpa model): the vision
 tower runs every image of the call as one patch sequence split by its own ``cu_seqlens`` (from ``image_grid_thw``,
 never the text row's: ``enable_packing`` drops the text kwargs at the tower), its pixel unshuffle and projector act
 per image, and ``masked_scatter`` fills the ``<|image_pad|>`` tokens in sample order. ``pixel_values`` rows are
@@ -9,15 +9,22 @@ The language model is a proven text family (Qwen2 in the checkpoints). Videos (f
 ``video_compression_mask``) are not proven: the collator refuses them.
 """
 
-from . import FamilySpec, register_family, text_backbone
+from .registry import register_family, text_backbone
+from .spec import EncodingRules, FamilySpec, ModelRules, Proof, VisionRows
+
+_PROOF = "tests/test_family_video_llama_3.py"
 
 VIDEO_LLAMA_3 = register_family(FamilySpec(
-    name="video_llama_3", model_types=("video_llama_3",), proof="tests/test_families_round4.py",
-    min_transformers="5.24",  # proven on 5.24 and 5.25 only (registered in round 4)
-    proven={
-        "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family[video_llama_3]",
-        "context_parallel": "tests/test_families_round4.py::test_edge_batch_equals_each_sample_alone[video_llama_3]",
-    },
-    vision_rows={"image_merge_sizes": "image"},
-    extra_checks=(text_backbone("qwen2"),),
+    name="video_llama_3", model_types=("video_llama_3",),
+    proof=Proof(
+        _PROOF,
+        min_transformers="5.24",  # proven on 5.24 and 5.25 only (registered in round 4)
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family"
+                      "[video_llama_3]",
+            "context_parallel": f"{_PROOF}::test_edge_batch_equals_each_sample_alone[video_llama_3]",
+        },
+    ),
+    model=ModelRules(extra_checks=(text_backbone("qwen2"),)),
+    encoding=EncodingRules(vision=VisionRows(rows={"image_merge_sizes": "image"})),
 ))

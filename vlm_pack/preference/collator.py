@@ -111,10 +111,10 @@ class PreferenceCollator:
         pad = self.tokenizer.pad_token_id if pad_token_id is None else pad_token_id
         self.pad_token_id = pad if pad is not None else self.tokenizer.eos_token_id
         self.token_keys = ("input_ids",) if self.family is None else tuple(
-            key for key in self.family.token_keys if key != "labels")
+            key for key in self.family.encoding.token_keys if key != "labels")
         self.rope_index = (
-            MRopeIndex(model_config, self.family.rope_index_model)
-            if self.family is not None and self.family.positions == "mrope" else None
+            MRopeIndex(model_config, self.family.encoding.positions.rope_index_model)
+            if self.family is not None and self.family.encoding.positions.rule == "mrope" else None
         )
         image_token = getattr(processor, "image_token_id", None)
         self.media_tokens = {t for t in (image_token, getattr(processor, "video_token_id", None)) if isinstance(t, int)}

@@ -76,8 +76,8 @@ class RolloutPacker:
         self.group_size = group_size
         self.max_completion_length = max_completion_length
         self.media_token_ids = media_token_ids
-        self.rope_index = (MRopeIndex(model_config, family.rope_index_model)
-                           if family.positions == "mrope" else None)
+        self.rope_index = (MRopeIndex(model_config, family.encoding.positions.rope_index_model)
+                           if family.encoding.positions.rule == "mrope" else None)
 
     # ---------------------------------------------------------------- unpadding
 

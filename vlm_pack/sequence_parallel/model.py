@@ -17,7 +17,7 @@
 Gradients need no extra communication: each rank's slice sends its part back through the merge and the
 replicated vision tower, and the engine's gradient reduction over the ranks sums the parts.
 
-A family is allowed once the registry says it is proven under sequence parallelism (``FamilySpec.proven``, each
+A family is allowed once the registry says it is proven under sequence parallelism (``Proof.proven``, each
 by a case of tests/test_multiprocess.py); the others are refused by name, with the reason where one is known
 (image blocks and linear attention need more than a slice). Qwen3-VL's deepstack features
 (added inside the decoder at the row's vision slots) are sliced with the row: this rank's ``visual_pos_masks`` and

@@ -35,11 +35,10 @@ import torch
 
 from ..budget.lengths import measure_lengths
 from ..core.batch import METADATA_KEY, packing_metadata
-from .packer import BufferedBestFit, Key
+from .packer import STATE_FORMAT, BufferedBestFit, Key
 
 __all__ = ["StreamingPackDataset", "deal"]
 
-_FORMAT = "vlm_pack.stream_state/2"
 logger = logging.getLogger(__name__)
 
 
@@ -190,9 +189,9 @@ class StreamingPackDataset(torch.utils.data.IterableDataset):
         epoch resumes each listed unit after its last consumed pack (units not listed start the epoch afresh) and
         the DataLoader's round robin after ``last_unit``. Later epochs are unaffected. A state made with other
         settings (:meth:`fingerprint`; ``workers``: this run's DataLoader workers, checked when given) is refused."""
-        if state.get("format") != _FORMAT:
+        if state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a streaming pack state of this version (format {state.get('format')!r}, expected "
-                             f"{_FORMAT!r}): resume from a checkpoint saved by this vlm_pack")
+                             f"{STATE_FORMAT!r}): resume from a checkpoint saved by this vlm_pack")
         saved = state["fingerprint"]
         try:
             self.check_fingerprint(saved, workers)

@@ -20,7 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["BufferedBestFit", "BufferedSample", "predict_fill"]
+__all__ = ["STATE_FORMAT", "BufferedBestFit", "BufferedSample", "predict_fill"]
+
+STATE_FORMAT = "vlm_pack.stream_state/2"
+"""The stream state's format tag (saved by ``StreamingPackCallback``, checked on restore by the dataset)."""
 
 Key = tuple[int, int]  # (position of the shard in the unit's shard list, row in the shard)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import TrainerCallback
@@ -34,8 +34,10 @@ from transformers.trainer_callback import ExportableState
 
 from ..core.batch import METADATA_KEY
 from ..core.packing import IGNORE_INDEX
-from .dataset import _FORMAT, StreamingPackDataset
-from .packer import predict_fill
+from .packer import STATE_FORMAT, predict_fill
+
+if TYPE_CHECKING:  # the dataset module imports this one (StreamingPackDataset.trainer_callback), never the reverse
+    from .dataset import StreamingPackDataset
 
 __all__ = ["StreamingPackCallback", "StreamAligner"]
 
@@ -44,6 +46,11 @@ _DONE, _DATA, _FAILED = 0, 1, 2  # what a rank reports at a pull (a failure as _
 FILL_WARNING = 0.9  # warn when the buffer's predicted fill is under this fraction of offline best fit's
 FILL_SAMPLES = 32  # lengths the prediction starts from (or all of the first epoch's, when it has fewer)
 _PAD_EXAMPLE = {"messages": [{"role": "user", "content": "pad"}, {"role": "assistant", "content": "pad"}]}
+
+
+def _is_stream(obj: Any) -> bool:
+    """A ``StreamingPackDataset``, known by its ``trainer_callback`` (as ``PackedSFTTrainer`` knows it)."""
+    return callable(getattr(obj, "trainer_callback", None))
 
 
 def loss_free_pack(dataset: StreamingPackDataset) -> dict[str, Any]:
@@ -79,7 +86,7 @@ class StreamAligner:
             (logger.warning if split else logger.info)(dataset.describe_deal(workers))
 
     def state(self) -> dict:
-        return {"format": _FORMAT, "fingerprint": self.dataset.fingerprint(self.workers), "epoch": self.consumed_epoch,
+        return {"format": STATE_FORMAT, "fingerprint": self.dataset.fingerprint(self.workers), "epoch": self.consumed_epoch,
                 "count": self.count, "units": self.units, "last_unit": self.last_unit}
 
     def restore(self, state: dict) -> None:
@@ -212,7 +219,7 @@ class StreamingPackCallback(TrainerCallback, ExportableState):
     """
 
     def __init__(self, dataset: StreamingPackDataset | None = None) -> None:
-        if dataset is not None and not isinstance(dataset, StreamingPackDataset):
+        if dataset is not None and not _is_stream(dataset):
             raise ValueError(f"StreamingPackCallback takes the StreamingPackDataset you train on; got "
                              f"{type(dataset).__name__}")
         self.dataset = dataset
@@ -258,10 +265,9 @@ class StreamingPackCallback(TrainerCallback, ExportableState):
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
         loader = train_dataloader
         inner = getattr(loader, "dataset", None)
-        shard_wrapper = not isinstance(inner, StreamingPackDataset) and isinstance(
-            getattr(inner, "dataset", None), StreamingPackDataset)
+        shard_wrapper = not _is_stream(inner) and _is_stream(getattr(inner, "dataset", None))
         dataset = inner.dataset if shard_wrapper else inner
-        if not isinstance(dataset, StreamingPackDataset) or (self.dataset is not None and self.dataset is not dataset):
+        if not _is_stream(dataset) or (self.dataset is not None and self.dataset is not dataset):
             raise ValueError("StreamingPackCallback: the Trainer's train_dataset is not the callback's "
                              "StreamingPackDataset")
         self.dataset = dataset

@@ -67,6 +67,8 @@ __all__ = [
     "TINY_FAMILIES",
     "gemma3_tokenizer",
     "gemma4_image_processor",
+    "hybrid_text_config",
+    "qwen_vision_patching",
     "official_template",
     "offline_gemma3_processor",
     "offline_qwen2vl_processor",
@@ -75,6 +77,7 @@ __all__ = [
     "small_qwen_tokenizer_path",
     "tiny_config",
     "tiny_model",
+    "tiny_text_config",
 ]
 
 TINY_FAMILIES = (
@@ -302,7 +305,8 @@ def _gemma4_config(initializer_range: float, layers: int) -> Gemma4Config:
     return Gemma4Config(text_config=text, vision_config=vision, initializer_range=initializer_range, **_GEMMA4_IDS)
 
 
-def _text_config(initializer_range: float, layers: int, vocab_size: int = _SMALL_VOCAB) -> dict:
+def tiny_text_config(initializer_range: float, layers: int, vocab_size: int = _SMALL_VOCAB) -> dict:
+    """The tiny Qwen-VL text config (hidden 64, mRoPE sections) as a dict, for ``vocab_size`` tokens."""
     # The small vocabulary moves <|endoftext|> / <|im_end|> (Qwen2-VL's default bos / eos ids) to 4096 / 4098.
     special = {"bos_token_id": _SMALL_RANKS, "eos_token_id": _SMALL_RANKS + 2} if vocab_size == _SMALL_VOCAB else {}
     return {
@@ -337,12 +341,12 @@ def tiny_config(
     if family == "gemma4":
         return _gemma4_config(initializer_range, layers)
     text_family = family in _TEXT_CONFIGS or family in ("qwen3_next", "qwen3_5_text")
-    text = _text_config(initializer_range, layers, _QWEN_VOCAB if text_family or full_vocabulary else _SMALL_VOCAB)
+    text = tiny_text_config(initializer_range, layers, _QWEN_VOCAB if text_family or full_vocabulary else _SMALL_VOCAB)
     vision_ids = _qwen_vision_ids(full_vocabulary)
     if family == "qwen2_vl":
         vision = {"depth": 1, "embed_dim": 32, "hidden_size": _HIDDEN, "mlp_ratio": 2, "num_heads": 2}
         return Qwen2VLConfig(
-            text_config=text, vision_config=_with_patching(vision, initializer_range), **vision_ids
+            text_config=text, vision_config=qwen_vision_patching(vision, initializer_range), **vision_ids
         )
     if family == "qwen2_5_vl":
         # Block 0 uses windowed attention (56 px windows: several per image), block 1 full attention.
@@ -356,7 +360,7 @@ def tiny_config(
             "fullatt_block_indexes": [1],
         }
         return Qwen2_5_VLConfig(
-            text_config=text, vision_config=_with_patching(vision, initializer_range), **vision_ids
+            text_config=text, vision_config=qwen_vision_patching(vision, initializer_range), **vision_ids
         )
     if family == "qwen3_vl":
         text["rope_parameters"]["mrope_interleaved"] = True
@@ -370,15 +374,15 @@ def tiny_config(
             "deepstack_visual_indexes": [0],
         }
         return Qwen3VLConfig(
-            text_config=text, vision_config=_with_patching(vision, initializer_range), **vision_ids
+            text_config=text, vision_config=qwen_vision_patching(vision, initializer_range), **vision_ids
         )
     if family == "qwen3_next":  # mixture of experts: 4 experts, 2 per token, plus the shared expert
-        text = _hybrid_text_config(text, layers)
+        text = hybrid_text_config(text, layers)
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
         return Qwen3NextConfig(**text, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                shared_expert_intermediate_size=32)
     if family in ("qwen3_5", "qwen3_5_text"):
-        text = _hybrid_text_config(text, layers)
+        text = hybrid_text_config(text, layers)
         if family == "qwen3_5_text":
             return Qwen3_5TextConfig(**text)
         vision = {
@@ -390,7 +394,7 @@ def tiny_config(
             "num_position_embeddings": 64,
         }
         return Qwen3_5Config(
-            text_config=text, vision_config=_with_patching(vision, initializer_range), **vision_ids
+            text_config=text, vision_config=qwen_vision_patching(vision, initializer_range), **vision_ids
         )
     if family in _TEXT_CONFIGS:
         text.pop("rope_parameters")
@@ -401,7 +405,7 @@ def tiny_config(
 _TEXT_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
 
-def _hybrid_text_config(text: dict, layers: int) -> dict:
+def hybrid_text_config(text: dict, layers: int) -> dict:
     """Qwen3.5 text: Gated DeltaNet (linear attention) and full-attention layers alternate, linear first.
 
     Partial rotary (half of head_dim 16: 4 frequencies, interleaved mRoPE sections 1+1+2); the DeltaNet uses
@@ -420,7 +424,8 @@ def _hybrid_text_config(text: dict, layers: int) -> dict:
     }
 
 
-def _with_patching(vision: dict, initializer_range: float) -> dict:
+def qwen_vision_patching(vision: dict, initializer_range: float) -> dict:
+    """``vision`` (a Qwen-VL vision config dict) with the tiny patch / merge sizes every tiny Qwen-VL model uses."""
     return {
         **vision,
         "patch_size": _PATCH,

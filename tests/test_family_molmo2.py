@@ -1,16 +1,13 @@
-"""Round-3e VLM families exact under packing (issue 39): Molmo 2.
+"""Molmo 2 (overlapping crops, pooled patches, one image block per sample) exact under packing.
 
-Each family gets the proof of the families before it (tests/test_vlm_families.py, whose harness runs here): the edge
-micro-batch (system prompts, a one-word answer, an image inside an assistant turn, text-only, images of different
-sizes, a multi-image sample) packed through ``enable_packing`` + ``VLMPackingCollator`` against each sample run ALONE
-through the stock transformers model (``attn_implementation="sdpa"``, fp32 CPU): logits and per-sample losses
-within the measured fp32 noise floor, the model's own loss equal to the per-sample token mean, gradients within
-``GRAD_REL_L2`` (tests/tolerance.py). Each rule has a corruption that must break the comparison. Token-budget plans
-equal the processor's lengths in tests/test_budget_packs.py (every family of ``vlm_pack.testing.tiny_families``,
-these included).
+Same proof as the harness of tests/test_vlm_families.py: a packed micro-batch through ``enable_packing`` +
+``VLMPackingCollator`` equals each sample run ALONE through the stock model (``attn_implementation="sdpa"``, fp32
+CPU): logits and per-sample losses within the measured fp32 noise floor, gradients within ``GRAD_REL_L2``
+(tests/tolerance.py); the edge batch (system prompts, a one-word answer, an image inside an assistant turn,
+text-only and multi-image samples of different sizes); one corruption per family rule that must break the
+comparison; unproven variants refused by name.
 
-Substituted (no hub here): see ``vlm_pack/testing/tiny_families_round3e.py`` per family (Molmo 2: ChatML instead of
-the checkpoint's template, which no package ships).
+Tiny models and offline processors: ``vlm_pack/testing/families/molmo2.py`` (via ``vlm_pack.testing.tiny_families``).
 """
 
 from __future__ import annotations
@@ -24,10 +21,8 @@ import test_vlm_families as families
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROUND3E = ["molmo2"]
 
-
-@pytest.mark.parametrize("family", ROUND3E)
+@pytest.mark.parametrize("family", ["molmo2"])
 def test_edge_batch_equals_each_sample_alone(family):
     families.test_edge_batch_equals_each_sample_alone(family)
 
@@ -120,7 +115,6 @@ def test_corruption_molmo2_pooling_not_rebased(crops):
     error = families.logit_error(batch, families.packed_logits(setup.packed, batch, image_token_pooling=own), refs)
     print("molmo2 pooling not re-based", error, refs[3].logits.tolerance)
     assert refs[3].logits.is_far(error)
-
 
 
 def _with_block_ids(monkeypatch, ids_of):

@@ -1,9 +1,11 @@
-"""Round-3 families (issue 39, part F): PaliGemma 2 (a Gemma 2 language model under PaliGemma's prefix-LM) and
-MiniCPM-V 4.7 (MiniCPM-V 4.6 positioned by Canvas M-RoPE).
+"""PaliGemma (prefix-LM) and PaliGemma 2 (a Gemma 2 language model: softcapping, sliding windows) exact under packing.
 
-Same proof as tests/test_families_round3c.py: a packed micro-batch through ``enable_packing`` + ``VLMPackingCollator``
-equals each sample run ALONE through the stock model (fp32 CPU): logits and per-sample losses within the measured fp32
-noise floor, gradients within ``GRAD_REL_L2``; one corruption per family rule that must break the comparison.
+Same proof as the harness of tests/test_vlm_families.py: a packed micro-batch through ``enable_packing`` +
+``VLMPackingCollator`` equals each sample run ALONE through the stock model (``attn_implementation="sdpa"``, fp32
+CPU): logits and per-sample losses within the measured fp32 noise floor, gradients within ``GRAD_REL_L2``
+(tests/tolerance.py); the edge batch (system prompts, a one-word answer, an image inside an assistant turn,
+text-only and multi-image samples of different sizes); one corruption per family rule that must break the
+comparison; unproven variants refused by name.
 
 PaliGemma 2's reference is the stock EAGER model: transformers refuses to build Gemma 2 under sdpa (SDPA has no
 softcapping; ``test_paligemma2_reference_is_eager``), and eager is what applies every Gemma 2 rule. Its rules: the
@@ -11,10 +13,7 @@ attention-logit softcapping inside every attention backend the packed attention 
 flash-attn fake; torch varlen and TransformerEngine refuse it by name), the sliding window counted from each sample's
 start, the prefix block per sample in the sliding layers too, and the final logit softcapping in the chunked loss.
 
-MiniCPM-V 4.7's reference is the stock sdpa model, which lays out each sample's canvas itself; its token-budget plans
-equal the processor's lengths in tests/test_budget_packs.py (every family of ``vlm_pack.testing.tiny_families``).
-Substituted (no hub here): ``vlm_pack/testing/tiny_families_round3c.py`` (PaliGemma 2) and
-``vlm_pack/testing/tiny_families_round3f.py`` (MiniCPM-V 4.7).
+Tiny models and offline processors: ``vlm_pack/testing/families/paligemma.py`` (via ``vlm_pack.testing.tiny_families``).
 """
 
 from __future__ import annotations
@@ -27,19 +26,91 @@ from vlm_pack.attention.varlen import available_backends, dense_attention, selec
 from vlm_pack.data.collator import VLMPackingCollator
 from vlm_pack.integrations import hf_model
 from vlm_pack.integrations.hf_model import enable_packing
+from vlm_pack.models import UnsupportedModelError, get_family
 from vlm_pack.testing.tiny_families import tiny_vlm, tiny_vlm_processor
 
 from test_attention import FakeKernels, cu_of, fake_machine, random_qkv, reference
-from test_families_round3c import _paligemma_examples
-from version_gates import require_proven
-import test_vlm_families as families
-from test_vlm_families import Setup, assert_exact, compare, errors, logit_error, packed_logits, references
+from test_budget_packs import _GROUPS, assert_planned_lengths_are_the_processors
+from test_vlm_families import (
+    Setup, assert_exact, assert_packed_exact, compare, errors, exact_batch, logit_error, packed_logits, references,
+    setup_for,
+)
+from version_gates import refused, require_proven
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
 
 
-# ------------------------------------------------------------------ PaliGemma 2 (Gemma 2 text)
+def _paligemma_examples(seed: int = 3) -> list[dict]:
+    """Single-turn photo Q&A (PaliGemma's format): 1-3 images of different sizes per sample."""
+    from vlm_pack.testing.data import photo_examples
+
+    return photo_examples(4, seed=seed, max_side=56)
+
+
+def test_paligemma_packed_equals_each_sample_alone():
+    """Logits, per-sample losses (the processor's own suffix labels), the model's own loss and gradients of a
+    packed micro-batch vs each sample alone through the stock model (its own prefix-LM mask and 1-indexed
+    positions); multi-image samples of different sizes."""
+    setup = setup_for("paligemma")
+    examples = _paligemma_examples()
+    assert max(sum(p["type"] == "image" for p in e["messages"][0]["content"]) for e in examples) > 1
+    assert_packed_exact(setup, examples, "photos")
+
+
+@torch.no_grad()
+def test_paligemma_prefix_block_and_causal_answer_are_each_needed(monkeypatch):
+    """The prefix-LM rule has two halves, each caught: the text layers left non-causal (as PaliGemmaConfig sets
+    them: the answer would attend both ways) and the prefix made causal (no prefix block)."""
+    from vlm_pack.models import paligemma
+
+    setup = setup_for("paligemma")
+    batch, refs = exact_batch(setup, _paligemma_examples())
+    no_prefix = packed_logits(setup.packed, batch, token_type_ids=torch.ones_like(batch["token_type_ids"]))
+    assert refs[3].logits.is_far(logit_error(batch, no_prefix, refs))
+    layers = [m for m in setup.packed.model.language_model.modules() if hasattr(m, "is_causal")
+              and hasattr(m, "q_proj")]
+    assert layers and all(layer.is_causal for layer in layers)
+    for layer in layers:
+        monkeypatch.setattr(layer, "is_causal", False)
+    assert refs[3].logits.is_far(logit_error(batch, packed_logits(setup.packed, batch), refs))
+    assert paligemma.PREFIX_BLOCKS.block_types == (0,)
+
+
+def test_paligemma_planned_length_equals_the_real_processor():
+    """Token-budget plans count what the processor's prompt / suffix encoding writes, for images of many sizes and
+    several per sample."""
+    planned = assert_planned_lengths_are_the_processors(setup_for("paligemma").collator)
+    assert planned.image_tokens.tolist() == [4 * len(group) for group in _GROUPS]
+
+
+def test_paligemma_refusals():
+    """A language model other than Gemma / Gemma 2 (PaliGemma 2: below) is refused by name;
+    so are samples PaliGemma's single-turn format cannot hold (a system turn, two turns, no image, an image in the
+    answer) and a chat template."""
+    from transformers import PaliGemmaConfig
+
+    from vlm_pack.testing.data import text_chat_examples
+
+    with refused(UnsupportedModelError, r"language model 'gemma3_text' \(proven language models for ",
+                 family="paligemma"):
+        get_family(PaliGemmaConfig(text_config={"model_type": "gemma3_text"}))
+    setup = setup_for("paligemma")
+    photo = _paligemma_examples()[0]
+    system = {"messages": [{"role": "system", "content": "Be brief."}, *photo["messages"]]}
+    twice = {"messages": photo["messages"] * 2}
+    in_answer = {"messages": [photo["messages"][0], {"role": "assistant", "content": photo["messages"][0]["content"]}]}
+    for example, message in ((system, r"sample 0: PaliGemma is a single-turn prefix-LM.*\['system', 'user'"),
+                             (twice, r"single-turn.*\['user', 'assistant', 'user', 'assistant'\]"),
+                             (text_chat_examples(1, seed=1, max_turns=1)[0], "at least one image"),
+                             (in_answer, "images in the user turn only")):
+        with pytest.raises(ValueError, match=message):
+            setup.collator([example])
+    with pytest.raises(ValueError, match="not by a chat template"):
+        VLMPackingCollator(setup.processor, max_length=64, model_config=setup.packed.config, chat_template="{{ x }}")
+    with pytest.raises(ValueError, match="prefix blocks|image blocks"):
+        VLMPackingCollator(setup.processor, max_length=64, model_config=setup.packed.config, context_parallel_size=2)
+
 
 _SETUPS: dict[str, Setup] = {}
 
@@ -127,8 +198,6 @@ def test_paligemma2_prefix_longer_than_the_window_is_refused(monkeypatch):
         packed_logits(setup.packed, batch)
 
 
-# ------------------------------------------------------------------ softcapping in every attention backend
-
 SOFTCAP = 1.5
 
 
@@ -192,104 +261,3 @@ def test_softcap_routing_and_refusals(monkeypatch):
     fake_machine(monkeypatch, cuda=True, installed={"transformer_engine"})
     assert select_backend("cuda", torch.float16, softcap=True) == "flex"
     assert select_backend("cpu", torch.bfloat16, softcap=True) == "sdpa_segments"
-
-
-# ------------------------------------------------------------------ MiniCPM-V 4.7 (Canvas M-RoPE)
-
-
-def _photos(*sizes: tuple[int, int]) -> dict:
-    """One sample holding a shipped photo at each (width, height): 140 x 105 gives a source image plus a 2 x 2 grid
-    of slices (a newline between the slice rows), 56 x 28 / 28 x 56 unsliced images of 4 x 12 / 12 x 4 patches."""
-    from vlm_pack.testing.data import sample_photos
-
-    pictures = list(sample_photos(140).values())
-    content = [{"type": "image", "image": pictures[i].resize(size)} for i, size in enumerate(sizes)]
-    return {"messages": [{"role": "user", "content": [*content, {"type": "text", "text": "What is this?"}]},
-                         {"role": "assistant", "content": f"{len(sizes)} photos."}]}
-
-
-def _canvas_examples() -> list[dict]:
-    """Two samples holding a wide and a tall photo in opposite orders (the same pixel width: swappable; the same
-    token counts, other canvases), a text-only chat and a sliced photo."""
-    from vlm_pack.testing.data import text_chat_examples
-
-    return [_photos((56, 28), (28, 56)), text_chat_examples(1, seed=0, max_turns=1)[0], _photos((28, 56), (56, 28)),
-            _photos((140, 105))]
-
-
-def test_minicpmv4_7_packed_equals_each_sample_alone():
-    """Logits, per-sample losses, the model's own loss and gradients vs each sample alone through the stock sdpa
-    model, whose forward lays out each sample's canvas itself (compute_3d_position_ids); the batch holds sliced
-    images whose slices span several rows (newlines inside the canvas) and a text-only sample (1-D positions)."""
-    setup = families.setup_for("minicpmv4_7")
-    examples = families.edge_examples() + [_photos((140, 105))]
-    batch = setup.collator(examples)
-    newline = setup.stock.config.newline_id
-    in_canvas = (batch["input_ids"] == newline) & (batch["position_ids"][1] != batch["position_ids"][0])
-    assert batch["target_sizes"].shape[0] > batch["vlm_pack"]["stats"].images and in_canvas.any()
-    nets = [m for m in setup.packed.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet"]
-    assert nets and all(getattr(m.forward, "__vlm_pack_linear__", False) for m in nets)  # restarted per sample
-    result = families.compare(setup, examples)
-    print("minicpmv4_7", result)
-    families.assert_exact(result)
-
-
-@torch.no_grad()
-def test_minicpmv4_7_canvas_per_sample_and_slices_per_sample_are_each_needed():
-    """Caught: a sample's canvas laid out from the batch's slice sizes instead of its own (the rope index run per
-    sample but handed every sample's target_sizes: sample 2 then reads sample 0's grids), 1-D
-    positions (no canvas: what allow_unproven would give), and two same-size images' pixel columns and slice rows
-    swapped between samples (MiniCPM-V 4.6's one-row rule). Not a corruption: the canvas laid out over the whole
-    packed row, whose rotary positions are each sample's own plus one constant per sample (asserted), which rotary
-    attention inside a sample cannot see (the per-sample layout is kept: it is what the model computes alone)."""
-    from test_families_round3d import _joined
-
-    from vlm_pack.core.batch import packing_metadata
-
-    setup = families.setup_for("minicpmv4_7")
-    examples = _canvas_examples()
-    refs = families.references(setup, examples)
-    batch = setup.collator(examples)
-    families.assert_exact(families.errors(batch, families.packed_logits(setup.packed, batch), refs))
-    samples = setup.collator._encode_all(examples)[0]
-    meta = packing_metadata(batch)
-    spans = list(zip(meta["cu_seqlens_padded"][:-1].tolist(), meta["seq_lengths"].tolist()))
-    index = setup.collator.rope_index
-    batch_grids = batch["position_ids"].clone()
-    (start, length), ids = spans[2], samples[2]["input_ids"]
-    batch_grids[:, :, start:start + length] = index(ids, samples[2]["mm_token_type_ids"], torch.ones_like(ids),
-                                                    target_sizes=batch["target_sizes"])
-    one_d = batch["position_ids"][:1].expand_as(batch["position_ids"])
-    swapped = _joined(samples, [2, 1, 0, 3])
-    for name, overrides in (("the batch's slice sizes", {"position_ids": batch_grids}),
-                            ("1-D positions", {"position_ids": one_d}), ("slices swapped", swapped)):
-        assert not all(torch.equal(value, batch[key]) for key, value in overrides.items()), name
-        error = families.logit_error(batch, families.packed_logits(setup.packed, batch, **overrides), refs)
-        assert refs[3].logits.is_far(error), name
-
-    tokens = batch["input_ids"]
-    whole_row = index(tokens, batch["mm_token_type_ids"], torch.ones_like(tokens), target_sizes=batch["target_sizes"])
-    for start, length in spans:  # the rotary rows (T, H, W); the text row only marks the sample boundaries
-        shift = whole_row[1:, :, start:start + length] - batch["position_ids"][1:, :, start:start + length]
-        assert (shift == shift[0, 0, 0]).all()
-
-
-def test_minicpmv4_7_refusals():
-    """A config without the canvas marker ids, another language model, a video and context parallelism are refused
-    by name; the family is no longer among the missing rules."""
-    from transformers import GPT2Config
-
-    from vlm_pack.models import UnsupportedModelError, get_family
-    from vlm_pack.models.missing import MISSING_RULES
-
-    assert "minicpmv4_7" not in MISSING_RULES
-    setup = families.setup_for("minicpmv4_7")
-    config = setup.packed.config.__class__.from_dict(setup.packed.config.to_dict())
-    config.newline_id = None
-    with pytest.raises(UnsupportedModelError, match=r"no canvas marker ids \['newline_id'\]"):
-        get_family(config)
-    config.text_config = GPT2Config()
-    with pytest.raises(UnsupportedModelError, match=r"language model 'gpt2' \(proven language models"):
-        get_family(config)
-    with pytest.raises(UnsupportedModelError, match="context_parallel_size=2 with a minicpmv4_7 model"):
-        VLMPackingCollator(setup.processor, max_length=64, model_config=setup.packed.config, context_parallel_size=2)

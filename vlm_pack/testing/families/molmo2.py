@@ -1,9 +1,5 @@
-"""Tiny random models and offline processors for the round-3e VLM families (Molmo 2).
-
-Built like ``vlm_pack.testing.tiny_families`` (whose builder registry includes these): the small Qwen tokenizer plus
-the family's image tokens, the family's own image-processor and processor classes built from parameters (tiny
-images), ChatML where no PyPI package ships the official chat template (said per family), and a tiny model built
-from a config object (hidden 64, 1-2 layers, a small vision tower).
+"""Tiny Molmo 2 (overlapping crops, pooled patches, Qwen3-like text):
+offline processors and random models (registered in ``vlm_pack.testing.tiny_families``).
 """
 
 from __future__ import annotations
@@ -11,11 +7,10 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, ProcessorMixin
 
-from .tiny_families import _HIDDEN, _Builder, _tokenizer, chatml_template
-from .tiny_models import TINY_VISION_TOWER
+from ..family_parts import HIDDEN, Builder, chatml_template, family_tokenizer
+from ..tiny_models import TINY_VISION_TOWER
 
-__all__ = ["ROUND3E_BUILDERS"]
-
+__all__ = ["BUILDERS"]
 
 # ---------------------------------------------------------------- Molmo 2 (overlapping crops, pooled patches, Qwen3-like text)
 
@@ -38,7 +33,7 @@ def _molmo2_processor() -> ProcessorMixin:
         image_processor=Molmo2ImageProcessor(size=size, patch_size=_MOLMO2_PATCH, max_crops=4,
                                              overlap_margins=[1, 1], pooling_size=[2, 2]),
         video_processor=Molmo2VideoProcessor(size=size, patch_size=_MOLMO2_PATCH, pooling_size=[2, 2]),
-        tokenizer=_tokenizer(_MOLMO2_TOKENS), chat_template=chatml_template(_MOLMO2_TOKENS["image_token"]),
+        tokenizer=family_tokenizer(_MOLMO2_TOKENS), chat_template=chatml_template(_MOLMO2_TOKENS["image_token"]),
     )
 
 
@@ -55,19 +50,19 @@ def _molmo2_model(processor, initializer_range: float, layers: int, attn: str) -
               "image_size": [_MOLMO2_CROP, _MOLMO2_CROP], "patch_size": _MOLMO2_PATCH,
               "initializer_range": initializer_range}
     adapter = {"vision_feature_layer": [-1, 0], "hidden_size": vision["hidden_size"], "num_attention_heads": 2,
-               "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 2 * _HIDDEN, "text_hidden_size": _HIDDEN,
+               "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 2 * HIDDEN, "text_hidden_size": HIDDEN,
                "initializer_range": initializer_range}
-    text = {"vocab_size": len(tokenizer), "additional_vocab_size": 0, "hidden_size": _HIDDEN,
-            "intermediate_size": 2 * _HIDDEN, "num_hidden_layers": layers, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": _HIDDEN // 4, "initializer_range": initializer_range,
+    text = {"vocab_size": len(tokenizer), "additional_vocab_size": 0, "hidden_size": HIDDEN,
+            "intermediate_size": 2 * HIDDEN, "num_hidden_layers": layers, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": HIDDEN // 4, "initializer_range": initializer_range,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
     config = Molmo2Config(vision_config=vision, adapter_config=adapter, text_config=text,
                           initializer_range=initializer_range, **ids)
     return Molmo2ForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
-ROUND3E_BUILDERS = {
-    "molmo2": _Builder(
+BUILDERS = {
+    "molmo2": Builder(
         _molmo2_processor,
         _molmo2_model,
         "Qwen tokenizer + Molmo 2's image / crop / frame tokens and ChatML instead of the checkpoint's tokenizer and "
@@ -75,4 +70,3 @@ ROUND3E_BUILDERS = {
         "+ the low-res view, 2x2 pooling) and Molmo2Processor; Molmo 2's own text model (qwen3 q/k norm)",
     ),
 }
-"""Round-3e VLM families exact under packing (issue 39)."""
