@@ -8,8 +8,8 @@ percentile spread), fp32, one intra-op thread:
    ``packed`` (one row, ``enable_packing``: varlen attention + per-sample DeltaNet) vs ``padded`` (the stock sdpa
    model on the same samples right-padded to the longest, with an attention mask). Rate = real tokens / s.
 2. One DeltaNet layer's sequence mixing (causal conv + chunked gated delta rule, forward + backward) on a packed
-   row: ``segments`` (our exact torch path, ``vlm_pack.attention.linear``) vs ``per_sample`` (transformers'
-   reference functions run on each sample alone: the unpacked reference on the same tokens) and vs
+   row: ``segments`` (our exact torch path, ``vlm_pack.attention.gated_deltanet``) vs ``per_sample``
+   (transformers' reference functions run on each sample alone: the unpacked reference on the same tokens) and vs
    ``whole_row`` (the same functions on the whole row, ignoring the boundaries: wrong, but the least work).
 
 Run: ``python benchmarks/linear_attention.py [--quick]``; writes ``benchmarks/results/linear_attention_cpu.md``.
@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from vlm_pack import pack_batch_sequences
 from vlm_pack.integrations.hf_model import enable_packing
-from vlm_pack.attention.linear import packed_layout, segmented_causal_conv1d, segmented_gated_delta_rule
+from vlm_pack.attention.gated_deltanet import segmented_gated_delta_rule
+from vlm_pack.attention.linear import packed_layout, segmented_causal_conv1d
 from vlm_pack.testing.tiny_models import tiny_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -129,8 +130,8 @@ def mixing_benchmark(batch: int, longest: int, rounds: int, seed: int) -> dict:
 
     def segments():
         layout = packed_layout(cu, total)
-        return run(lambda x, w: segmented_causal_conv1d(conv_ref, x, w, None, "silu", layout),
-                   lambda q, k, v, g_, b: segmented_gated_delta_rule(rule_ref, q, k, v, g_, b, layout, True))
+        return run(lambda x, w: segmented_causal_conv1d(x, w, None, "silu", layout),
+                   lambda q, k, v, g_, b: segmented_gated_delta_rule(q, k, v, g_, b, layout))
 
     def reference(x_slices):
         def conv(x, w):

@@ -54,8 +54,8 @@ def test_corruption_lfm2_conv_window_carried_across_samples(monkeypatch):
     exact, total = la.segmented_causal_conv1d, batch["input_ids"].shape[1]
     whole_row = la.SegmentLayout.from_cu_seqlens(torch.tensor([0, total]), total)
 
-    def carried(reference_fn, hidden_states, weight, bias, activation, layout):
-        return exact(reference_fn, hidden_states, weight, bias, activation, whole_row)
+    def carried(hidden_states, weight, bias, activation, layout):
+        return exact(hidden_states, weight, bias, activation, whole_row)
 
     monkeypatch.setattr(la, "segmented_causal_conv1d", carried)
     assert refs[3].logits.is_far(families.logit_error(batch, families.packed_logits(setup.packed, batch), refs))

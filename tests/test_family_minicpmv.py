@@ -94,6 +94,7 @@ def test_corruption_minicpm_deltanet_state_carried_across_samples(monkeypatch):
     (enable_packing installs the boundary-aware forward on its Qwen3_5GatedDeltaNet modules): both run over the
     whole row (boundaries ignored) are caught. (The stock layers refuse a packed row outright without
     flash-linear-attention.)"""
+    from vlm_pack.attention import gated_deltanet as gd
     from vlm_pack.attention import linear as la
 
     setup = families.setup_for("minicpmv4_6")
@@ -103,16 +104,16 @@ def test_corruption_minicpm_deltanet_state_carried_across_samples(monkeypatch):
     refs = families.references(setup, examples)
     batch = setup.collator(examples)
     refs[3].logits.check(families.logit_error(batch, families.packed_logits(setup.packed, batch), refs))
-    rule, conv, total = la.segmented_gated_delta_rule, la.segmented_causal_conv1d, batch["input_ids"].shape[1]
+    rule, conv, total = gd.segmented_gated_delta_rule, la.segmented_causal_conv1d, batch["input_ids"].shape[1]
     whole_row = la.SegmentLayout.from_cu_seqlens(torch.tensor([0, total]), total)
 
-    def carried(reference_fn, q, k, v, g, beta, layout, l2norm):
-        return rule(reference_fn, q, k, v, g, beta, whole_row, l2norm)
+    def carried(q, k, v, g, beta, layout):
+        return rule(q, k, v, g, beta, whole_row)
 
-    def leaky(reference_fn, hidden_states, weight, bias, activation, layout):
-        return conv(reference_fn, hidden_states, weight, bias, activation, whole_row)
+    def leaky(hidden_states, weight, bias, activation, layout):
+        return conv(hidden_states, weight, bias, activation, whole_row)
 
-    monkeypatch.setattr(la, "segmented_gated_delta_rule", carried)
+    monkeypatch.setattr(gd, "segmented_gated_delta_rule", carried)
     monkeypatch.setattr(la, "segmented_causal_conv1d", leaky)
     error = families.logit_error(batch, families.packed_logits(setup.packed, batch), refs)
     print("whole-row DeltaNet logit error", error, refs[3].logits.tolerance)

@@ -12,19 +12,20 @@ of flash-linear-attention's functions in ``sys.modules``.
 from __future__ import annotations
 
 import sys
-import types
 
 import pytest
 import torch
 
+from vlm_pack.attention import gated_deltanet as gd
 from vlm_pack.attention import linear as la
 from vlm_pack.data.collator import VLMPackingCollator, model_inputs
 from vlm_pack.testing.data import photo_examples, text_chat_examples
 from vlm_pack.integrations.hf_model import enable_packing
-from vlm_pack.attention.linear import install_linear_attention_packing, remove_linear_attention_packing
+from vlm_pack.attention.packed_layers import install_linear_attention_packing, remove_linear_attention_packing
 from vlm_pack.models import get_family
 from vlm_pack.testing.tiny_models import tiny_config, tiny_model
 
+from fla_fakes import install_fake_fla
 from tolerance import NoiseFloor, assert_grads_close, fp64_copy, fp64_inputs, max_abs
 
 DELTANET = ["Qwen3_5GatedDeltaNet"]
@@ -133,12 +134,12 @@ def test_state_carried_across_boundaries_is_caught(text_models, monkeypatch):
     lengths = [40, 30, 20]
     error, floor = packed_logit_error(text_models, lengths)
     floor.check(error)
-    exact, whole_row = la.segmented_gated_delta_rule, whole_row_layout(lengths)
+    exact, whole_row = gd.segmented_gated_delta_rule, whole_row_layout(lengths)
 
-    def carried(reference_fn, q, k, v, g, beta, layout, l2norm):
-        return exact(reference_fn, q, k, v, g, beta, whole_row, l2norm)
+    def carried(q, k, v, g, beta, layout):
+        return exact(q, k, v, g, beta, whole_row)
 
-    monkeypatch.setattr(la, "segmented_gated_delta_rule", carried)
+    monkeypatch.setattr(gd, "segmented_gated_delta_rule", carried)
     assert floor.is_far(packed_logit_error(text_models, lengths)[0])
 
 
@@ -149,27 +150,33 @@ def test_conv_window_leaking_across_boundaries_is_caught(text_models, monkeypatc
     floor.check(error)
     exact, whole_row = la.segmented_causal_conv1d, whole_row_layout(lengths)
 
-    def leaky(reference_fn, hidden, weight, bias, activation, layout):
-        return exact(reference_fn, hidden, weight, bias, activation, whole_row)
+    def leaky(hidden, weight, bias, activation, layout):
+        return exact(hidden, weight, bias, activation, whole_row)
 
     monkeypatch.setattr(la, "segmented_causal_conv1d", leaky)
     assert floor.is_far(packed_logit_error(text_models, lengths)[0])
 
 
-def test_stock_model_refuses_packed_rows_and_remove_restores(text_models):
-    """Without our layer hook transformers itself refuses packed rows on CPU; removing it brings that back."""
+def test_stock_model_cannot_pack_and_remove_restores(text_models):
+    """Without vlm_pack's layers the stock model cannot keep a packed row's samples apart: transformers >= 5.24
+    refuses on CPU, 5.17 runs the recurrence across the samples (far from each sample alone). Installing again
+    brings back exactness."""
     _, model, _ = text_models
-    _, row = text_batch([5, 6], seed=0)
+    lengths = [40, 30]
     assert remove_linear_attention_packing(model) == 2
-    with torch.no_grad(), pytest.raises(ValueError, match="can't keep packed sequences apart"):
-        model(**row, use_cache=False)
-    enable_packing(model)
-    with torch.no_grad():
-        model(**row, use_cache=False)
+    try:
+        error, floor = packed_logit_error(text_models, lengths)
+        assert floor.is_far(error), (error, floor.tolerance)
+    except ValueError as refusal:
+        assert "can't keep packed sequences apart" in str(refusal)
+    finally:
+        enable_packing(model)
+    error, floor = packed_logit_error(text_models, lengths)
+    floor.check(error)
 
 
 def test_unpacked_forward_is_untouched(text_models):
-    """Calls without boundaries (ordinary batches) take transformers' original functions: same logits."""
+    """Calls without boundaries (ordinary batches) take the stock layer forward: same logits."""
     reference, model, _ = text_models
     ids = torch.randint(0, 5000, (2, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -197,57 +204,9 @@ def test_packed_row_with_cache_is_refused(text_models):
 # ------------------------------------------------------------------ GPU route (flash-linear-attention), faked
 
 
-class Recorder:
-    """Fake fla function: records what it is passed, returns zeros of the right shape."""
-
-    def __init__(self, make_output):
-        self.calls: list[dict] = []
-        self.make_output = make_output
-
-    def __call__(self, *args, **kwargs):
-        self.calls.append({"args": args, **kwargs})
-        return self.make_output(*args, **kwargs)
-
-
-# flash-linear-attention 0.6.0's signatures (read from the installed package with inspect.signature; fla cannot
-# stay installed here: with it, transformers' Qwen3.5 modules call its Triton kernels on CPU tensors and fail).
-def fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                               use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                               state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
-                               cp_context=None, **kwargs):
-    """fla's shape rules: q, k [B, T, H, K]; v [B, T, HV, V] with HV a multiple of H (grouped values, fla >= 0.5);
-    g, beta [B, T, HV]; varlen needs B == 1."""
-    assert not kwargs, f"unknown keywords {sorted(kwargs)}"
-    assert q.shape == k.shape and v.shape[:2] == q.shape[:2] and v.shape[2] % q.shape[2] == 0
-    assert g.shape == beta.shape == v.shape[:3]
-    assert cu_seqlens is None or q.shape[0] == 1
-    return torch.zeros_like(v), None
-
-
-def fla_causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
-                      activation=None, backend="triton", cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
-                      cp_context=None, **kwargs):
-    """fla's rules: x [B, T, D], weight [D, W]; returns (y, final_state)."""
-    assert not kwargs, f"unknown keywords {sorted(kwargs)}"
-    assert x.dim() == 3 and weight.shape[0] == x.shape[-1]
-    return torch.zeros_like(x), None
-
-
 @pytest.fixture
 def fake_fla(monkeypatch):
-    """flash-linear-attention's two varlen entry points as recording fakes with the real signatures."""
-    rule = Recorder(fla_chunk_gated_delta_rule)
-    conv = Recorder(fla_causal_conv1d)
-    modules = {
-        "fla": types.ModuleType("fla"),
-        "fla.ops": types.ModuleType("fla.ops"),
-        "fla.ops.gated_delta_rule": types.SimpleNamespace(chunk_gated_delta_rule=rule),
-        "fla.modules": types.ModuleType("fla.modules"),
-        "fla.modules.convolution": types.SimpleNamespace(causal_conv1d=conv),
-    }
-    for name, module in modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    return rule, conv
+    return install_fake_fla(monkeypatch)
 
 
 def test_fla_route_passes_int32_cu_seqlens(fake_fla):

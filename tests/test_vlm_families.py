@@ -420,6 +420,7 @@ def test_corruption_deepseek_vl_hybrid_high_res_rows_follow_their_image():
 def test_corruption_qwen3_5_moe_deltanet_state_carried_across_samples(monkeypatch):
     """Qwen3.5-MoE's DeltaNet layers must restart per sample: enable_packing installs the boundary-aware forward
     on its own MoE-model class, and the state carried over the whole row (boundaries ignored) is caught."""
+    from vlm_pack.attention import gated_deltanet as gd
     from vlm_pack.attention import linear as la
 
     setup = setup_for("qwen3_5_moe")
@@ -429,13 +430,13 @@ def test_corruption_qwen3_5_moe_deltanet_state_carried_across_samples(monkeypatc
     refs = references(setup, examples)
     batch = setup.collator(examples)
     refs[3].logits.check(logit_error(batch, packed_logits(setup.packed, batch), refs))
-    exact, total = la.segmented_gated_delta_rule, batch["input_ids"].shape[1]
+    exact, total = gd.segmented_gated_delta_rule, batch["input_ids"].shape[1]
     whole_row = la.SegmentLayout.from_cu_seqlens(torch.tensor([0, total]), total)
 
-    def carried(reference_fn, q, k, v, g, beta, layout, l2norm):
-        return exact(reference_fn, q, k, v, g, beta, whole_row, l2norm)
+    def carried(q, k, v, g, beta, layout):
+        return exact(q, k, v, g, beta, whole_row)
 
-    monkeypatch.setattr(la, "segmented_gated_delta_rule", carried)
+    monkeypatch.setattr(gd, "segmented_gated_delta_rule", carried)
     assert refs[3].logits.is_far(logit_error(batch, packed_logits(setup.packed, batch), refs))
 
 

@@ -3,8 +3,8 @@ model (``lfm2``, also on its own: ``Lfm2ForCausalLM``): features placed by image
 
 Rules (proven in tests/test_family_lfm2_vl.py): ``full_attention`` layers are causal over the packed row split at
 ``cu_seq_lens_q``; ``conv`` layers (``Lfm2ShortConv``: a causal depthwise convolution over the last
-``conv_L_cache - 1`` tokens) restart their window at every sample boundary, through ``vlm_pack.attention.linear``
-installed by ``enable_packing`` on the model's own conv modules (its ``causal_conv1d_fn`` reads the boundaries; the
+``conv_L_cache - 1`` tokens) restart their window at every sample boundary: ``enable_packing`` gives the model's
+own conv modules vlm_pack's short-conv forward (``vlm_pack.attention.short_conv``, from the layer's parameters; the
 exact torch path everywhere, flash-linear-attention's varlen conv on CUDA when installed). The vision tower runs per
 tile (its own patch mask, never the text kwargs); ``pixel_values`` / ``pixel_attention_mask`` / ``spatial_shapes``
 have one row per tile (large images: crops plus a thumbnail, each its own token count), which the collator gives to
@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ..attention.linear import CONTEXT_PARALLEL_REFUSAL, CONV_FUNCTION, install_linear_attention_packing
+from ..attention.linear import CONTEXT_PARALLEL_REFUSAL
+from ..attention.packed_layers import install_linear_attention_packing
 from .registry import register_family
 from .spec import EncodingRules, FamilySpec, ModelRules, Proof, VisionRows
 
@@ -28,8 +29,8 @@ _ROWS = {"pixel_values": "tile", "pixel_attention_mask": "tile", "spatial_shapes
 
 
 def _short_conv(model: Any) -> None:
-    """Boundary-aware forward on every ``Lfm2ShortConv`` of the model (vlm_pack.attention.linear)."""
-    install_linear_attention_packing(model, ("Lfm2ShortConv",), functions=(CONV_FUNCTION,))
+    """Boundary-aware forward on every ``Lfm2ShortConv`` of the model (vlm_pack.attention.packed_layers)."""
+    install_linear_attention_packing(model, ("Lfm2ShortConv",))
 
 
 def _tile_tokens(processor: Any, vision: Mapping[str, torch.Tensor]) -> list[int]:

@@ -3,8 +3,8 @@
 
 Rules (proven in tests/test_family_lfm3_vl.py against each sample alone through the stock sdpa model): LFM3's
 ``conv`` layers (``Lfm3ShortConv``: a causal depthwise convolution over the last ``conv_L_cache - 1`` tokens) restart
-their window at every sample boundary through ``vlm_pack.attention.linear``, installed by ``enable_packing`` (as
-LFM2's); ``sliding_attention`` layers keep their window inside each sample and ``full_attention`` layers (the
+their window at every sample boundary: ``enable_packing`` gives the model's own conv modules vlm_pack's short-conv
+forward (``vlm_pack.attention.short_conv``, from the layer's parameters, as LFM2's); ``sliding_attention`` layers keep their window inside each sample and ``full_attention`` layers (the
 ``proportional`` RoPE depends on the position alone) are causal inside each sample. The vision tower runs every image
 of the call as one patch sequence: its attention layers split by their own ``cu_seqlens`` (from ``image_grid_thw``,
 never the text row's), its 2-D convolution layers on each image's own patch grid; ``masked_scatter`` fills
@@ -17,14 +17,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..attention.linear import CONTEXT_PARALLEL_REFUSAL, CONV_FUNCTION, install_linear_attention_packing
+from ..attention.linear import CONTEXT_PARALLEL_REFUSAL
+from ..attention.packed_layers import install_linear_attention_packing
 from .registry import register_family
 from .spec import STATIC_ROPE_TYPES, EncodingRules, FamilySpec, ModelRules, Proof
 
 
 def _short_conv(model: Any) -> None:
-    """Boundary-aware forward on every ``Lfm3ShortConv`` of the model (vlm_pack.attention.linear)."""
-    install_linear_attention_packing(model, ("Lfm3ShortConv",), functions=(CONV_FUNCTION,))
+    """Boundary-aware forward on every ``Lfm3ShortConv`` of the model (vlm_pack.attention.packed_layers)."""
+    install_linear_attention_packing(model, ("Lfm3ShortConv",))
 
 
 LFM3_VL = register_family(FamilySpec(

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ..attention.linear import CONTEXT_PARALLEL_REFUSAL, install_linear_attention_packing
+from ..attention.linear import CONTEXT_PARALLEL_REFUSAL
+from ..attention.packed_layers import install_linear_attention_packing
 from .registry import register_family, text_backbone
 from .spec import EncodingRules, FamilySpec, ModelRules, Proof, VisionRows
 
@@ -27,7 +28,7 @@ _MARKUP = ("<image>", "</image>", "<slice>", "</slice>")
 
 
 def _deltanet(model: Any) -> None:
-    """Boundary-aware forward on every ``Qwen3_5GatedDeltaNet`` of the model (vlm_pack.attention.linear)."""
+    """Boundary-aware forward on every ``Qwen3_5GatedDeltaNet`` of the model (vlm_pack.attention.packed_layers)."""
     install_linear_attention_packing(model, ("Qwen3_5GatedDeltaNet",))
 
 

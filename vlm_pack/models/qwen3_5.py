@@ -3,7 +3,8 @@
 Rules (proven in tests/test_linear_attention.py against each sample alone through the stock sdpa model):
 ``full_attention`` layers are causal over the packed row split at ``cu_seq_lens_q`` (as Qwen-VL);
 ``linear_attention`` layers restart their causal-conv window and recurrent state at every sample boundary,
-through ``vlm_pack.attention.linear`` installed by ``enable_packing`` on the model's own DeltaNet modules
+through vlm_pack's own DeltaNet forward (``vlm_pack.attention.gated_deltanet``) installed by ``enable_packing`` on
+the model's own DeltaNet modules
 (flash-linear-attention's varlen kernels on CUDA when installed, an exact torch path elsewhere). The VLM's
 positions are ``[4, 1, T]`` from ``Qwen3_5Model.get_rope_index`` per sample; the text models take 1-D positions
 per sample (they copy them into their mRoPE rows themselves). Context parallelism is refused: a rank would need
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..attention.linear import CONTEXT_PARALLEL_REFUSAL, install_linear_attention_packing
+from ..attention.linear import CONTEXT_PARALLEL_REFUSAL
+from ..attention.packed_layers import install_linear_attention_packing
 from .registry import register_family
 from .spec import EncodingRules, FamilySpec, ModelRules, Positions, Proof
 
@@ -28,7 +30,7 @@ def _deltanet(class_name: str):
     def prepare(model: Any) -> None:
         install_linear_attention_packing(model, (class_name,))
 
-    prepare.__doc__ = f"Boundary-aware forward on every {class_name} of the model (vlm_pack.attention.linear)."
+    prepare.__doc__ = f"Boundary-aware forward on every {class_name} of the model (vlm_pack.attention.packed_layers)."
     return prepare
 
 

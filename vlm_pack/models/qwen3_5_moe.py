@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..attention.linear import CONTEXT_PARALLEL_REFUSAL, install_linear_attention_packing
+from ..attention.linear import CONTEXT_PARALLEL_REFUSAL
+from ..attention.packed_layers import install_linear_attention_packing
 from .registry import register_family
 from .spec import EncodingRules, FamilySpec, ModelRules, Positions, Proof
 
@@ -23,7 +24,7 @@ DELTANET_CLASS = "Qwen3_5MoeGatedDeltaNet"
 
 
 def _restart_deltanet(model: Any) -> None:
-    """Boundary-aware forward on every Qwen3_5MoeGatedDeltaNet of the model (vlm_pack.attention.linear)."""
+    """Boundary-aware forward on every Qwen3_5MoeGatedDeltaNet of the model (vlm_pack.attention.packed_layers)."""
     install_linear_attention_packing(model, (DELTANET_CLASS,))
 
 
