@@ -78,3 +78,18 @@ def test_gemma4_unified_image_longer_than_the_window_is_refused(monkeypatch):
     monkeypatch.setattr(setup.packed.config.text_config, "sliding_window", 40)
     with pytest.raises(ValueError, match=r"an image of 65 tokens > sliding_window=40"):
         families.packed_logits(setup.packed, batch)
+
+
+def test_labels_are_the_official_templates_answers():
+    """Rendered with the official Gemma 4 template (TRL's gemma4_v5; no training variant ships, so no generation
+    blocks): each sample's labels are exactly its assistant answers, each closed by the template's ``<turn|>`` and
+    newline; the image inside an assistant turn and its markers carry none."""
+    setup = families.setup_for("gemma4_unified")
+    examples = families.edge_examples()
+    tokenizer = setup.processor.tokenizer
+    for example in examples:
+        labels = setup.collator([example])["labels"][0]
+        answers = ["".join(part["text"] for part in turn["content"] if part["type"] == "text")
+                   if isinstance(turn["content"], list) else turn["content"]
+                   for turn in example["messages"] if turn["role"] == "assistant"]
+        assert tokenizer.decode(labels[labels != -100]) == "".join(f"{a.strip()}<turn|>\n" for a in answers)
