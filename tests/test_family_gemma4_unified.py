@@ -93,3 +93,36 @@ def test_labels_are_the_official_templates_answers():
                    if isinstance(turn["content"], list) else turn["content"]
                    for turn in example["messages"] if turn["role"] == "assistant"]
         assert tokenizer.decode(labels[labels != -100]) == "".join(f"{a.strip()}<turn|>\n" for a in answers)
+
+
+def test_gemma4_unified_text_model_packed_equals_each_sample_alone():
+    """The language model on its own (Gemma4UnifiedForCausalLM, model type gemma4_unified_text): sliding (window 8)
+    and full layers, key-equals-value full layers, final logit softcapping; text chats packed with the tokenizer's
+    collator against each sample alone through the stock model (logits, losses, the model's own chunked softcapped
+    loss, gradients)."""
+    from transformers import Gemma4UnifiedForCausalLM, Gemma4UnifiedTextConfig
+
+    from vlm_pack.data.collator import VLMPackingCollator
+    from vlm_pack.integrations.hf_model import enable_packing
+    from vlm_pack.testing.data import text_chat_examples
+    from vlm_pack.testing.tiny_models import qwen_tokenizer
+
+    tokenizer = qwen_tokenizer()
+    text = families.setup_for("gemma4_unified").stock.config.text_config.to_dict()
+    text = {k: v for k, v in text.items() if k not in ("model_type", "architectures", "transformers_version")}
+
+    def model():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            config = Gemma4UnifiedTextConfig(**{**text, "vocab_size": len(tokenizer), "sliding_window": 8})
+            return Gemma4UnifiedForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+    packed = enable_packing(model())
+    collator = VLMPackingCollator(tokenizer, max_length=1024, model_config=packed.config)
+    assert collator.family.name == "gemma4_unified" and packed.config.final_logit_softcapping
+    setup = families.Setup("gemma4_unified_text", tokenizer, model(), packed, collator)
+    examples = text_chat_examples(3, seed=1, max_turns=2)
+    assert max(collator([e])["input_ids"].shape[1] for e in examples) > 8  # the window bites
+    result = families.compare(setup, examples)
+    print("gemma4_unified_text", result)
+    families.assert_exact(result)

@@ -12,7 +12,8 @@ There is no vision tower: ``Gemma4UnifiedVisionEmbedder``
 embeds each merged patch on its own (LayerNorm, Dense, a factorised 2-D position embedding from
 ``image_position_ids``), drops the padding patches and ``masked_scatter`` fills the image tokens in sample order;
 ``pixel_values`` / ``image_position_ids`` have one row per image. Positions restart per sample (1-D; the full
-layers' ``proportional`` RoPE depends on the position only).
+layers' ``proportional`` RoPE depends on the position only). Its language model on its own
+(``gemma4_unified_text``, ``Gemma4UnifiedForCausalLM``) is plain causal text with the same window and softcaps.
 
 Refused: ``use_bidirectional_attention="all"``; audio (raw waveform frames, not proven) and videos; context
 parallelism (the zigzag split does not carry image-block ids).
@@ -80,7 +81,7 @@ def _proven_features(config: Any) -> str | None:
 _PROOF = "tests/test_family_gemma4_unified.py"
 
 GEMMA4_UNIFIED = register_family(FamilySpec(
-    name="gemma4_unified", model_types=("gemma4_unified",),
+    name="gemma4_unified", model_types=("gemma4_unified", "gemma4_unified_text"),
     proof=Proof(
         _PROOF,
         min_transformers="5.24",  # proven on 5.24 and 5.25 only (registered in round 4)
