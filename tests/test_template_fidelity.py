@@ -353,7 +353,8 @@ MEDIA_TOKENS["molmo2"] = ["<low_res_im_start>", "<im_start>", "<im_patch>", "<im
 MEDIA_TOKENS.update({"video_llama_3": ["<|image_pad|>"], "kimi_k25": ["<|media_pad|>"],
                      "gemma4_unified": ["<|image>", "<|image|>", "<image|>"], "mistral4": MEDIA_TOKENS["mistral3"],
                      "lfm3_vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
-                     "nemotron_h_omni": ["<img>", "<image>", "</img>"]})
+                     "nemotron_h_omni": ["<img>", "<image>", "</img>"],
+                     "hyperclovax_vision_v2": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]})
 # Image markup that holds plain text: Aya Vision's tile labels "TILE_1", ... between its start/end markers.
 # MiniCPM-V's per-sample image number "N" between <image_id> and </image_id>.
 MEDIA_SPANS = {"aya_vision": ("<|START_OF_IMG|>", "<|END_OF_IMG|>"), "minicpmv4_6": ("<image_id>", "</image_id>"),

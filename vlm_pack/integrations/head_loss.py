@@ -97,6 +97,9 @@ LOGIT_TRANSFORMS: dict[str, Callable[[torch.nn.Module], dict[str, float | None]]
     # logits / logits_scaling
     "Granite4VisionForConditionalGeneration": lambda m: {"scale": 1.0 / m.config.text_config.logits_scaling},
     "GraniteDoclingForConditionalGeneration": lambda m: {"scale": 1.0 / m.config.text_config.logits_scaling},
+    # logits * logits_scaling (MuP, unlike Granite's division)
+    "HyperCLOVAXForCausalLM": lambda m: {"scale": m.config.logits_scaling},
+    "HyperCLOVAXVisionV2ForConditionalGeneration": lambda m: {"scale": m.config.text_config.logits_scaling},
 }
 """What each loss owner's forward does to the head's output (read from transformers 5.24's forwards)."""
 
