@@ -8,12 +8,15 @@ stage killed by its time box still leaves what it measured.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import json
 import math
 import os
+import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -130,6 +133,53 @@ def measure(fn: Callable[[], Any], device: str) -> tuple[float, float | None]:
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
     return seconds, peak
+
+
+def timed_repeats(fn: Callable[[], Any], device: str, *, min_repeats: int = 10, max_repeats: int = 200,
+                  max_seconds: float = 3.0, target_spread: float = 0.05) -> dict[str, float]:
+    """Median milliseconds of ``fn`` over enough calls for a stated spread: CUDA events around each call on the GPU
+    (no host sync inside the timed region), wall clock on CPU. Repeats until the interquartile range is within
+    ``target_spread`` of the median (after ``min_repeats``), ``max_repeats`` or ``max_seconds``; returns
+    ``{"ms", "spread", "repeats"}`` (spread: IQR / median, the figure the report states)."""
+    times: list[float] = []
+    start = time.perf_counter()
+    while True:
+        if device == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            tick = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - tick) * 1e3)
+        q1, median, q3 = np.percentile(times, [25, 50, 75])
+        spread = float((q3 - q1) / median) if median > 0 else 0.0
+        if len(times) >= max_repeats or time.perf_counter() - start > max_seconds or (
+                len(times) >= min_repeats and spread <= target_spread):
+            return {"ms": float(median), "spread": spread, "repeats": len(times)}
+
+
+def error_text(error: BaseException) -> str:
+    """``Type: first line`` of an exception (what a report cell can hold)."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:240] if text else ''}"
+
+
+@contextlib.contextmanager
+def recorded(row: dict[str, Any], device: str):
+    """Run one route / measurement; an exception is written into ``row["error"]`` (out-of-memory named as such),
+    its traceback to the log, and the stage goes on with the next one."""
+    try:
+        yield row
+    except Exception as error:  # noqa: BLE001 - recorded, never hidden
+        print(f"--- recorded failure ({', '.join(f'{k}={v}' for k, v in row.items() if isinstance(v, (str, int)))}):",
+              file=sys.stderr, flush=True)
+        traceback.print_exc()
+        row["error"] = ("out of memory: " if is_oom(error) else "") + error_text(error)
+        release(device)
 
 
 def is_oom(error: BaseException) -> bool:

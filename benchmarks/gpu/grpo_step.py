@@ -16,7 +16,7 @@ import tempfile
 import numpy as np
 
 from benchmarks.gpu import shapes
-from benchmarks.gpu.common import Context, Result, fmt, is_oom, measure, release, require, require_cuda, table
+from benchmarks.gpu.common import Context, Result, error_text, fmt, is_oom, measure, release, require, require_cuda, table
 
 
 def _settings(ctx: Context) -> dict:
@@ -45,10 +45,8 @@ def _layout(layout: str, ctx: Context, settings: dict, grpo) -> dict:
         rows = grpo.rollouts(r, prompts)
         try:
             seconds, peak = measure(lambda: grpo.timed_step(trainer, rows), ctx.device)
-        except (RuntimeError, torch.cuda.OutOfMemoryError) as error:
-            if not is_oom(error):
-                raise
-            entry["error"] = "out of memory"
+        except Exception as error:  # noqa: BLE001 - recorded; the next layout runs
+            entry["error"] = "out of memory" if is_oom(error) else error_text(error)
             break
         if r:
             inputs = trainer._buffered_inputs[0]
@@ -72,7 +70,14 @@ def run(ctx: Context) -> Result:
     settings = _settings(ctx)
     runs = {}
     for layout in grpo.LAYOUTS:
-        runs[layout] = _layout(layout, ctx, settings, grpo)
+        try:
+            runs[layout] = _layout(layout, ctx, settings, grpo)
+        except Exception as error:  # noqa: BLE001 - building the trainer failed: recorded, the next layout runs
+            import traceback
+
+            traceback.print_exc()
+            runs[layout] = {"seconds": [], "peak_mib": [], "batches": [], "error": error_text(error)}
+            release(ctx.device)
         ctx.save({"layouts": {k: {x: y for x, y in v.items() if x != "batches"} for k, v in runs.items()}})
     batches = runs["trl"]["batches"]
     real = [grpo.layout_counts(p, c, "packed")["tokens"] for p, c in batches]
@@ -98,4 +103,5 @@ def run(ctx: Context) -> Result:
                    [[layout, e["error"] or fmt(e.get("step_s"), ".3f"), fmt(e.get("tokens_per_s"), ".0f"),
                      fmt(e["tokens_per_s"] / base if base and "tokens_per_s" in e else None), fmt(e.get("peak_mib"), ".0f"),
                      fmt(e.get("analytic_forward_tflop_2b"), ".2f")] for layout, e in data["layouts"].items()])
-    return Result(lines, data)
+    checks = {f"{layout} ran": not e["error"] or e["error"] == "out of memory" for layout, e in data["layouts"].items()}
+    return Result(lines, data, checks)

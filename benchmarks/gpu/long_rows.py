@@ -16,8 +16,7 @@ import numpy as np
 import torch
 
 from benchmarks.gpu import shapes
-from benchmarks.gpu.common import (Context, Result, draw_lengths, fmt, is_oom, measure, release, require_cuda,
-                                   table)
+from benchmarks.gpu.common import Context, Result, draw_lengths, fmt, measure, recorded, release, require_cuda, table
 
 PATHS = ("model loss", "compute_loss_func")
 
@@ -58,14 +57,10 @@ def run(ctx: Context) -> Result:
 
             entry = {"tokens": length, "samples": samples, "path": path,
                      "full_logits_mib": length * vocab * torch.finfo(dtype).bits / 8 / 2**20}
-            try:
+            with recorded(entry, ctx.device):  # out of memory or any other failure: recorded, the next row runs
                 step()  # warm-up
                 entry["seconds"], entry["peak_mib"] = measure(step, ctx.device)
-            except (RuntimeError, torch.cuda.OutOfMemoryError) as error:
-                if not is_oom(error):
-                    raise
-                model.zero_grad(set_to_none=True)
-                entry["error"] = "out of memory"
+            model.zero_grad(set_to_none=True)
             release(ctx.device)
             rows.append(entry)
             ctx.save({"rows": rows})
@@ -75,4 +70,6 @@ def run(ctx: Context) -> Result:
     lines += table(["tokens", "samples", "loss path", "seconds", "peak MiB", "full logits MiB"],
                    [[r["tokens"], r["samples"], r["path"], r.get("error") or fmt(r.get("seconds"), ".3f"),
                      fmt(r.get("peak_mib"), ".0f"), fmt(r["full_logits_mib"], ".0f")] for r in rows])
-    return Result(lines, {"rows": rows})
+    checks = {f"{r['tokens']} tokens / {r['path']} ran": not r.get("error") or r["error"].startswith("out of memory")
+              for r in rows}
+    return Result(lines, {"rows": rows}, checks)

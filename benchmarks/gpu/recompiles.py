@@ -5,7 +5,7 @@ fixed-width rows with the ``eager`` backend (dynamo's guards and recompiles with
 
 from __future__ import annotations
 
-from benchmarks.gpu.common import Context, Result, require_cuda, table
+from benchmarks.gpu.common import Context, Result, recorded, require_cuda, table
 
 
 def run(ctx: Context) -> Result:
@@ -13,10 +13,14 @@ def run(ctx: Context) -> Result:
     from benchmarks import compile as compile_benchmark
 
     batches, rounds, backend = (3, 1, "eager") if ctx.dry else (20, 2, "inductor")
-    results = []
+    results, failed = [], []
     for mode in ("fixed",) if ctx.dry else ("fixed", "variable"):
-        results.append(compile_benchmark.run(mode, batches, rounds, backend, device=ctx.device))
-        ctx.save({"backend": backend, "results": results})
+        row = {"mode": mode}
+        with recorded(row, ctx.device):
+            results.append(compile_benchmark.run(mode, batches, rounds, backend, device=ctx.device))
+        if "error" in row:
+            failed.append(row)
+        ctx.save({"backend": backend, "results": results, "failed": failed})
     lines = [f"{batches} packed rows per mode, backend `{backend}`, {rounds} interleaved timing round(s).", ""]
     lines += table(["rows", "widths", "first compile s", "recompiles (all / vlm_pack)", "per batch after the first",
                     "eager ms", "compiled ms", "compiled / eager"],
@@ -24,6 +28,8 @@ def run(ctx: Context) -> Result:
                      r["recompiles_per_batch_after_first"], r["eager_step_ms"], r["compiled_step_ms"],
                      r["compiled_over_eager"]] for r in results])
     lines += ["", "Recompile reasons:", ""] + [f"- {r['mode']}: {reason}" for r in results for reason in r["reasons"]]
+    lines += [f"- {r['mode']}: FAILED {r['error']}" for r in failed]
     checks = {f"{r['mode']}: no recompile after the second batch": not any(r["recompiles_per_batch_after_first"][1:])
               for r in results}
-    return Result(lines, {"backend": backend, "results": results}, checks)
+    checks.update({f"{r['mode']} ran": False for r in failed})
+    return Result(lines, {"backend": backend, "results": results, "failed": failed}, checks)
