@@ -85,8 +85,11 @@ GEMMA4_UNIFIED = register_family(FamilySpec(
     proof=Proof(
         _PROOF,
         min_transformers="5.24",  # proven on 5.24 and 5.25 only (registered in round 4)
-        proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family"
-                          "[gemma4_unified]"},
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family"
+                      "[gemma4_unified]",
+            "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[gemma4_unified-packed]",
+        },
     ),
     model=ModelRules(
         attention="causal_image_blocks", image_blocks=_image_blocks,

@@ -26,6 +26,8 @@ HYPERCLOVAX_VISION_V2 = register_family(FamilySpec(
             "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family"
                       "[hyperclovax_vision_v2]",
             "context_parallel": f"{_PROOF}::test_edge_batch_equals_each_sample_alone[hyperclovax_vision_v2]",
+            "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[hyperclovax_vision_v2-packed]",
+            "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[hyperclovax_vision_v2-shared]",
         },
     ),
     encoding=EncodingRules(media_tokens=("<|vision_start|>", "<|vision_end|>")),

@@ -31,6 +31,8 @@ KIMI_K25 = register_family(FamilySpec(
             "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family"
                       "[kimi_k25]",
             "context_parallel": f"{_PROOF}::test_edge_batch_equals_each_sample_alone[kimi_k25]",
+            "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[kimi_k25-packed]",
+            "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[kimi_k25-shared]",
         },
     ),
     # YaRN: DeepSeek-V3's, checked by its own family through text_backbone

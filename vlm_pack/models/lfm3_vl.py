@@ -33,8 +33,11 @@ LFM3_VL = register_family(FamilySpec(
     proof=Proof(
         "tests/test_family_lfm3_vl.py",
         min_transformers="5.24",  # proven on 5.24 and 5.25 only (registered in round 4)
-        proven={"budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family"
-                          "[lfm3_vl]"},
+        proven={
+            "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family"
+                      "[lfm3_vl]",
+            "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[lfm3_vl-packed]",
+        },
         refused={"context_parallel": CONTEXT_PARALLEL_REFUSAL},
     ),
     model=ModelRules(layer_kinds=frozenset({"conv", "sliding_attention", "full_attention"}),

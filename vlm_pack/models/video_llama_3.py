@@ -23,6 +23,8 @@ VIDEO_LLAMA_3 = register_family(FamilySpec(
             "budget": "tests/test_budget_packs.py::test_planned_length_equals_the_real_processor_for_every_family"
                       "[video_llama_3]",
             "context_parallel": f"{_PROOF}::test_edge_batch_equals_each_sample_alone[video_llama_3]",
+            "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[video_llama_3-packed]",
+            "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[video_llama_3-shared]",
         },
     ),
     model=ModelRules(extra_checks=(text_backbone("qwen2"),)),
