@@ -28,6 +28,8 @@ HYPERCLOVAX_VISION_V2 = register_family(FamilySpec(
             "context_parallel": f"{_PROOF}::test_edge_batch_equals_each_sample_alone[hyperclovax_vision_v2]",
             "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[hyperclovax_vision_v2-packed]",
             "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[hyperclovax_vision_v2-shared]",
+            "rl": "tests/test_rl_families.py::test_step_equals_trl[hyperclovax_vision_v2-packed]",
+            "rl_shared_prompt": "tests/test_rl_families.py::test_step_equals_trl[hyperclovax_vision_v2-shared]",
         },
     ),
     encoding=EncodingRules(media_tokens=("<|vision_start|>", "<|vision_end|>")),

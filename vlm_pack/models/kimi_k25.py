@@ -22,6 +22,10 @@ DEEPSEEK_V3 = register_family(FamilySpec(
     model=ModelRules(rope_types=_YARN),
 ))
 
+# Measured with TRL 1.16 on the tiny model: no reference step to equal.
+_NO_TRL_ROLLOUTS = ("TRL 1.16's own GRPOTrainer cannot tokenise a Kimi K2.5 prompt batch (it passes crop_to_patches, "
+                    "which Kimi_K25ImageProcessor rejects: TypeError), so packed rollouts have no reference to equal")
+
 KIMI_K25 = register_family(FamilySpec(
     name="kimi_k25", model_types=("kimi_k25",),
     proof=Proof(
@@ -34,6 +38,7 @@ KIMI_K25 = register_family(FamilySpec(
             "dpo": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[kimi_k25-packed]",
             "dpo_shared_prompt": "tests/test_preference_dpo.py::test_dpo_step_equals_trl[kimi_k25-shared]",
         },
+        refused=dict.fromkeys(("rl", "rl_shared_prompt"), _NO_TRL_ROLLOUTS),
     ),
     # YaRN: DeepSeek-V3's, checked by its own family through text_backbone
     model=ModelRules(rope_types=_YARN, extra_checks=(text_backbone("deepseek_v3"),)),
