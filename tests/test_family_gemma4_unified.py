@@ -1,4 +1,5 @@
-"""Gemma 4 unified (encoder-free patch embedder + Gemma 4 text, image blocks on every layer) exact under packing (issue 47).
+"""Gemma 4 unified (encoder-free patch embedder + Gemma 4 text, image blocks on every layer) exact under packing
+(issue 47).
 
 Same proof as the harness of tests/test_vlm_families.py: the edge micro-batch (system prompts, a one-word answer, an
 image inside an assistant turn, text-only, images of different sizes, a multi-image sample) packed through
@@ -8,7 +9,8 @@ model's own loss equal to the per-sample token mean, gradients within ``GRAD_REL
 corruption per family rule that must break the comparison. Token-budget plans equal the processor's lengths in
 tests/test_budget_packs.py.
 
-Tiny models and offline processors: ``vlm_pack/testing/families/gemma4_unified.py`` (via ``vlm_pack.testing.tiny_families``).
+Tiny models and offline processors: ``vlm_pack/testing/families/gemma4_unified.py``
+(via ``vlm_pack.testing.tiny_families``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ model's own loss equal to the per-sample token mean, gradients within ``GRAD_REL
 corruption per family rule that must break the comparison. Token-budget plans equal the processor's lengths in
 tests/test_budget_packs.py.
 
-Tiny models and offline processors: ``vlm_pack/testing/families/lfm3_vl.py`` (via ``vlm_pack.testing.tiny_families``).
+Tiny models and offline processors: ``vlm_pack/testing/families/lfm3_vl.py``
+(via ``vlm_pack.testing.tiny_families``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def test_lfm3_vl_each_rule_is_needed(monkeypatch):
     assert convs and all(getattr(m.forward, "__vlm_pack_linear__", False) for m in convs)
     examples = families.edge_examples()
     batch, refs = families.exact_batch(setup, examples)
-    assert max(families.packing_metadata(batch)["seq_lengths"].tolist()) > setup.packed.config.text_config.sliding_window
+    window = setup.packed.config.text_config.sliding_window
+    assert max(families.packing_metadata(batch)["seq_lengths"].tolist()) > window
     plain = hf_model.varlen_attention
     monkeypatch.setattr(hf_model, "varlen_attention", lambda *a, **k: plain(*a, **{**k, "window": None}))
     error = families.logit_error(batch, families.packed_logits(setup.packed, batch), refs)

@@ -8,7 +8,8 @@ model's own loss equal to the per-sample token mean, gradients within ``GRAD_REL
 corruption per family rule that must break the comparison. Token-budget plans equal the processor's lengths in
 tests/test_budget_packs.py.
 
-Tiny models and offline processors: ``vlm_pack/testing/families/mistral3.py`` (via ``vlm_pack.testing.tiny_families``).
+Tiny models and offline processors: ``vlm_pack/testing/families/mistral3.py``
+(via ``vlm_pack.testing.tiny_families``).
 """
 
 from __future__ import annotations

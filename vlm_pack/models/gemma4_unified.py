@@ -51,9 +51,9 @@ def _check_window(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     window = text_config(module.config).sliding_window
     if token_types is not None and (longest := _longest_block(token_types)) > window:
         raise ValueError(
-            f"Gemma 4 unified: an image of {longest} tokens > sliding_window={window}; its sliding layers let the image "
-            "see itself past the window, which vlm_pack's image blocks (bounded by the window) do not reproduce. Give "
-            "the image processor a smaller max_soft_tokens"
+            f"Gemma 4 unified: an image of {longest} tokens > sliding_window={window}; its sliding layers let the "
+            "image see itself past the window, which vlm_pack's image blocks (bounded by the window) do not "
+            "reproduce. Give the image processor a smaller max_soft_tokens"
         )
 
 

@@ -2,15 +2,16 @@
 (``lfm3``, also on its own: ``Lfm3ForCausalLM``): features placed by image-token id, 1-D positions per sample.
 
 Rules (proven in tests/test_family_lfm3_vl.py against each sample alone through the stock sdpa model): LFM3's
-``conv`` layers (``Lfm3ShortConv``: a causal depthwise convolution over the last ``conv_L_cache - 1`` tokens) restart
-their window at every sample boundary: ``enable_packing`` gives the model's own conv modules vlm_pack's short-conv
-forward (``vlm_pack.attention.short_conv``, from the layer's parameters, as LFM2's); ``sliding_attention`` layers keep their window inside each sample and ``full_attention`` layers (the
-``proportional`` RoPE depends on the position alone) are causal inside each sample. The vision tower runs every image
-of the call as one patch sequence: its attention layers split by their own ``cu_seqlens`` (from ``image_grid_thw``,
-never the text row's), its 2-D convolution layers on each image's own patch grid; ``masked_scatter`` fills
-``<|image_pad|>`` in sample order. ``pixel_values`` rows are patches, split per sample by ``image_grid_thw``.
-Refused: videos (timestamped frames, not proven); context parallelism (a rank would need the conv window of the
-chunk before it).
+``conv`` layers (``Lfm3ShortConv``: a causal depthwise convolution over the last ``conv_L_cache - 1`` tokens)
+restart their window at every sample boundary: ``enable_packing`` gives the model's own conv modules vlm_pack's
+short-conv forward (``vlm_pack.attention.short_conv``, from the layer's parameters, as LFM2's);
+``sliding_attention`` layers keep their window inside each sample and ``full_attention`` layers (the
+``proportional`` RoPE depends on the position alone) are causal inside each sample. The vision tower runs every
+image of the call as one patch sequence: its attention layers split by their own ``cu_seqlens`` (from
+``image_grid_thw``, never the text row's), its 2-D convolution layers on each image's own patch grid;
+``masked_scatter`` fills ``<|image_pad|>`` in sample order. ``pixel_values`` rows are patches, split per sample by
+``image_grid_thw``. Refused: videos (timestamped frames, not proven); context parallelism (a rank would need the
+conv window of the chunk before it).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from ..tiny_models import official_template, tiny_config
 
 __all__ = ["BUILDERS"]
 
-# ---------------------------------------------------------------- Gemma 4 unified (encoder-free: patches embedded per patch)
+# ---------------------------------------------------------------- Gemma 4 unified (encoder-free patch embedder)
 
 # Gemma 4's markup tokens as the checkpoints spell them (the official template writes <|image|> / <|audio|>).
 _GEMMA4_UNIFIED_TOKENS = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",

@@ -12,7 +12,7 @@ from ..tiny_models import TINY_VISION_TOWER, qwen_tokenizer
 
 __all__ = ["BUILDERS", "lfm3_text_config"]
 
-# ---------------------------------------------------------------- LFM3-VL (conv + attention NaViT tower, LFM3 hybrid text)
+# ---------------------------------------------------------------- LFM3-VL (conv + attention tower, LFM3 text)
 
 
 def _lfm3_vl_processor() -> ProcessorMixin:

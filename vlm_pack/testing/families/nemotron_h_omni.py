@@ -38,7 +38,8 @@ def nemotron_h_text_config(vocab_size: int, initializer_range: float = 0.2, laye
         "model_type": "nemotron_h", "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": max(layers, 3), "layers_block_type": (kinds * 2)[:max(layers, 3)],
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "mamba_num_heads": 8,
-        "mamba_head_dim": 8, "n_groups": 2, "ssm_state_size": 8, "conv_kernel": 4, "initializer_range": initializer_range,
+        "mamba_head_dim": 8, "n_groups": 2, "ssm_state_size": 8, "conv_kernel": 4,
+        "initializer_range": initializer_range,
     }
 
 
