@@ -54,12 +54,13 @@ def family_batch(family: str, processor, tokenizer, **kwargs) -> dict:
 
 
 def test_every_registered_family_is_covered():
-    # Families built by vlm_pack.testing.tiny_families (and Mistral, Cohere 2 text) call model(**batch) with the metadata entry in
+    # Families built by vlm_pack.testing.tiny_families (and Mistral, Cohere 2, DeepSeek-V3 text, inside Mistral3, Aya Vision,
+    # Kimi K2.5) call model(**batch) with the metadata entry in
     # tests/test_vlm_families.py (compare: logits and the model's own loss vs each sample alone).
     # OWN_PROOF_FAMILIES: tests/test_family_<family>.py (the same compare; Gemma 3n's text model through the
     # collator; PaliGemma's own encoder).
     covered = (set(TINY_FAMILIES) | set(TINY_VLM_FAMILIES) | set(OWN_PROOF_FAMILIES)
-               | {"mistral", "cohere2", "gemma3n_text"})
+               | {"mistral", "cohere2", "gemma3n_text", "deepseek_v3"})
     assert {spec.name for spec in registered_families().values()} <= covered
 
 

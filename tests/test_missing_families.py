@@ -21,7 +21,9 @@ def test_last_token_classifier_is_refused_naming_the_rule():
 
 @pytest.mark.parametrize(("model_type", "rule"), [
     ("deepseek_ocr2", "local crops"),
-    ("lfm3_vl", "short-convolution layers over each image's patches"),
+    ("mistral_large4", "indexed .DeepSeek Sparse. attention"),
+    ("glm5_next", "indexed .DeepSeek Sparse. attention"),
+    ("voxtral", "mistral-common chat encoding"),
 ])
 def test_families_needing_a_missing_rule_are_refused_by_name(model_type, rule):
     """Families whose packing needs a rule vlm_pack lacks: refused, naming the rule."""

@@ -100,10 +100,12 @@ def tmp(tmp_path_factory) -> str:
 # Each case is one TRL step (cached per family) and one packed step: ~0.5 s (text) to ~2 s (VLM) here. Gemma 3
 # refuses shared prompts (image blocks). LLaVA-OneVision and Mistral3 are refused (Proof.refused: the packed
 # collator cannot concatenate their per-call padded pixel_values, measured with allow_unproven=True, while TRL's
-# DPOTrainer serves them); GLM-4.6V is GLM-4V's code path (measured exact, left out for time).
+# DPOTrainer serves them); GLM-4.6V is GLM-4V's code path (measured exact, left out for time). Gemma 4 unified (image
+# blocks), LFM3-VL (short convolutions) refuse shared prompts; Nemotron-H Omni is refused (TRL's DPOTrainer fails on it).
 CASES = [(family, mode) for family in ("llama", "qwen2", "qwen3", "mistral", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
-                                       "qwen3_vl_moe", "glm4v", "glm4v_moe", "internvl", "idefics3", "llava")
-         for mode in ("packed", "shared")] + [("gemma3", "packed")]
+                                       "qwen3_vl_moe", "glm4v", "glm4v_moe", "internvl", "idefics3", "llava",
+                                       "video_llama_3", "kimi_k25", "hyperclovax_vision_v2")
+         for mode in ("packed", "shared")] + [(family, "packed") for family in ("gemma3", "gemma4_unified", "lfm3_vl")]
 
 
 @pytest.mark.parametrize("family,mode", CASES)

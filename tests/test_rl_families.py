@@ -25,7 +25,7 @@ from test_rl_grpo import TOLERANCE, _loss_rel, _rel, _scale, make
 from vlm_pack.models import UnsupportedModelError
 
 FAMILIES = ("qwen2", "qwen3", "mistral", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm46v", "glm4v_moe",
-            "internvl", "idefics3", "llava")
+            "internvl", "idefics3", "llava", "hyperclovax_vision_v2")
 MODES = ("packed", "shared")
 
 

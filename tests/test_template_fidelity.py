@@ -349,11 +349,19 @@ MEDIA_TOKENS["hunyuan_vl"] = ["<｜hy_place▁holder▁no▁100｜>", "<｜hy_pl
 MEDIA_TOKENS["minicpmv4_6"] = ["<image>", "<|image_pad|>", "</image>", "<slice>", "</slice>"]
 MEDIA_TOKENS["minicpmv4_7"] = MEDIA_TOKENS["minicpmv4_6"]
 MEDIA_TOKENS["molmo2"] = ["<low_res_im_start>", "<im_start>", "<im_patch>", "<im_col>", "<im_end>"]
+# Round-4 families (issue 47; tests/test_family_<family>.py).
+MEDIA_TOKENS.update({"video_llama_3": ["<|image_pad|>"], "kimi_k25": ["<|media_pad|>"],
+                     "gemma4_unified": ["<|image>", "<|image|>", "<image|>"], "mistral4": MEDIA_TOKENS["mistral3"],
+                     "lfm3_vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
+                     "nemotron_h_omni": ["<img>", "<image>", "</img>"],
+                     "hyperclovax_vision_v2": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]})
 # Image markup that holds plain text: Aya Vision's tile labels "TILE_1", ... between its start/end markers.
 # MiniCPM-V's per-sample image number "N" between <image_id> and </image_id>.
 MEDIA_SPANS = {"aya_vision": ("<|START_OF_IMG|>", "<|END_OF_IMG|>"), "minicpmv4_6": ("<image_id>", "</image_id>"),
                "minicpmv4_7": ("<image_id>", "</image_id>")}
-LABEL_FAMILIES = ["qwen2_vl", "gemma3", *TINY_VLM_FAMILIES]
+# Gemma 4 unified renders with the official Gemma 4 template, of which TRL ships no training variant (no reference mask
+# here): its labels are checked against the template's answers in tests/test_family_gemma4_unified.py.
+LABEL_FAMILIES = ["qwen2_vl", "gemma3", *(f for f in TINY_VLM_FAMILIES if f != "gemma4_unified")]
 
 
 def _family(name: str):

@@ -37,12 +37,15 @@ SMALL_GRAD_FRACTION = 1e-3
 
 def fp64_copy(model: torch.nn.Module) -> torch.nn.Module:
     """The same stock model in float64: the exact reference the fp32 floor is measured against. Mixture-of-experts
-    blocks run their plain per-expert loop (``torch._grouped_mm`` has no float64 kernel)."""
+    blocks run their plain per-expert loop (``torch._grouped_mm`` has no float64 kernel); configs say float64 (a
+    forward that casts its inputs to ``config.dtype``, as Nemotron-H Omni's vision features, then stays float64)."""
     copied = copy.deepcopy(model).double()
     for module in copied.modules():
         config = getattr(module, "config", None)
         if getattr(config, "_experts_implementation", None) not in (None, "eager"):
             config._experts_implementation = "eager"
+        if getattr(config, "dtype", None) == torch.float32:
+            config.dtype = torch.float64
     return copied
 
 

@@ -34,7 +34,7 @@ from PIL import Image, ImageOps
 
 from .chat_template import (
     ANSWER_FIELDS, CHATML_TEMPLATE, ChatTemplate, check_role, example_tools, render_with_assistant_masks,
-    resolve_chat_template,
+    resolve_chat_template, takes_media,
 )
 from . import patch_index
 from ..core.packing import IGNORE_INDEX
@@ -450,7 +450,7 @@ def encode_conversations(
     """
     vision_rules = encoding.vision
     tile_stacks, width_packed = vision_rules.tile_stacks, vision_rules.width_packed
-    text_only = not hasattr(processor, "image_processor")  # text templates expect string content
+    text_only = not takes_media(processor)  # text templates expect string content
     rendered = [template_messages(conversation, text_only) for conversation in conversations]
     tools = list(tools) if tools is not None else [None] * len(conversations)
     # A clip's features depend on the processor call (Qwen3-Omni pads the clips of a call to the longest, and the
@@ -615,7 +615,7 @@ def _apply_template(
     # (some processors default to tensors for text too, which fails on samples of different lengths) and unpadded
     # (Aya Vision's processor left-pads by default: pad tokens would enter the packed row). The top-level
     # return_tensors stays "auto" (no global override; SmolVLM's own default would clash).
-    images = hasattr(processor, "image_processor")
+    images = takes_media(processor)
     # image_lists: one tensor per image, unstacked (tile stacks of different lengths, VisionRows.tile_stacks).
     per_kind = {"images_kwargs": {"return_tensors": None if image_lists else "pt"},
                 "text_kwargs": {"return_tensors": None, "padding": False}}

@@ -33,6 +33,7 @@ __all__ = [
     "CHATML_TEMPLATE",
     "ChatTemplate",
     "check_role",
+    "takes_media",
     "example_tools",
     "locate_turns",
     "render_texts",
@@ -122,6 +123,12 @@ def with_prefix(processor: Any, chat: ChatTemplate, prefix: str) -> ChatTemplate
         return chat
     head = "{% raw %}" + prefix + "{% endraw %}"
     return replace(chat, template=head + chat.template, marked=None if chat.marked is None else head + chat.marked)
+
+
+def takes_media(processor: Any) -> bool:
+    """``processor`` is a multimodal processor (content as parts, media expanded by its ``__call__``), not a text
+    tokenizer: it has an image processor or an audio feature extractor (Qwen2-Audio has no image processor)."""
+    return hasattr(processor, "image_processor") or hasattr(processor, "feature_extractor")
 
 
 def check_role(role: Any, where: str) -> None:
@@ -265,7 +272,7 @@ def render_with_assistant_masks(
     located = locate_turns(processor, conversations, chat, tools)
     texts = [text for text, _ in located]
     spans = [text_spans for _, text_spans in located]
-    if not kwargs.keys() - {"tokenizer_kwargs"} and not hasattr(processor, "image_processor"):
+    if not kwargs.keys() - {"tokenizer_kwargs"} and not takes_media(processor):
         return _tokenize_spans(processor, texts, spans, kwargs.get("tokenizer_kwargs") or {})
     pieced = []
     for conversation, text, text_spans in zip(conversations, texts, spans):
@@ -438,7 +445,7 @@ class _NoPrompt(ValueError):
 
 
 def _probe_content(processor: Any, text: str | None) -> Any:
-    return [{"type": "text", "text": text}] if text is not None and hasattr(processor, "image_processor") else text
+    return [{"type": "text", "text": text}] if text is not None and takes_media(processor) else text
 
 
 def _probe_call(word: str, json_arguments: bool) -> dict:

@@ -157,7 +157,7 @@ class VLMPackingCollator:
         self.pad_token_id = _pad_id(tokenizer) if pad_token_id is None else pad_token_id
         placeholders = tuple(getattr(processor, f"{kind}_token", None) for kind in ("image", "video", "audio"))
         self.reserved_tokens = tuple(token for token in placeholders if token)
-        if model_config is None and self.has_images:
+        if model_config is None and (self.has_images or self.has_audio):
             raise ValueError(
                 "the collator got a multimodal processor but no model_config: pass model_config=model.config, so "
                 "positions and per-token keys follow the model's family (e.g. mRoPE computed per sample)"

@@ -31,10 +31,11 @@ from .spec import (
 
 # The shipped families: each module registers its specs when imported (after the registry above is complete).
 from . import (  # noqa: F401
-    aria, aya_vision, deepseek_vl, ernie4_5_vl_moe, fast_vlm, gemma3, gemma3n, gemma4, glm4v, glm4v_moe, glm46v, glm_ocr,
-    granite4_vision, granite_docling, hunyuan_vl, idefics2, idefics3, internvl, lfm2_vl, lighton_ocr, llama, llama4,
-    llava, llava_onevision, minicpmv4_6, minicpmv4_7, mistral, mllama, molmo2, ovis2, paddleocr_vl, paligemma,
-    perception_lm, phi4_multimodal, qianfan_ocr, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_omni, qwen_vl,
+    aria, aya_vision, deepseek_vl, ernie4_5_vl_moe, fast_vlm, gemma3, gemma3n, gemma4, gemma4_unified, glm4v,
+    glm4v_moe, glm46v, glm_ocr, granite4_vision, granite_docling, hunyuan_vl, hyperclovax_vision_v2, idefics2,
+    idefics3, internvl, kimi_k25, lfm2_vl, lfm3_vl, lighton_ocr, llama, llama4, llava, llava_onevision, minicpmv4_6,
+    minicpmv4_7, mistral, mistral4, mllama, molmo2, nemotron_h_omni, ovis2, paddleocr_vl, paligemma, perception_lm,
+    phi4_multimodal, qianfan_ocr, qwen2_audio, qwen3_5, qwen3_5_moe, qwen3_vl_moe, qwen_omni, qwen_vl, video_llama_3,
 )
 
 __all__ = [

@@ -43,7 +43,7 @@ def _proven_features(config: Any) -> str | None:
     return None
 
 
-def _image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str, int]]:
+def image_text(processor: Any, sizes: list[tuple[int, int]]) -> list[tuple[str, int]]:
     """``Gemma4Processor`` wraps each image's soft tokens (its own per-size count) in ``<boi>`` / ``<eoi>``."""
     counts = processor._get_num_multimodal_tokens(image_sizes=[list(size) for size in sizes])["num_image_tokens"]
     return [(f"{processor.boi_token}{processor.image_token * int(n)}{processor.eoi_token}", int(n)) for n in counts]
@@ -64,6 +64,6 @@ GEMMA4 = register_family(FamilySpec(
     ),
     encoding=EncodingRules(
         token_keys=("input_ids", "labels", "mm_token_type_ids"),  # markers: the processor's boi_token / eoi_token
-        image_text=_image_text,
+        image_text=image_text,
     ),
 ))

@@ -36,10 +36,24 @@ MISSING_RULES: dict[str, MissingRule] = {
         "splitting them by that count, and its SAM + query-encoder tower is not proven under packing",
         "untested: crop rows would be attributed by guess",
     ),
-    "lfm3_vl": MissingRule(
-        "LFM3-VL's vision tower has short-convolution layers over each image's patches and its LFM3 text adds "
-        "sliding-window layers next to the convolutions; neither is proven under packing (LFM2-VL is)",
-        "untested: convolution windows could cross images or samples",
+    "mistral_large4": MissingRule(
+        "Mistral Large 4's indexed (DeepSeek Sparse) attention keeps, for each query, the top index_topk keys its "
+        "indexer scores under the dense causal mask of the whole row; exact packing needs that top-k taken per "
+        "sample (other samples' keys excluded first), which vlm_pack's packed attention does not implement (it "
+        "builds no dense mask for the indexer)",
+        "untested: the indexer would get no mask and, once a row exceeds index_topk tokens, select other samples' keys",
+    ),
+    "glm5_next": MissingRule(
+        "GLM-5 Next combines indexed (DeepSeek Sparse) attention, whose per-query top-k over the whole row's causal "
+        "mask vlm_pack does not take per sample, with forget-gated linear-attention layers and hyper-connections "
+        "that vlm_pack's packed linear forwards (Gated DeltaNet, short conv, Mamba-2) do not cover",
+        "untested: the indexer would select other samples' keys and the linear layers carry their state across samples",
+    ),
+    "voxtral": MissingRule(
+        "VoxtralProcessor encodes chats through its tokenizer's own mistral-common chat encoding (no assistant mask, "
+        "no jinja template), and mistral-common is not a vlm_pack dependency: there is no offline processor to derive "
+        "labels from and prove the audio placement on (Qwen2-Audio is the proven audio LLM)",
+        "untested: labels and audio-token placement have no proof",
     ),
     "got_ocr2": MissingRule(
         "chats cannot be encoded for GOT-OCR2: transformers' GotOcr2Processor builds its own OCR prompt and rejects "

@@ -5,11 +5,12 @@ window inside each sample (proven with a window shorter than the samples). Mistr
 runs all images of the batch as ONE sequence with its own block-diagonal mask (per image, built from
 ``image_sizes``; it never receives the text kwargs), the patch merger and ``masked_scatter`` place each image's
 features on its ``[IMG]`` tokens in sample order. ``pixel_values`` (padded to the batch's largest image) and
-``image_sizes`` have one row per image. Proofs: tests/test_vlm_families.py.
+``image_sizes`` have one row per image. The language model is Mistral or Mistral 4 (vlm_pack/models/mistral4.py).
+Proofs: tests/test_vlm_families.py (Mistral text), tests/test_family_mistral4.py (Mistral 4 text).
 """
 
 from .registry import register_family, text_backbone
-from .spec import EncodingRules, FamilySpec, ModelRules, Proof, VisionRows
+from .spec import STATIC_ROPE_TYPES, EncodingRules, FamilySpec, ModelRules, Proof, VisionRows
 
 _PROOF = "tests/test_vlm_families.py"
 
@@ -48,7 +49,8 @@ MISTRAL3 = register_family(FamilySpec(
         refused={**dict.fromkeys(("rl", "rl_shared_prompt"), _NO_TRL_ROLLOUTS),
                  **dict.fromkeys(("dpo", "dpo_shared_prompt"), _NO_PACKED_PAIRS)},
     ),
-    model=ModelRules(extra_checks=(text_backbone("mistral"),)),
+    # YaRN: Mistral 4's (its own check, through text_backbone, refuses it for a Mistral text model)
+    model=ModelRules(rope_types=STATIC_ROPE_TYPES | {"yarn"}, extra_checks=(text_backbone("mistral", "mistral4"),)),
     encoding=EncodingRules(
         media_tokens=("[IMG_BREAK]", "[IMG_END]"),
         vision=VisionRows(rows={"pixel_values": "image", "image_sizes": "image"}),

@@ -12,9 +12,10 @@ import torch
 from transformers import PreTrainedModel, ProcessorMixin
 
 from .families import (
-    aria, aya_vision, deepseek_vl, ernie4_5_vl_moe, fast_vlm, gemma3n, glm4v, granite4_vision, granite_docling,
-    hunyuan_vl, idefics, internvl, lfm2_vl, lighton_ocr, llama4, llava, llava_onevision, minicpmv, mistral3, mllama,
-    molmo2, ovis2, paddleocr_vl, paligemma, perception_lm, phi4_multimodal, qwen3_moe, qwen_omni,
+    aria, aya_vision, deepseek_vl, ernie4_5_vl_moe, fast_vlm, gemma3n, gemma4_unified, glm4v, granite4_vision,
+    granite_docling, hunyuan_vl, hyperclovax_vision_v2, idefics, internvl, kimi_k25, lfm2_vl, lfm3_vl, lighton_ocr,
+    llama4, llava, llava_onevision, minicpmv, mistral3, mllama, molmo2, nemotron_h_omni, ovis2, paddleocr_vl,
+    paligemma, perception_lm, phi4_multimodal, qwen2_audio, qwen3_moe, qwen_omni, video_llama_3,
 )
 from .family_parts import Builder, chatml_template, mistral_text_config
 
@@ -29,7 +30,8 @@ __all__ = ["OWN_PROOF_FAMILIES", "TINY_VLM_FAMILIES", "chatml_template", "cohere
 _MODULES = (llava_onevision, mistral3, internvl, idefics, glm4v, qwen3_moe, llava, aya_vision, deepseek_vl, lighton_ocr,
             paddleocr_vl, ernie4_5_vl_moe, hunyuan_vl, ovis2, qwen_omni, lfm2_vl, aria, minicpmv, molmo2,
             llama4, granite4_vision, granite_docling, mllama, phi4_multimodal, gemma3n, paligemma, fast_vlm,
-            perception_lm)
+            perception_lm, video_llama_3, qwen2_audio, gemma4_unified, kimi_k25, lfm3_vl, nemotron_h_omni,
+            hyperclovax_vision_v2)
 _BUILDERS: dict[str, Builder] = {name: builder for module in _MODULES for name, builder in module.BUILDERS.items()}
 
 TINY_VLM_FAMILIES = tuple(name for name, builder in _BUILDERS.items() if not builder.own_proof)
