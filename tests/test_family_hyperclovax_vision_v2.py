@@ -51,7 +51,7 @@ def test_hyperclovax_logit_scaling_is_applied_in_the_chunked_loss(monkeypatch):
     batch = setup.collator(examples)
     token_mean = sum(loss * n for loss, n in zip(refs[1], refs[2])) / sum(refs[2])
     chunked = enable_packing(tiny_vlm("hyperclovax_vision_v2", setup.processor)).train()
-    assert chunked._vlm_pack_logit_transform == {"scale": 4.0}
+    assert chunked._vlm_pack_logit_transform == {"scale": 4.0, "softcap": None}
     refs[3].loss.check((chunked(**batch).loss - token_mean).abs().item(), "the chunked training loss")
-    monkeypatch.setattr(chunked, "_vlm_pack_logit_transform", {"scale": None})
+    monkeypatch.setattr(chunked, "_vlm_pack_logit_transform", {"scale": None, "softcap": None})
     assert refs[3].loss.is_far((chunked(**batch).loss - token_mean).abs().item()), "logit scaling dropped"

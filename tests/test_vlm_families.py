@@ -513,7 +513,7 @@ def test_mistral3_with_an_unproven_language_model_is_refused():
     config = setup_for("mistral3").packed.config
     config = config.__class__.from_dict(config.to_dict())
     config.text_config = tiny_config("qwen2")  # a proven text family, but not proven as Mistral3's language model
-    message = r"language model 'qwen2' \(proven language models for this family: mistral\)"
+    message = r"language model 'qwen2' \(proven language models for this family: mistral, mistral4\)"
     with pytest.raises(UnsupportedModelError, match=message):
         get_family(config)
 
