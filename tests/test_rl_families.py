@@ -22,6 +22,7 @@ import torch
 from preference_helpers import relative_l2
 from rl_helpers import GradientsAtStep
 from test_rl_grpo import TOLERANCE, _loss_rel, _rel, _scale, make
+from version_gates import require_proven
 from vlm_pack.models import UnsupportedModelError
 
 FAMILIES = ("qwen2", "qwen3", "mistral", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm46v", "glm4v_moe",
@@ -50,6 +51,7 @@ def tmp(tmp_path_factory) -> str:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_step_equals_trl(family, mode, tmp, one_thread):
+    require_proven(family)  # a family proven from a later release may not even build its fixture here
     (ref_losses, ref_grads, ref_scored, _), (losses, grads, scored, _) = step(family, "trl", tmp), step(family, mode, tmp)
     assert len(losses) == len(ref_losses) == 1 and len(scored) == len(ref_scored) >= 1
     for ours, theirs in zip(scored, ref_scored):
